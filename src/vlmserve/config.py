@@ -1,0 +1,61 @@
+"""One place for every operator-tunable limit and size."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The embedded tiny checkpoint served when no MODEL is given (a checkout's fixtures/).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "qwen2_vl"
+
+
+@dataclass
+class ServerConfig:
+    model: str = str(DEFAULT_MODEL_DIR)
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # Scheduler
+    max_num_seqs: int = 32
+    prefill_chunk: int = 512
+    prefill_token_budget: int = 2048
+    max_model_len: int | None = None  # None: from the model config
+    prefix_cache_tokens: int = 65536
+    default_max_tokens: int = 512
+
+    # CPU preprocessing
+    preprocess_workers: int = max(2, min(8, os.cpu_count() or 2))
+    max_pending_preprocess: int = 64
+
+    # Images
+    image_fetch_timeout: float = 10.0
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 50_000_000
+    max_images_per_request: int = 8
+    max_pixels: int | None = None  # resize cap handed to the image processor
+    allowed_image_hosts: tuple[str, ...] = ()
+    allow_local_image_files: str | None = None
+    image_cache_entries: int = 256
+
+    # Operations
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    cors_origins: tuple[str, ...] = ()
+    max_waiting: int = 256
+    max_body_bytes: int = 64 * 1024 * 1024
+    drain_timeout: float = 30.0
+    stall_timeout: float = 60.0
+    log_level: str = "info"
+
+    # Testing aid: record the thread of every MLX entry point and fail off the worker.
+    thread_guard: bool = field(default_factory=lambda: os.environ.get("VLMSERVE_THREAD_GUARD") == "1")
+    warmup: bool = True
+
+    @property
+    def model_id(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model)
+        return path.name if path.exists() else self.model

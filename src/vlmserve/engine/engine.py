@@ -1,0 +1,116 @@
+"""The asyncio-facing engine: owns the worker thread, the model and the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import AsyncIterator
+
+from ..config import ServerConfig
+from ..protocol import EngineError, FinishReason, PreparedRequest, SamplingParams, TokenEvent
+from .model import VLM, ModelInfo, resolve_model_path
+from .scheduler import EngineRequest, MLLMScheduler
+from .thread_guard import GUARD
+from .worker import MLXWorkerThread
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: Path):
+    """mlx_lm's tokenizer wrapper (pure Python): streaming detokenizers + EOS ids."""
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    return load_tok(path)
+
+
+class Engine:
+    def __init__(self, config: ServerConfig, hooks=None):
+        self.config = config
+        self.hooks = hooks
+        self.worker = MLXWorkerThread()
+        self.info: ModelInfo | None = None
+        self.model_path: Path | None = None
+        self.scheduler: MLLMScheduler | None = None
+        self.tokenizer = None
+
+    async def start(self) -> None:
+        """Resolve and load the model on the worker; raises with the reason if that fails."""
+        loop = asyncio.get_running_loop()
+        self.worker.start()
+        if self.config.thread_guard:
+            GUARD.install(self.worker.ident)
+        self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_path)
+        await asyncio.wrap_future(self.worker.submit(self._load_on_worker))
+
+    def _load_on_worker(self) -> None:
+        vlm = VLM(self.model_path, {"eos_token_ids": sorted(self.tokenizer.eos_token_ids)})
+        if self.config.thread_guard:
+            GUARD.watch_model(vlm.model)
+        if self.config.max_model_len:
+            vlm.info.context_length = min(vlm.info.context_length, self.config.max_model_len)
+        self.info = vlm.info
+        self.scheduler = MLLMScheduler(
+            vlm,
+            self.tokenizer,
+            max_num_seqs=self.config.max_num_seqs,
+            prefill_chunk=self.config.prefill_chunk,
+            prefix_cache_tokens=self.config.prefix_cache_tokens,
+            hooks=self.hooks,
+        )
+        self.worker.scheduler = self.scheduler
+
+    @property
+    def healthy(self) -> bool:
+        return self.worker.healthy
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running if self.scheduler else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting if self.scheduler else 0
+
+    async def generate(self, request_id: str, prepared: PreparedRequest,
+                       sampling: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream one request's events; leaving the iterator early cancels the request."""
+        if self.scheduler is None or not self.worker.healthy:
+            raise EngineError("the inference worker is not running", code="worker_unavailable", status=503)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def emit(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        req = EngineRequest(request_id, prepared, sampling, emit)
+        self.scheduler.add(req)
+        self.worker.wake()
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                if event.finish_reason is not None:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                req.cancelled = True
+                self.worker.wake()
+
+    async def run_on_worker(self, fn, *args, **kwargs):
+        return await asyncio.wrap_future(self.worker.submit(fn, *args, **kwargs))
+
+    async def stop(self) -> None:
+        if self.scheduler is not None and self.worker.is_alive():
+            try:
+                await self.run_on_worker(self.scheduler.fail_all, "the server is shutting down")
+            except Exception:  # noqa: BLE001 - the worker may already be gone
+                pass
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+
+
+__all__ = ["Engine", "FinishReason"]

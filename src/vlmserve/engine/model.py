@@ -1,0 +1,171 @@
+"""Load a VLM through mlx_vlm and adapt it to per-request state and batched decode.
+
+Runs only on the MLX worker thread. The adapter keeps what mlx_vlm keeps on the shared
+model object between calls (Qwen2-VL's M-RoPE `_rope_deltas` / `_position_ids`) with each
+request instead, by always passing explicit position ids to the language model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.models import cache as vlm_cache
+from mlx_vlm.utils import load_model, should_add_special_tokens
+
+from ..protocol import PreparedRequest
+
+log = logging.getLogger(__name__)
+
+# Embedding outputs that only make sense for a single, unpadded row.
+_PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
+
+
+@dataclass
+class ModelInfo:
+    """Plain facts about the loaded model that the CPU side needs (no MLX objects)."""
+
+    path: str
+    model_type: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    add_special_tokens: bool
+    image_token_id: int | None
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory, or a Hugging Face repo id fetched (or found in the cache) via huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model path not found: {model}")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py"]
+    return Path(snapshot_download(model, allow_patterns=patterns))
+
+
+def _context_length(config: dict) -> int:
+    text = config.get("text_config") or {}
+    for source in (text, config):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+            if isinstance(source.get(key), int):
+                return int(source[key])
+    return 4096
+
+
+def _eos_ids(path: Path, config: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    candidates = [config.get("eos_token_id"), (config.get("text_config") or {}).get("eos_token_id")]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in candidates:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(int(v) for v in value)
+    return tuple(dict.fromkeys(ids))
+
+
+@dataclass
+class PromptState:
+    """One request's prompt on the device: embeddings, positions and its own KV cache."""
+
+    input_ids: mx.array  # (1, L)
+    embeds: mx.array  # (1, L, D)
+    position_ids: mx.array | None  # (3, 1, L) for M-RoPE families, else None
+    rope_delta: int
+    cache: list[Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VLM:
+    """The loaded model plus the calls the scheduler needs, all on the worker thread."""
+
+    def __init__(self, model_path: Path, tokenizer_info: dict[str, Any]):
+        self.path = model_path
+        self.model = load_model(model_path, lazy=False)
+        # load_model(lazy=False) evaluates parameters; evaluate again to be sure any buffer too.
+        mx.eval(self.model.parameters())
+        self.config = json.loads((model_path / "config.json").read_text())
+        self.language_model = self.model.language_model
+        eos = _eos_ids(model_path, self.config) or tuple(tokenizer_info.get("eos_token_ids", ()))
+        self.info = ModelInfo(
+            path=str(model_path),
+            model_type=self.config.get("model_type", "unknown"),
+            context_length=_context_length(self.config),
+            vocab_size=int(self.language_model.model.embed_tokens.weight.shape[0]),
+            eos_token_ids=tuple(eos),
+            add_special_tokens=bool(tokenizer_info.get("add_special_tokens", True)),
+            image_token_id=getattr(self.model.config, "image_token_id", None)
+            or getattr(self.model.config, "image_token_index", None),
+        )
+
+    @staticmethod
+    def special_tokens_flag(model_type: str, processor) -> bool:
+        return should_add_special_tokens(model_type, processor)
+
+    # ---- prompt ---------------------------------------------------------------
+    def embed_prompt(self, prepared: PreparedRequest) -> PromptState:
+        """NumPy -> mx on this thread, then vision encoder + token embeddings."""
+        input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
+        inputs = {k: mx.array(v) for k, v in prepared.model_inputs.items()}
+        pixel_values = inputs.pop("pixel_values", None)
+        mask = mx.ones(input_ids.shape, dtype=mx.int32)
+        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        extra = {
+            k: v
+            for k, v in out.to_dict().items()
+            if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
+        }
+        if extra:
+            raise NotImplementedError(f"{self.info.model_type}: embedding outputs {sorted(extra)} are not supported")
+        rope_delta = 0
+        if out.rope_deltas is not None:
+            rope_delta = int(mx.array(out.rope_deltas).reshape(-1)[0].item())
+        return PromptState(
+            input_ids=input_ids,
+            embeds=out.inputs_embeds,
+            position_ids=out.position_ids,
+            rope_delta=rope_delta,
+            cache=vlm_cache.make_prompt_cache(self.language_model),
+        )
+
+    def prefill(self, state: PromptState, start: int, end: int) -> mx.array:
+        """Run prompt positions [start, end) into the request's cache; return last-position logits (1, V)."""
+        kwargs = {}
+        if state.position_ids is not None:
+            kwargs["position_ids"] = state.position_ids[..., start:end]
+        out = self.language_model(
+            state.input_ids[:, start:end],
+            inputs_embeds=state.embeds[:, start:end],
+            cache=state.cache,
+            **kwargs,
+        )
+        return out.logits[:, -1, :]
+
+    # ---- batched decode ------------------------------------------------------
+    def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
+        """Per-request caches -> one batch cache per layer (left-padded)."""
+        return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+
+    def decode(self, tokens: mx.array, batch_cache: list[Any], positions: mx.array | None) -> mx.array:
+        """One step for every running row: tokens (B,), positions (B,) for M-RoPE; returns logits (B, V)."""
+        kwargs = {}
+        if positions is not None:
+            pos = positions.reshape(1, -1, 1)
+            kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
+        out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
+        return out.logits[:, -1, :]
+
+    @property
+    def uses_position_ids(self) -> bool:
+        return hasattr(self.language_model, "get_rope_index")

@@ -1,0 +1,72 @@
+"""Text-only KV prefix cache: LRU of prompt KV states keyed by token ids.
+
+Invariant 6: requests carrying pixel values never read or write it. Image placeholder
+tokens are identical for every image, so a token key says nothing about the pixels.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.models.cache import KVCache
+
+
+class PrefixCache:
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[int, ...], list[tuple[mx.array, mx.array]]] = OrderedDict()
+        self._tokens = 0
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def size_tokens(self) -> int:
+        return self._tokens
+
+    @staticmethod
+    def supports(cache: list[Any]) -> bool:
+        return all(type(c) is KVCache for c in cache)
+
+    def lookup(self, tokens: np.ndarray, fresh_cache: list[Any]) -> int:
+        """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run); return its length."""
+        self.queries += 1
+        if not self._entries or not self.supports(fresh_cache):
+            return 0
+        best_key, best_n = None, 0
+        limit = len(tokens) - 1
+        for key in self._entries:
+            stored = np.asarray(key[:limit], dtype=tokens.dtype)
+            same = stored == tokens[: len(stored)]
+            n = len(stored) if same.all() else int(np.argmin(same))
+            if n > best_n:
+                best_key, best_n = key, n
+        if best_key is None:
+            return 0
+        self._entries.move_to_end(best_key)
+        for layer, (k, v) in zip(fresh_cache, self._entries[best_key]):
+            layer.keys, layer.values, layer.offset = k[..., :best_n, :], v[..., :best_n, :], best_n
+        self.hits += 1
+        return best_n
+
+    def store(self, tokens: np.ndarray, cache: list[Any]) -> None:
+        n = len(tokens)
+        if n > self.max_tokens or not self.supports(cache):
+            return
+        key = tuple(int(t) for t in tokens)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+        mx.eval(layers)
+        self._entries[key] = layers
+        self._tokens += n
+        while self._tokens > self.max_tokens:
+            old, _ = self._entries.popitem(last=False)
+            self._tokens -= len(old)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0

@@ -1,0 +1,301 @@
+"""MLLMScheduler: continuous batching on the MLX worker thread.
+
+Each `step()`: drop cancelled requests, admit waiting ones (up to max_num_seqs), advance
+prefill by at most one chunk's worth of tokens, then run ONE batched decode step for all
+running rows. A request arriving mid-decode starts its prefill on the next step.
+Every request owns its sampler, PRNG key, stop strings, position state and KV cache; it
+joins the shared batch cache only once its prompt is in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
+from .model import VLM, PromptState
+from .prefix_cache import PrefixCache
+from .sampling import RowSampler, log_softmax, sample_batch
+from .text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRequest:
+    """What the API side hands to the engine; `emit` delivers events (called on the worker)."""
+
+    request_id: str
+    prepared: PreparedRequest
+    sampling: SamplingParams
+    emit: Callable[[TokenEvent], None]
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set from any thread; read by the worker at its next step
+
+
+@dataclass
+class Sequence:
+    req: EngineRequest
+    sampler: RowSampler
+    text: TextStream
+    prompt: PromptState | None = None
+    prefilled: int = 0
+    cached_tokens: int = 0
+    cache_len: int = 0
+    last_token: int = -1
+    generated: int = 0
+    finished: bool = False
+
+    @property
+    def num_prompt(self) -> int:
+        return self.req.prepared.num_prompt_tokens
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class MLLMScheduler:
+    def __init__(self, vlm: VLM, tokenizer, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
+                 prefix_cache_tokens: int = 65536, hooks: Any = None):
+        self.vlm = vlm
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.eos = set(vlm.info.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.context_length = vlm.info.context_length
+        self.hooks = hooks
+        self.inbox: deque[EngineRequest] = deque()  # appended from any thread
+        self.waiting: deque[EngineRequest] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.batch_cache: list[Any] | None = None
+        self.stats = SchedulerStats()
+
+    # ---- called from any thread ------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        self.inbox.append(req)
+
+    # ---- worker thread ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.inbox)
+
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.waiting or self.prefilling or self.running)
+
+    def step(self) -> None:
+        self.stats.steps += 1
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+        self._drop_cancelled()
+        self._admit()
+        self._prefill()
+        self._decode()
+
+    def fail_all(self, message: str) -> None:
+        """Wake every waiter with an error (worker death or shutdown)."""
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+        for req in self.waiting:
+            req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=message))
+        for seq in self.prefilling + self.running:
+            self._finish(seq, FinishReason.ERROR, error=message)
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running.clear()
+        self.batch_cache = None
+
+    # ---- phases ------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            req.emit(TokenEvent(finish_reason=FinishReason.ABORT))
+        for seq in [s for s in self.prefilling if s.req.cancelled]:
+            self.prefilling.remove(seq)
+            self._finish(seq, FinishReason.ABORT)
+        gone = [s for s in self.running if s.req.cancelled]
+        for seq in gone:
+            self._finish(seq, FinishReason.ABORT)
+        self._remove_rows(gone)
+
+    def _admit(self) -> None:
+        while self.waiting and self.num_running < self.max_num_seqs:
+            req = self.waiting.popleft()
+            sampler = RowSampler.create(req.sampling)
+            text = TextStream(self.tokenizer.detokenizer, req.sampling.stop)
+            self.prefilling.append(Sequence(req=req, sampler=sampler, text=text))
+            if self.hooks:
+                self.hooks.on_admit(req)
+
+    def _prefill(self) -> None:
+        """Spend at most one chunk of prompt tokens, oldest request first."""
+        budget = self.prefill_chunk
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            try:
+                budget -= self._prefill_one(seq, budget)
+            except Exception as exc:  # one bad request ends only itself
+                log.exception("request %s failed in prefill", seq.req.request_id)
+                self.prefilling.remove(seq)
+                self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
+
+    def _prefill_one(self, seq: Sequence, budget: int) -> int:
+        prepared = seq.req.prepared
+        if seq.prompt is None:
+            t0 = time.perf_counter()
+            seq.prompt = self.vlm.embed_prompt(prepared)
+            if self.prefix_cache is not None and not prepared.has_pixels:
+                seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, seq.prompt.cache)
+            if self.hooks and prepared.has_pixels:
+                mx.eval(seq.prompt.embeds)
+                self.hooks.on_vision(time.perf_counter() - t0)
+        total = seq.num_prompt
+        # Like mlx_vlm.generate: the prompt minus its last token in chunks, then the last token
+        # alone, so chunk shapes (and float rounding) match the reference run.
+        end = total - 1 if seq.prefilled < total - 1 else total
+        end = min(end, seq.prefilled + budget)
+        t0 = time.perf_counter()
+        logits = self.vlm.prefill(seq.prompt, seq.prefilled, end)
+        used = end - seq.prefilled
+        seq.prefilled = end
+        if end < total:
+            mx.eval([c.state for c in seq.prompt.cache])
+            if self.hooks:
+                self.hooks.on_prefill(time.perf_counter() - t0)
+            return used
+        token = sample_batch(logits, [seq.sampler])
+        lp = log_softmax(logits) if seq.req.sampling.logprobs else None
+        mx.eval(token, lp, [c.state for c in seq.prompt.cache])
+        if self.hooks:
+            self.hooks.on_prefill(time.perf_counter() - t0)
+        seq.cache_len = total
+        self.prefilling.remove(seq)
+        self.stats.prompt_tokens += total
+        if self.prefix_cache is not None and not prepared.has_pixels:
+            self.prefix_cache.store(prepared.prompt_ids, seq.prompt.cache)
+        self._join(seq)
+        self._accept(seq, int(token.item()), lp[0] if lp is not None else None)
+        if seq.finished:
+            self._remove_rows([seq])
+        return used
+
+    def _join(self, seq: Sequence) -> None:
+        row = self.vlm.merge_caches([seq.prompt.cache])
+        if self.batch_cache is None:
+            self.batch_cache = row
+        else:
+            for batch_layer, row_layer in zip(self.batch_cache, row):
+                batch_layer.extend(row_layer)
+        seq.prompt.cache = None  # the batch cache owns the KV now
+        seq.prompt.embeds = None
+        self.running.append(seq)
+
+    def _decode(self) -> None:
+        if not self.running:
+            return
+        t0 = time.perf_counter()
+        rows = list(self.running)
+        tokens = mx.array([s.last_token for s in rows], dtype=mx.int32)
+        positions = None
+        if rows[0].prompt.position_ids is not None:
+            positions = mx.array([s.cache_len + s.prompt.rope_delta for s in rows], dtype=mx.int32)
+        try:
+            logits = self.vlm.decode(tokens, self.batch_cache, positions)
+            next_tokens = sample_batch(logits, [s.sampler for s in rows])
+            want_lp = any(s.req.sampling.logprobs for s in rows)
+            lp = log_softmax(logits) if want_lp else None
+            mx.async_eval(next_tokens, lp)
+            ids = next_tokens.tolist()
+        except Exception as exc:  # a batch-level failure cannot be attributed to one row
+            log.exception("decode step failed")
+            for seq in rows:
+                self._finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
+            self.running.clear()
+            self.batch_cache = None
+            return
+        self.stats.decode_steps += 1
+        for i, seq in enumerate(rows):
+            seq.cache_len += 1
+            self._accept(seq, ids[i], lp[i] if lp is not None and seq.req.sampling.logprobs else None)
+        self._remove_rows([s for s in rows if s.finished])
+        if self.hooks:
+            self.hooks.on_decode_step(time.perf_counter() - t0, len(rows))
+
+    # ---- per-token bookkeeping -------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
+        seq.generated += 1
+        self.stats.generated_tokens += 1
+        seq.sampler.observe(token)
+        seq.last_token = token
+        params = seq.req.sampling
+        event = TokenEvent(token_ids=[token])
+        if token in self.eos or token in params.stop_token_ids:
+            self._finish(seq, FinishReason.STOP, event=event)
+            return
+        if logprobs is not None:
+            event.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
+        event.text = seq.text.add(token)
+        if seq.text.stopped:
+            self._finish(seq, FinishReason.STOP, event=event)
+        elif seq.generated >= params.max_tokens or seq.cache_len + 1 >= self.context_length:
+            self._finish(seq, FinishReason.LENGTH, event=event)
+        else:
+            seq.req.emit(event)
+
+    def _logprob_entry(self, token: int, logprobs: mx.array, top_n: int) -> TokenLogprob:
+        top: list[TopLogprob] = []
+        if top_n > 0:
+            idx = mx.argpartition(-logprobs, top_n - 1)[:top_n]
+            vals = logprobs[idx]
+            order = mx.argsort(-vals)
+            for tid, val in zip(idx[order].tolist(), vals[order].tolist()):
+                top.append(TopLogprob(tid, self._token_text(tid), float(val)))
+        return TokenLogprob(token, self._token_text(token), float(logprobs[token].item()), top)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
+                error: str | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        event = event or TokenEvent()
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            event.text += seq.text.finish()
+        event.finish_reason = reason
+        event.error = error
+        event.prompt_tokens = seq.num_prompt
+        event.cached_tokens = seq.cached_tokens
+        event.completion_tokens = seq.generated
+        seq.req.emit(event)
+        if self.hooks:
+            self.hooks.on_finish(seq.req, reason, seq.generated)
+
+    def _remove_rows(self, gone: list[Sequence]) -> None:
+        if not gone:
+            return
+        keep = [i for i, s in enumerate(self.running) if s not in gone]
+        self.running = [self.running[i] for i in keep]
+        if not self.running:
+            self.batch_cache = None
+        elif self.batch_cache is not None:
+            index = mx.array(keep, dtype=mx.int32)
+            for layer in self.batch_cache:
+                layer.filter(index)

@@ -1,0 +1,129 @@
+"""Types shared by every layer: no HTTP, no MLX."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    json_mode: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass
+class ImageRef:
+    """An image part as the client sent it; `param` names it for error messages."""
+
+    url: str
+    param: str
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    # Ordered parts: ("text", str) or ("image", ImageRef)
+    parts: list[tuple[str, Any]]
+
+
+@dataclass
+class ChatRequest:
+    messages: list[ChatMessage]
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def images(self) -> list[ImageRef]:
+        return [p for m in self.messages for kind, p in m.parts if kind == "image"]
+
+
+@dataclass
+class PreparedRequest:
+    """Output of CPU preprocessing: token ids and NumPy arrays only."""
+
+    prompt_ids: np.ndarray  # int32, shape (L,)
+    model_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # pixel_values, image_grid_thw, ...
+    num_images: int = 0
+
+    @property
+    def has_pixels(self) -> bool:
+        return any(k.startswith("pixel_values") for k in self.model_inputs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass
+class TokenEvent:
+    """One step's output for one request. `text` is the new, stop-checked text."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class EngineError(Exception):
+    """An error to report to the client; `status` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, *, code: str | None = None, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.status = status
+        self.param = param
+
+
+
+
+def new_request_id(prefix: str = "chatcmpl") -> str:
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
