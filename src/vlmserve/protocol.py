@@ -17,6 +17,18 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class ModelInfo:
+    """Plain facts about the loaded model that the CPU side needs (no MLX objects)."""
+
+    path: str
+    model_type: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    image_token_id: int | None
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0

@@ -9,7 +9,8 @@ from typing import AsyncIterator
 
 from ..config import ServerConfig
 from ..protocol import EngineError, FinishReason, PreparedRequest, SamplingParams, TokenEvent
-from .model import VLM, ModelInfo, resolve_model_path
+from ..protocol import ModelInfo
+from .model import VLM, resolve_model_path
 from .scheduler import EngineRequest, MLLMScheduler
 from .thread_guard import GUARD
 from .worker import MLXWorkerThread
@@ -45,7 +46,7 @@ class Engine:
         await asyncio.wrap_future(self.worker.submit(self._load_on_worker))
 
     def _load_on_worker(self) -> None:
-        vlm = VLM(self.model_path, {"eos_token_ids": sorted(self.tokenizer.eos_token_ids)})
+        vlm = VLM(self.model_path, tuple(sorted(self.tokenizer.eos_token_ids)))
         if self.config.thread_guard:
             GUARD.watch_model(vlm.model)
         if self.config.max_model_len:

@@ -16,27 +16,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
-from mlx_vlm.utils import load_model, should_add_special_tokens
+from mlx_vlm.utils import load_model
 
-from ..protocol import PreparedRequest
+from ..protocol import ModelInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
 
 # Embedding outputs that only make sense for a single, unpadded row.
 _PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
-
-
-@dataclass
-class ModelInfo:
-    """Plain facts about the loaded model that the CPU side needs (no MLX objects)."""
-
-    path: str
-    model_type: str
-    context_length: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    add_special_tokens: bool
-    image_token_id: int | None
 
 
 def resolve_model_path(model: str) -> Path:
@@ -90,28 +77,23 @@ class PromptState:
 class VLM:
     """The loaded model plus the calls the scheduler needs, all on the worker thread."""
 
-    def __init__(self, model_path: Path, tokenizer_info: dict[str, Any]):
+    def __init__(self, model_path: Path, fallback_eos: tuple[int, ...] = ()):
         self.path = model_path
         self.model = load_model(model_path, lazy=False)
         # load_model(lazy=False) evaluates parameters; evaluate again to be sure any buffer too.
         mx.eval(self.model.parameters())
         self.config = json.loads((model_path / "config.json").read_text())
         self.language_model = self.model.language_model
-        eos = _eos_ids(model_path, self.config) or tuple(tokenizer_info.get("eos_token_ids", ()))
+        eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
             path=str(model_path),
             model_type=self.config.get("model_type", "unknown"),
             context_length=_context_length(self.config),
             vocab_size=int(self.language_model.model.embed_tokens.weight.shape[0]),
             eos_token_ids=tuple(eos),
-            add_special_tokens=bool(tokenizer_info.get("add_special_tokens", True)),
             image_token_id=getattr(self.model.config, "image_token_id", None)
             or getattr(self.model.config, "image_token_index", None),
         )
-
-    @staticmethod
-    def special_tokens_flag(model_type: str, processor) -> bool:
-        return should_add_special_tokens(model_type, processor)
 
     # ---- prompt ---------------------------------------------------------------
     def embed_prompt(self, prepared: PreparedRequest) -> PromptState:

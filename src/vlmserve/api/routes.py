@@ -1,0 +1,189 @@
+"""HTTP routes: chat completions, models, health, readiness, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import replace
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..protocol import EngineError, FinishReason, TokenEvent, new_request_id
+from . import openai as oai
+from .errors import APIError, error_body, error_response
+from .streams import merge, wait_disconnect
+
+log = logging.getLogger("vlmserve.request")
+
+
+def _state(request: Request):
+    return request.app.state.server
+
+
+async def _read_json(request: Request, limit: int):
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+
+
+def _engine_error(exc: EngineError) -> APIError:
+    return APIError(exc.status, exc.message, code=exc.code, param=exc.param)
+
+
+async def chat_completions(request: Request) -> Response:
+    server = _state(request)
+    try:
+        server.check_accepting()
+        body = await _read_json(request, server.config.max_body_bytes)
+        chat = oai.parse_chat_request(body, server.config, server.model_names, server.context_length)
+        server.check_capacity(chat.n)
+        t0 = time.perf_counter()
+        prepared = await server.preprocessor.prepare(chat)
+        server.observe_preprocess(time.perf_counter() - t0)
+    except APIError as exc:
+        server.count_failure(exc)
+        return error_response(exc)
+    except EngineError as exc:
+        err = _engine_error(exc)
+        server.count_failure(err)
+        return error_response(err)
+
+    request_id = new_request_id()
+    model = server.model_id
+    created = oai.now()
+    streams = []
+    for i in range(chat.n):
+        sampling = chat.sampling
+        if chat.n > 1 and sampling.seed is not None:
+            sampling = replace(sampling, seed=sampling.seed + i)
+        streams.append(server.generate(f"{request_id}-{i}", prepared, sampling))
+
+    if chat.stream:
+        return StreamingResponse(
+            _sse(request_id, model, created, chat, streams),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    collect = asyncio.create_task(_collect(streams, chat.n))
+    disconnect = asyncio.create_task(wait_disconnect(request))
+    done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if collect not in done:  # the client left: cancelling the task aborts every choice
+        collect.cancel()
+        await asyncio.gather(collect, return_exceptions=True)
+        return Response(status_code=499)
+    disconnect.cancel()
+    try:
+        choices, usage = collect.result()
+    except EngineError as exc:
+        return error_response(_engine_error(exc))
+    except _ChoiceFailed as exc:
+        return error_response(APIError(exc.status, exc.message, code=exc.code))
+    return JSONResponse(oai.completion_response(request_id, model, created, choices, usage))
+
+
+class _ChoiceFailed(Exception):
+    def __init__(self, message: str, status: int = 500, code: str | None = "generation_failed"):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+def _failure(event: TokenEvent) -> _ChoiceFailed:
+    if event.finish_reason == FinishReason.ABORT:
+        return _ChoiceFailed("the request was aborted", 503, "aborted")
+    return _ChoiceFailed(event.error or "generation failed")
+
+
+async def _collect(streams, n: int):
+    texts = [""] * n
+    logprobs: list[list] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    prompt = cached = completion = 0
+    want_logprobs = False
+    async for i, event in merge(streams):
+        if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            raise _failure(event)
+        texts[i] += event.text
+        logprobs[i].extend(event.logprobs)
+        want_logprobs = want_logprobs or bool(event.logprobs)
+        if event.finish_reason is not None:
+            finish[i] = oai.finish_reason_str(event.finish_reason)
+            prompt, cached = event.prompt_tokens, event.cached_tokens
+            completion += event.completion_tokens
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None},
+         "logprobs": oai.logprobs_dict(logprobs[i]) if want_logprobs else None, "finish_reason": finish[i]}
+        for i in range(n)
+    ]
+    return choices, oai.usage_dict(prompt, completion, cached)
+
+
+def _sse_line(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _sse(request_id, model, created, chat, streams):
+    extra = {"usage": None} if chat.include_usage else {}
+    for i in range(chat.n):
+        first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield _sse_line({**oai.chunk(request_id, model, created, [first]), **extra})
+    prompt = cached = completion = 0
+    try:
+        async for i, event in merge(streams):
+            if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                failure = _failure(event)
+                yield _sse_line(error_body(failure.status, failure.message, failure.code))
+                return
+            if event.text or event.logprobs or event.finish_reason is not None:
+                choice = {"index": i, "delta": {"content": event.text} if event.text else {},
+                          "logprobs": oai.logprobs_dict(event.logprobs) if event.logprobs else None,
+                          "finish_reason": oai.finish_reason_str(event.finish_reason)}
+                yield _sse_line({**oai.chunk(request_id, model, created, [choice]), **extra})
+            if event.finish_reason is not None:
+                prompt, cached = event.prompt_tokens, event.cached_tokens
+                completion += event.completion_tokens
+    except EngineError as exc:
+        yield _sse_line(error_body(exc.status, exc.message, exc.code, exc.param))
+        return
+    if chat.include_usage:
+        yield _sse_line(oai.chunk(request_id, model, created, [], oai.usage_dict(prompt, completion, cached)))
+    yield "data: [DONE]\n\n"
+
+
+async def list_models(request: Request) -> Response:
+    server = _state(request)
+    data = [{"id": name, "object": "model", "created": server.created, "owned_by": "vlmserve"}
+            for name in sorted(server.model_names)]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    ok, reason = _state(request).liveness()
+    return JSONResponse({"status": "ok" if ok else "unhealthy", "reason": reason}, status_code=200 if ok else 503)
+
+
+async def ready(request: Request) -> Response:
+    ok, reason = _state(request).readiness()
+    return JSONResponse({"status": "ready" if ok else "not_ready", "reason": reason}, status_code=200 if ok else 503)
+
+
+async def not_found(request: Request, exc) -> Response:
+    return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}", "not_found"), 404)
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
+]

@@ -1,0 +1,134 @@
+"""CPU preprocessing on a bounded thread pool: chat template, images, tokenization.
+
+Produces a PreparedRequest holding token ids and NumPy arrays only; the MLX worker turns
+them into mx.arrays. Nothing here runs on the event loop or on the MLX thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from .config import ServerConfig
+from .media import ImageCache, MediaError, MediaPolicy, load_image_bytes
+from .protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest
+
+log = logging.getLogger(__name__)
+
+
+def load_processor(model_path: Path):
+    """The model family's transformers processor (NumPy outputs).
+
+    mlx_vlm registers its own processors with AutoProcessor and those return mx.arrays,
+    which must never be made off the MLX thread; so take transformers' own class first.
+    """
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
+    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is not None:
+        return cls.from_pretrained(model_path)
+    log.warning("no transformers processor for %s; using AutoProcessor", model_type)
+    return transformers.AutoProcessor.from_pretrained(model_path)
+
+
+def media_policy(config: ServerConfig) -> MediaPolicy:
+    return MediaPolicy(
+        fetch_timeout=config.image_fetch_timeout,
+        max_image_bytes=config.max_image_bytes,
+        max_image_pixels=config.max_image_pixels,
+        allowed_hosts=tuple(config.allowed_image_hosts),
+        local_files_root=config.allow_local_image_files,
+    )
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Internal messages -> the content-part form that VLM chat templates expect."""
+    out = []
+    for msg in messages:
+        role = "system" if msg.role == "developer" else msg.role
+        content = [{"type": "text", "text": p} if kind == "text" else {"type": "image"} for kind, p in msg.parts]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def cap_pixels(image: Image.Image, max_pixels: int | None) -> Image.Image:
+    """Operator resize cap: shrink (never grow) so that width*height <= max_pixels."""
+    if not max_pixels or image.width * image.height <= max_pixels:
+        return image
+    scale = (max_pixels / (image.width * image.height)) ** 0.5
+    size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+class Preprocessor:
+    def __init__(self, model_path: Path, context_length: int, config: ServerConfig):
+        self.config = config
+        self.context_length = context_length
+        self.processor = load_processor(model_path)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.policy = media_policy(config)
+        self.images = ImageCache(max_entries=config.image_cache_entries)
+        self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
+        self.fetch_pool = ThreadPoolExecutor(max(4, config.preprocess_workers * 2), thread_name_prefix="fetch")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.prepare_sync, chat)
+
+    # ---- pool threads ------------------------------------------------------------
+    def render(self, messages: list[ChatMessage]) -> str:
+        return self.processor.apply_chat_template(
+            to_template_messages(messages), add_generation_prompt=True, tokenize=False
+        )
+
+    def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
+        refs = chat.images
+        if len(refs) > self.config.max_images_per_request:
+            raise EngineError(
+                f"too many images: {len(refs)} > {self.config.max_images_per_request} per request",
+                code="invalid_image", param="messages",
+            )
+        images = list(self.fetch_pool.map(self._load_image, refs)) if refs else []
+        prompt = self.render(chat.messages)
+        return self.encode(prompt, images)
+
+    def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:
+        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np",
+                                  "add_special_tokens": self._add_special_tokens(prompt)}
+        if images:
+            kwargs["images"] = images
+        enc = self.processor(**kwargs)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32).reshape(-1)
+        if ids.shape[0] + 1 > self.context_length:
+            raise EngineError(
+                f"prompt is {ids.shape[0]} tokens; this model's context is {self.context_length} tokens",
+                code="context_length_exceeded", param="messages",
+            )
+        inputs = {k: np.asarray(v) for k, v in enc.items() if k not in ("input_ids", "attention_mask") and v is not None}
+        return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images))
+
+    def _add_special_tokens(self, prompt: str) -> bool:
+        """Add BOS only when the chat template did not already put it there."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return not (bos and prompt.startswith(bos))
+
+    def _load_image(self, ref: ImageRef) -> Image.Image:
+        try:
+            data = load_image_bytes(ref.url, self.policy)
+            image = self.images.get_or_decode(data, self.policy)
+        except MediaError as exc:
+            raise EngineError(exc.message, code=exc.code, param=ref.param) from None
+        return cap_pixels(image, self.config.max_pixels)
