@@ -19,14 +19,14 @@ _PATCHED_METHODS = ("item", "tolist", "__array__")
 
 class ThreadGuard:
     def __init__(self) -> None:
-        self.owner: int | None = None
+        self.owners: set[int] = set()  # worker threads (one per engine; tests may run several)
         self.calls: Counter[str] = Counter()
         self.violations: list[tuple[str, str]] = []
         self._originals: dict[tuple[object, str], object] = {}
         self._lock = threading.Lock()
 
     def install(self, owner_ident: int) -> None:
-        self.owner = owner_ident
+        self.owners.add(owner_ident)
         if self._originals:
             return
         for name in _PATCHED_FUNCS:
@@ -47,7 +47,7 @@ class ThreadGuard:
     def check(self, where: str) -> None:
         with self._lock:
             self.calls[where] += 1
-            if self.owner is not None and threading.get_ident() != self.owner:
+            if self.owners and threading.get_ident() not in self.owners:
                 self.violations.append((where, threading.current_thread().name))
 
     def _wrap(self, target, name: str) -> None:
