@@ -9,14 +9,17 @@ import time
 
 from PIL import Image
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
+from ..metrics import Metrics, SchedulerHooks
 from ..preprocess import Preprocessor
-from ..protocol import ChatMessage, EngineError, FinishReason, ImageRef, SamplingParams
+from ..protocol import ChatMessage, FinishReason, ImageRef, SamplingParams
+from .auth import APIKeyMiddleware
 from .errors import APIError
-from .routes import not_found, routes
+from .routes import method_not_allowed, not_found, routes
 
 log = logging.getLogger("vlmserve")
 
@@ -26,7 +29,8 @@ class ServerState:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.engine = Engine(config)
+        self.metrics = Metrics(config.model_id)
+        self.engine = Engine(config, hooks=SchedulerHooks(self.metrics))
         self.preprocessor: Preprocessor | None = None
         self.ready = False
         self.draining = False
@@ -94,8 +98,44 @@ class ServerState:
                            headers={"retry-after": "1"})
 
     async def generate(self, request_id, prepared, sampling):
-        async for event in self.engine.generate(request_id, prepared, sampling):
-            yield event
+        """Engine events for one choice, with latency metrics and one log line per request."""
+        m = self.metrics
+        start = last = time.perf_counter()
+        ttft = None
+        status = "incomplete"
+        final = None
+        try:
+            async for event in self.engine.generate(request_id, prepared, sampling):
+                now = time.perf_counter()
+                if event.token_ids:
+                    if ttft is None:
+                        ttft = now - start
+                        m.ttft.observe(ttft)
+                    else:
+                        m.itl.observe(now - last)
+                    last = now
+                if event.finish_reason is not None:
+                    final = event
+                yield event
+        finally:
+            elapsed = time.perf_counter() - start
+            if final is not None and final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                status = final.finish_reason.value
+                m.succeed(status)
+                m.e2e.observe(elapsed)
+                m.prompt_tokens.inc(final.prompt_tokens)
+                m.generation_tokens.inc(final.completion_tokens)
+            else:
+                status = final.finish_reason.value if final is not None else "cancelled"
+                m.fail(status)
+            done = final.completion_tokens if final is not None else 0
+            log.info(
+                "request id=%s status=%s prompt_tokens=%d cached_tokens=%d image_count=%d completion_tokens=%d "
+                "ttft_ms=%s tok_per_s=%.1f e2e_ms=%.0f",
+                request_id, status, prepared.num_prompt_tokens, final.cached_tokens if final else 0,
+                prepared.num_images, done, f"{ttft * 1000:.0f}" if ttft is not None else "-",
+                done / elapsed if elapsed > 0 else 0.0, elapsed * 1000,
+            )
 
     # ---- health ------------------------------------------------------------------------
     def liveness(self) -> tuple[bool, str | None]:
@@ -116,10 +156,22 @@ class ServerState:
 
     # ---- observability hooks (metrics land here) -----------------------------------------
     def observe_preprocess(self, seconds: float) -> None:
-        pass
+        self.metrics.preprocess.observe(seconds)
 
     def count_failure(self, exc: APIError) -> None:
-        pass
+        self.metrics.fail(exc.code or str(exc.status))
+        if exc.code in ("invalid_image_url", "invalid_image"):
+            self.metrics.image_fetch_failures.inc()
+
+    def refresh_gauges(self) -> None:
+        m, sched = self.metrics, self.engine.scheduler
+        m.running.set(self.engine.num_running)
+        m.waiting.set(self.engine.num_waiting)
+        if sched is not None and sched.prefix_cache is not None:
+            pc = sched.prefix_cache
+            m.prefix_cache_usage.set(pc.size_tokens / max(1, pc.max_tokens))
+        if sched is not None:
+            m.kv_cache_tokens.set(sum(s.cache_len for s in list(sched.running)))
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -138,9 +190,18 @@ def create_app(config: ServerConfig) -> Starlette:
         finally:
             await state.stop()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    middleware = []
+    if config.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["authorization", "content-type"]))
+    if config.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,
+                                     protect_metrics=config.metrics_require_key))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={404: not_found, 405: method_not_allowed})
     app.state.server = state
     return app
 
 
-__all__ = ["create_app", "ServerState", "EngineError", "HTTPException"]
+__all__ = ["create_app", "ServerState"]

@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import replace
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -177,8 +178,19 @@ async def ready(request: Request) -> Response:
     return JSONResponse({"status": "ready" if ok else "not_ready", "reason": reason}, status_code=200 if ok else 503)
 
 
+async def metrics(request: Request) -> Response:
+    server = _state(request)
+    server.refresh_gauges()
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 async def not_found(request: Request, exc) -> Response:
     return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}", "not_found"), 404)
+
+
+async def method_not_allowed(request: Request, exc) -> Response:
+    return JSONResponse(error_body(405, f"method {request.method} not allowed on {request.url.path}",
+                                   "method_not_allowed"), 405)
 
 
 routes = [
@@ -186,4 +198,5 @@ routes = [
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
 ]

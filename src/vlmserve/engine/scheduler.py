@@ -162,6 +162,8 @@ class MLLMScheduler:
             seq.prompt = self.vlm.embed_prompt(prepared)
             if self.prefix_cache is not None and not prepared.has_pixels:
                 seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, seq.prompt.cache)
+                if self.hooks:
+                    self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
             if self.hooks and prepared.has_pixels:
                 mx.eval(seq.prompt.embeds)
                 self.hooks.on_vision(time.perf_counter() - t0)
@@ -285,8 +287,6 @@ class MLLMScheduler:
         event.cached_tokens = seq.cached_tokens
         event.completion_tokens = seq.generated
         seq.req.emit(event)
-        if self.hooks:
-            self.hooks.on_finish(seq.req, reason, seq.generated)
 
     def _remove_rows(self, gone: list[Sequence]) -> None:
         if not gone:

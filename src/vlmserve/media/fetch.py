@@ -164,35 +164,21 @@ def _fetch_hop(url: httpx.URL, policy: MediaPolicy, deadline: _Deadline) -> byte
     """One request. Returns the body, or the Location of a redirect to follow."""
     host = url.raw_host.decode("ascii")  # IDNA-encoded; IPv6 literals without brackets
     port = url.port or (443 if url.scheme == "https" else 80)
-    addrs = _resolve(host, port, deadline)
+    addrs = _resolve(host, port, deadline)  # exactly one lookup per hop; never re-resolved
     if not host_is_allowlisted(host, policy.allowed_hosts):
         if not all(address_permitted(a, policy.allowed_hosts) for a in addrs):
             raise url_error("image URL points to a non-public address")
-    pinned = addrs[0]
-    remaining = deadline.remaining()
-    timeout = httpx.Timeout(remaining, connect=min(remaining, policy.fetch_timeout))
-    # Connect to the validated IP; Host header and SNI/cert verification stay on the hostname.
-    request = httpx.Request(
-        "GET",
-        url.copy_with(host=pinned.compressed if pinned.version == 4 else str(pinned).split("%")[0]),
-        headers={
-            "Host": url.netloc.decode("ascii"),
-            "Accept": "image/*",
-            "Accept-Encoding": "identity",  # raw bytes: the cap is on what we store, no gzip bombs
-            "User-Agent": "vlmserve-image-fetch",
-        },
-        extensions={"sni_hostname": host, "trace": deadline.trace},
-    )
+    unique = list(dict.fromkeys(addrs))[:4]
     try:
-        # A fresh client per hop: no pooled connection is ever reused for a different host/SNI.
-        with httpx.Client(
-            transport=httpx.HTTPTransport(retries=0),
-            timeout=timeout,
-            follow_redirects=False,
-            trust_env=False,  # env proxies would route around the IP pinning
-        ) as client:
-            with client.send(request, stream=True) as response:
-                return _read_response(response, policy)
+        for index, addr in enumerate(unique):
+            try:
+                return _send_pinned(url, host, addr, policy, deadline)
+            except httpx.ConnectError:
+                # e.g. "localhost" -> ::1 first while the server listens on 127.0.0.1 only.
+                # Nothing was sent yet, so trying the next *validated* address is safe.
+                if index == len(unique) - 1:
+                    raise
+        raise AssertionError("unreachable")
     except MediaError:
         raise
     except httpx.TimeoutException as exc:
@@ -201,6 +187,40 @@ def _fetch_hop(url: httpx.URL, policy: MediaPolicy, deadline: _Deadline) -> byte
         if deadline.fired:
             raise url_error("image URL timed out") from exc
         raise url_error("image URL could not be fetched") from exc
+
+
+def _make_transport() -> httpx.BaseTransport:
+    # Separate so tests can trust a self-signed CA; verification stays on (certifi by default).
+    return httpx.HTTPTransport(retries=0)
+
+
+def _send_pinned(
+    url: httpx.URL, host: str, addr: IPAddress, policy: MediaPolicy, deadline: _Deadline
+) -> bytes | str:
+    remaining = deadline.remaining()
+    timeout = httpx.Timeout(remaining, connect=min(remaining, policy.fetch_timeout))
+    ip_text = str(addr).split("%")[0]  # drop an IPv6 zone id; httpx cannot carry it in a URL
+    # Connect to the validated IP; Host header and SNI/cert verification stay on the hostname.
+    request = httpx.Request(
+        "GET",
+        url.copy_with(host=ip_text),
+        headers={
+            "Host": url.netloc.decode("ascii"),
+            "Accept": "image/*",
+            "Accept-Encoding": "identity",  # raw bytes: the cap is on what we store, no gzip bombs
+            "User-Agent": "vlmserve-image-fetch",
+        },
+        extensions={"sni_hostname": host, "trace": deadline.trace},
+    )
+    # A fresh client per request: no pooled connection is reused for another host/SNI.
+    with httpx.Client(
+        transport=_make_transport(),
+        timeout=timeout,
+        follow_redirects=False,
+        trust_env=False,  # env proxies would route around the IP pinning
+    ) as client:
+        with client.send(request, stream=True) as response:
+            return _read_response(response, policy)
 
 
 def _read_response(response: httpx.Response, policy: MediaPolicy) -> bytes | str:
