@@ -20,7 +20,7 @@ class RowSampler:
     params: SamplingParams
     key: mx.array | None = None
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> count, for penalties
-    logits_mask: object | None = None  # optional callable(token_history) -> additive mask (JSON mode)
+    logits_mask: object | None = None  # JSON mode: callable() -> additive (V,) mask, .consume(token)
 
     @classmethod
     def create(cls, params: SamplingParams) -> "RowSampler":

@@ -81,6 +81,7 @@ class MLLMScheduler:
         self.running: list[Sequence] = []
         self.batch_cache: list[Any] | None = None
         self.stats = SchedulerStats()
+        self._json_factory = None
 
     # ---- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -137,10 +138,20 @@ class MLLMScheduler:
         while self.waiting and self.num_running < self.max_num_seqs:
             req = self.waiting.popleft()
             sampler = RowSampler.create(req.sampling)
+            if req.sampling.json_mode:
+                sampler.logits_mask = self._json_constraints().new()
             text = TextStream(self.tokenizer.detokenizer, req.sampling.stop)
             self.prefilling.append(Sequence(req=req, sampler=sampler, text=text))
             if self.hooks:
                 self.hooks.on_admit(req)
+
+    def _json_constraints(self):
+        if self._json_factory is None:
+            from .json_mode import JsonConstraintFactory
+
+            hf_tokenizer = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            self._json_factory = JsonConstraintFactory(hf_tokenizer, self.vlm.info.vocab_size, sorted(self.eos))
+        return self._json_factory
 
     def _prefill(self) -> None:
         """Spend at most one chunk of prompt tokens, oldest request first."""
@@ -244,6 +255,8 @@ class MLLMScheduler:
         seq.generated += 1
         self.stats.generated_tokens += 1
         seq.sampler.observe(token)
+        if seq.sampler.logits_mask is not None:
+            seq.sampler.logits_mask.consume(token)
         seq.last_token = token
         params = seq.req.sampling
         event = TokenEvent(token_ids=[token])

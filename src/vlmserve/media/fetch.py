@@ -219,8 +219,11 @@ def _send_pinned(
         follow_redirects=False,
         trust_env=False,  # env proxies would route around the IP pinning
     ) as client:
-        with client.send(request, stream=True) as response:
+        response = client.send(request, stream=True)
+        try:
             return _read_response(response, policy)
+        finally:
+            response.close()
 
 
 def _read_response(response: httpx.Response, policy: MediaPolicy) -> bytes | str:

@@ -36,9 +36,14 @@ def read_local_file(url: str, policy: MediaPolicy) -> bytes:
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
         raise url_error(_NOT_ALLOWED) from exc
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:  # directories, FIFOs, devices
+        os.close(fd)
+        raise url_error(_NOT_ALLOWED)
     with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise url_error(_NOT_ALLOWED)
         data = handle.read(policy.max_image_bytes + 1)
     if len(data) > policy.max_image_bytes:
         raise url_error(f"image exceeds {policy.max_image_bytes} bytes")
