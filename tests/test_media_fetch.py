@@ -454,3 +454,16 @@ def test_https_pins_ip_but_verifies_hostname(tls_server, monkeypatch):
     # Same IP, but the certificate does not match this hostname: verification must fail.
     assert refused(f"https://other.example.com:{port}/img.png", LOOP) == "image URL could not be fetched"
     assert calls == {"images.example.com": 1, "other.example.com": 1}
+    # The total deadline also holds under TLS (the watchdog must reach the TLS socket).
+    policy = MediaPolicy(allowed_hosts=("127.0.0.0/8",), fetch_timeout=0.5)
+    start = time.monotonic()
+    assert refused(f"https://images.example.com:{port}/drip", policy) == "image URL timed out"
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize(
+    "url", ["http://", "http:///path", "http://[::1", "https://xn--/", "http://a..b/", "http://%00/", "http://h:99999/"]
+)
+def test_malformed_urls_raise_media_error_only(monkeypatch, url):
+    monkeypatch.setattr(fetch.socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror("x")))
+    refused(url)

@@ -17,7 +17,7 @@ import warnings
 
 from PIL import Image, ImageOps
 
-from .errors import MediaError, image_error, url_error
+from .errors import MediaError, image_error
 from .policy import MediaPolicy
 
 _WHITESPACE = re.compile(r"\s+")
@@ -29,7 +29,7 @@ def decode_data_uri(uri: str, policy: MediaPolicy) -> bytes:
     """`data:image/<type>;base64,<payload>` -> raw bytes. Raises MediaError."""
     match = _DATA_URI.match(uri)
     if match is None:
-        raise url_error("data URI is malformed")
+        raise image_error("data URI is malformed")
     params = [p.strip().lower() for p in match.group(1).split(";")]
     if not params[0].startswith("image/"):
         raise image_error("data URI must have an image/* media type")

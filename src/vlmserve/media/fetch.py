@@ -45,7 +45,12 @@ def load_image_bytes(url: str, policy: MediaPolicy) -> bytes:
     if len(url) > _MAX_URL_CHARS:
         raise url_error("image URL is too long")
     if scheme in ("http", "https"):
-        return fetch_http(url, policy)
+        try:
+            return fetch_http(url, policy)
+        except MediaError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - contract: callers only ever see MediaError
+            raise url_error("image URL could not be fetched") from exc
     if scheme == "file":
         return read_local_file(url, policy)
     raise url_error("image URL scheme is not supported (use http, https or data)")
@@ -70,8 +75,9 @@ class _Deadline:
         return left
 
     def trace(self, event: str, info: dict) -> None:
-        # httpcore trace hook: gives us the raw TCP socket right after connect.
-        if event != "connection.connect_tcp.complete":
+        # httpcore trace hook: gives us each socket as it is made. TLS wrapping detaches the TCP
+        # socket object (its fd moves to the SSLSocket), so track the TLS one as well.
+        if event not in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
             return
         sock = info["return_value"].get_extra_info("socket")
         if sock is None:
@@ -125,13 +131,17 @@ def _parse_url(url: str, base: httpx.URL | None = None) -> httpx.URL:
     if parsed.scheme not in ("http", "https"):
         # Also catches redirects to file:, data:, ftp: and friends.
         raise url_error("image URL scheme is not supported (use http, https or data)")
-    if not parsed.host:
+    if not parsed.raw_host:  # raw_host: .host IDNA-decodes and can raise on hostile labels
         raise url_error("image URL has no host")
     return parsed
 
 
 def _resolve(host: str, port: int, deadline: _Deadline) -> list[IPAddress]:
     """getaddrinfo with the fetch deadline (it has no timeout of its own): runs in a daemon thread."""
+    try:
+        return [parse_ip(host)]  # IP literal: nothing to look up
+    except ValueError:
+        pass
     result: dict = {}
 
     def lookup() -> None:
