@@ -1,0 +1,881 @@
+#!/usr/bin/env python
+"""Build deterministic tiny random-weight VLM checkpoints and test images.
+
+Usage
+-----
+    python scripts/make_fixtures.py                 # rebuild fixtures/ (byte-identical)
+    python scripts/make_fixtures.py --out DIR       # same small set into DIR/{models,images}
+    python scripts/make_fixtures.py --only qwen2_vl # subset
+    python scripts/make_fixtures.py --preset qwen2-vl-2b --dtype bfloat16 --out DIR
+                                                    # Qwen2-VL-2B-shaped random checkpoint (GPU box;
+                                                    # never in CI). --layers/--vision-layers shrink it.
+
+Every checkpoint is loadable with ``mlx_vlm.load(path)`` (and ``mlx_vlm.utils.load_model`` /
+``load_processor``).  Files: config.json, model.safetensors (metadata {"format": "mlx"}),
+tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json, and
+processor_config.json / video_preprocessor_config.json where the family reads them.
+
+Weights are built the way mlx_vlm's loader builds the model (get_model_and_args ->
+ModelConfig.from_dict on a deep copy -> update_module_configs -> Model); every >=2-D tensor is
+redrawn from N(0, 0.1) with a numpy RNG seeded per tensor name (MLX's default init gives
+degenerate, repetitive output); non-constant 1-D tensors (biases, which MLX draws from its global
+PRNG) are redrawn from N(0, 0.02); constant ones (norm scales = 1) are kept.
+By default the lm_head rows of every special token (EOS ids included) are zeroed; the small
+fixtures use untied embeddings, so the input embeddings of those tokens are untouched (with tied
+embeddings the input rows would be zeroed too: harmless for EOS, but it erases what the model
+"sees" for the token).  The logit of a special token is then exactly 0 while the max over ~500
+random logits is positive, so greedy decoding never emits EOS, <|image_pad|>, <image> etc.: it
+runs to exactly max_tokens tokens of plain text.  ``--keep-eos`` disables this.
+
+Tokenizers: byte-level BPE trained with ``tokenizers`` on a built-in corpus whose alphabet is
+ASCII printable + \\n + \\t (not the full 256-byte alphabet: bytes outside it would decode to
+U+FFFD and streamed text would differ from a full decode); unknown bytes map to ``<unk>``.
+Training is single-threaded-deterministic (verified by rebuilding twice and comparing sha256).
+
+Image-token counts
+------------------
+* qwen2_vl / qwen2_5_vl (dynamic): the image is resized by ``smart_resize`` to multiples of
+  ``patch_size * merge_size`` (= 28) within [min_pixels, max_pixels]; grid_thw = (1, H/14, W/14)
+  patches; the prompt's single ``<|image_pad|>`` expands to ``t*h*w / merge_size**2`` tokens
+  = (H/28)*(W/28).  Fixture config: min_pixels 56*56, max_pixels 64*28*28 (<= 64 tokens).
+  Fixture images: 64x48 -> 56x56 -> 4 tokens; 100x80 -> 112x84 -> 12; 224x160 -> 224x168 -> 48;
+  alpha PNG 40x40 -> 56x56 -> 4; WEBP 72x56 -> 84x56 -> 6; GIF 48x48 -> 56x56 -> 4.
+* llava (fixed): every image is resized/cropped to image_size (56) and ``<image>`` expands to
+  (56/14)**2 + num_additional_image_tokens(1) - 1 (vision_feature_select_strategy "default"
+  drops CLS) = 16 tokens, whatever the input size.
+* gemma3 (fixed): ``<start_of_image>`` expands to mm_tokens_per_image tokens (fixture: 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "fixtures"
+SMALL_MODELS = ("qwen2_vl", "llava", "qwen2_5_vl", "gemma3")
+
+# ---------------------------------------------------------------------------------------------
+# Corpus and tokenizer
+# ---------------------------------------------------------------------------------------------
+
+_WORDS = (
+    "the a an of to and in is it that for on with as was at by this be are from or have not "
+    "image picture photo color red green blue yellow black white gray orange purple pink brown "
+    "cat dog bird car tree house sky sun cloud water river mountain road street city person man "
+    "woman child people table chair book cup window door light dark left right top bottom center "
+    "small large big little round square circle line stripe pattern gradient shape background "
+    "what describe show see shows there here which where how many much one two three four five "
+    "please answer question user assistant system helpful you your I we they he she them "
+    "hello world test example sample text token model vision language server batch stream "
+    "quick brown fox jumps over lazy dog number value data file format json python code "
+    "yes no maybe true false none null zero first second third last next previous very "
+)
+_SENTENCES = (
+    "Describe this image in one sentence.",
+    "What is in the picture?",
+    "The image shows a red square on a blue background.",
+    "There are two cats sitting on a wooden table near the window.",
+    "You are a helpful assistant.",
+    "Hello, world! How are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Count the objects: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10.",
+    "{\"role\": \"user\", \"content\": [\"text\", \"image_url\"]}",
+    "def main(): return [x * 2 for x in range(10)]",
+    "A gradient from left (dark) to right (light); stripes at the top & bottom.",
+    "Q: What color is the sky? A: The sky is blue.",
+    "Temperature=0.0; top_p=1.0; max_tokens=32 -- greedy decoding #test @home ~ok ^_^ |pipe| `code`",
+    "Price: $100 (50% off) <tag> 'quoted' \"double\" a+b=c? 3/4 \\path",
+)
+
+
+def _corpus() -> list[str]:
+    words = _WORDS.split()
+    lines = list(_SENTENCES)
+    rng = np.random.default_rng(1234)
+    for _ in range(400):
+        n = int(rng.integers(4, 14))
+        idx = rng.integers(0, len(words), size=n)
+        s = " ".join(words[i] for i in idx)
+        lines.append(s.capitalize() + rng.choice([".", "?", "!", ","]))
+    # Every printable ASCII char appears, so the alphabet is complete and stable.
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    lines.append("\t\n")
+    return lines
+
+
+def _byte_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    full = pre_tokenizers.ByteLevel.alphabet()  # 256 chars, unordered
+    # bytes_to_unicode mapping (GPT-2): reproduce to pick the printable subset deterministically
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    b2u = {b: chr(c) for b, c in zip(bs, cs)}
+    assert set(b2u.values()) == set(full)
+    keep = list(range(32, 127)) + [9, 10]
+    return sorted(b2u[b] for b in keep)
+
+
+def train_bpe(vocab_size: int, special_tokens: list[str], unk: str = "<unk>"):
+    """Train a byte-level BPE (tokenizers.Tokenizer); special tokens get ids 0..k-1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=unk, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = _byte_alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=special_tokens,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _wrap_fast(tok, **kwargs):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates (realistic, per family)
+# ---------------------------------------------------------------------------------------------
+
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{# Render all text next #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+# ---------------------------------------------------------------------------------------------
+# Family specs
+# ---------------------------------------------------------------------------------------------
+
+QWEN_SPECIALS = [
+    "<unk>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+
+def _qwen_tokenizer(vocab_size=512):
+    tok = train_bpe(vocab_size, QWEN_SPECIALS)
+    fast = _wrap_fast(
+        tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>",
+        },
+        model_max_length=32768,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    return fast
+
+
+def _qwen_preprocessor(min_pixels, max_pixels, cls="Qwen2VLImageProcessor"):
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "image_processor_type": cls,
+        "max_pixels": max_pixels,
+        "merge_size": 2,
+        "min_pixels": min_pixels,
+        "patch_size": 14,
+        "processor_class": "Qwen2VLProcessor" if cls == "Qwen2VLImageProcessor" else "Qwen2_5_VLProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
+        "temporal_patch_size": 2,
+    }
+
+
+def _qwen_video_preprocessor(min_pixels, max_pixels):
+    d = _qwen_preprocessor(min_pixels, max_pixels)
+    d.pop("image_processor_type")
+    d["video_processor_type"] = "Qwen2VLVideoProcessor"
+    return d
+
+
+def spec_qwen2_vl(model_type="qwen2_vl"):
+    tok = _qwen_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    n = len(tok)
+    if model_type == "qwen2_vl":
+        vision = {
+            "model_type": "qwen2_vl",
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+            "in_chans": 3,
+        }
+        arch = "Qwen2VLForConditionalGeneration"
+    else:  # qwen2_5_vl
+        vision = {
+            "model_type": "qwen2_5_vl",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "in_channels": 3,
+            "in_chans": 3,
+            "hidden_act": "silu",
+        }
+        arch = "Qwen2_5_VLForConditionalGeneration"
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+        "vocab_size": n,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "vision_config": vision,
+    }
+    min_px, max_px = 56 * 56, 64 * 28 * 28
+    ip_cls = "Qwen2VLImageProcessor"
+    files = {
+        "preprocessor_config.json": _qwen_preprocessor(min_px, max_px, ip_cls),
+        "video_preprocessor_config.json": _qwen_video_preprocessor(min_px, max_px),
+    }
+    gen = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+           "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+    files["generation_config.json"] = gen
+    return dict(
+        config=config,
+        tokenizer=tok,
+        template=QWEN2_VL_TEMPLATE,
+        files=files,
+        eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        never_ids=sorted(ids.values()),
+    )
+
+
+LLAVA_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+
+
+def spec_llava():
+    from tokenizers import processors
+
+    tok = train_bpe(512, LLAVA_SPECIALS)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = _wrap_fast(
+        tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+        model_max_length=4096,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    ids = {t: fast.convert_tokens_to_ids(t) for t in LLAVA_SPECIALS}
+    n = len(fast)
+    config = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "ignore_index": -100,
+        "image_token_index": ids["<image>"],
+        "image_seq_length": 16,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "vocab_size": n,
+        "pad_token_id": ids["<pad>"],
+        "eos_token_id": ids["</s>"],
+        "bos_token_id": ids["<s>"],
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "text_config": {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "vocab_size": n,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        },
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 56,
+            "patch_size": 14,
+            "projection_dim": 64,
+            "num_channels": 3,
+            "layer_norm_eps": 1e-5,
+            "vocab_size": n,
+            "hidden_act": "quick_gelu",
+        },
+    }
+    files = {
+        "preprocessor_config.json": {
+            "crop_size": {"height": 56, "width": 56},
+            "do_center_crop": True,
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": CLIP_MEAN,
+            "image_processor_type": "CLIPImageProcessor",
+            "image_std": CLIP_STD,
+            "processor_class": "LlavaProcessor",
+            "resample": 3,
+            "rescale_factor": 0.00392156862745098,
+            "size": {"shortest_edge": 56},
+        },
+        "processor_config.json": {
+            "image_token": "<image>",
+            "num_additional_image_tokens": 1,
+            "patch_size": 14,
+            "processor_class": "LlavaProcessor",
+            "vision_feature_select_strategy": "default",
+            "image_seq_length": 16,
+        },
+        "generation_config.json": {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
+                                   "pad_token_id": ids["<pad>"], "do_sample": False},
+    }
+    return dict(config=config, tokenizer=fast, template=LLAVA_TEMPLATE, files=files,
+                eos_ids=[ids["</s>"]], never_ids=sorted(ids.values()))
+
+
+def get_spec(name):
+    if name == "qwen2_vl":
+        return spec_qwen2_vl("qwen2_vl")
+    if name == "qwen2_5_vl":
+        return spec_qwen2_vl("qwen2_5_vl")
+    if name == "llava":
+        return spec_llava()
+    if name == "gemma3":
+        return spec_gemma3()
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(config: dict):
+    """Instantiate the mlx_vlm model exactly as mlx_vlm.utils.load_model does."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    cfg = copy.deepcopy(config)
+    model_class, _ = get_model_and_args(config=cfg)
+    cfg.setdefault("text_config", cfg.pop("llm_config", {}))
+    cfg.setdefault("vision_config", {})
+    cfg.setdefault("audio_config", {})
+    model_config = model_class.ModelConfig.from_dict(cfg)
+    model_config = update_module_configs(
+        model_config, model_class, cfg, ["text", "vision", "perceiver", "projector", "audio"]
+    )
+    return model_class, model_class.Model(model_config), model_config
+
+
+def _check_sanitize(model_class, model, model_config, params: dict):
+    """The loader runs sanitize() on the saved weights: it must be an identity here."""
+    from mlx_vlm.utils import sanitize_weights
+
+    w = dict(params)
+    w = sanitize_weights(model, w)
+    if hasattr(model_class, "VisionModel") and hasattr(model_config, "vision_config"):
+        w = sanitize_weights(model_class.VisionModel, w, model_config.vision_config)
+    if hasattr(model_class, "LanguageModel") and hasattr(model_config, "text_config"):
+        w = sanitize_weights(model_class.LanguageModel, w, model_config.text_config)
+    if set(w) != set(params):
+        raise RuntimeError(
+            f"sanitize() changed names: +{sorted(set(w) - set(params))} -{sorted(set(params) - set(w))}"
+        )
+    for k, v in w.items():
+        if tuple(v.shape) != tuple(params[k].shape):
+            raise RuntimeError(f"sanitize() changed shape of {k}: {params[k].shape} -> {v.shape}")
+
+
+def _seed_for(name: str, seed: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def _is_lm_head_or_embed(name: str) -> bool:
+    return name.endswith("lm_head.weight") or name.endswith("embed_tokens.weight")
+
+
+def make_small_weights(config: dict, eos_ids, zero_eos=True, seed=0, std=0.1):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    mx.random.seed(seed)
+    model_class, model, model_config = build_model(config)
+    params = dict(tree_flatten(model.parameters()))
+    _check_sanitize(model_class, model, model_config, params)
+    tied = not any(k.endswith("lm_head.weight") for k in params)
+    out = {}
+    for name in sorted(params):
+        p = params[name]
+        if p.ndim >= 2:
+            rng = np.random.default_rng(_seed_for(name, seed))
+            a = rng.normal(0.0, std, size=tuple(p.shape)).astype(np.float32)
+            if zero_eos and eos_ids and (
+                name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))
+            ):
+                a[list(eos_ids)] = 0.0
+            out[name] = mx.array(a)
+        else:
+            a = np.array(p.astype(mx.float32))
+            if a.size and not np.all(a == a.flat[0]):
+                # MLX initializes biases (and e.g. CLIP's class_embedding) from its global
+                # PRNG: redraw them so the file does not depend on that state.
+                rng = np.random.default_rng(_seed_for(name, seed))
+                a = rng.normal(0.0, 0.02, size=a.shape).astype(np.float32)
+            out[name] = mx.array(a)
+    mx.eval(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def _dump_json(path: Path, obj):
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _normalize_json_file(path: Path, drop_keys=()):
+    obj = json.loads(path.read_text())
+    for k in drop_keys:
+        obj.pop(k, None)
+    _dump_json(path, obj)
+
+
+def save_tokenizer(fast, template: str, out: Path):
+    fast.chat_template = template
+    fast.save_pretrained(str(out))
+    # One place for the template: chat_template.jinja (mlx_vlm and transformers both read it).
+    tc = out / "tokenizer_config.json"
+    if tc.exists():
+        _normalize_json_file(tc)
+    for extra in ("special_tokens_map.json",):
+        p = out / extra
+        if p.exists():
+            _normalize_json_file(p)
+    (out / "chat_template.jinja").write_text(template)
+
+
+def write_checkpoint(name: str, out_models: Path, zero_eos=True, seed=0):
+    import mlx.core as mx
+
+    spec = get_spec(name)
+    d = out_models / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    _dump_json(d / "config.json", spec["config"])
+    for fname, obj in spec["files"].items():
+        _dump_json(d / fname, obj)
+    save_tokenizer(spec["tokenizer"], spec["template"], d)
+    weights = make_small_weights(spec["config"], spec["never_ids"], zero_eos=zero_eos, seed=seed)
+    mx.save_safetensors(str(d / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def _pattern(w, h, seed):
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    r = (x / max(w - 1, 1)) * 255
+    g = (y / max(h - 1, 1)) * 255
+    b = ((np.sin(x / 5.0 + seed) + np.cos(y / 7.0)) * 0.25 + 0.5) * 255
+    img = np.stack([r, g, b], -1)
+    # a few deterministic rectangles
+    for _ in range(3):
+        x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
+        x1, y1 = x0 + int(rng.integers(4, w // 2)), y0 + int(rng.integers(4, h // 2))
+        img[y0:y1, x0:x1] = rng.integers(0, 256, size=3)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+IMAGES = {
+    # name: (w, h)
+    "small_64x48.png": (64, 48),
+    "photo_100x80.jpg": (100, 80),
+    "alpha_40x40.png": (40, 40),
+    "large_224x160.jpg": (224, 160),
+    "pattern_72x56.webp": (72, 56),
+    "anim_48x48.gif": (48, 48),
+}
+
+
+def write_images(out_images: Path):
+    from PIL import Image
+
+    out_images.mkdir(parents=True, exist_ok=True)
+    for i, (fname, (w, h)) in enumerate(sorted(IMAGES.items())):
+        arr = _pattern(w, h, seed=100 + i)
+        path = out_images / fname
+        buf = io.BytesIO()
+        if fname.endswith(".png") and fname.startswith("alpha"):
+            yy, xx = np.mgrid[0:h, 0:w]
+            alpha = ((xx + yy) * 255 // (w + h - 2)).astype(np.uint8)
+            Image.fromarray(np.dstack([arr, alpha]), "RGBA").save(buf, format="PNG", optimize=False)
+        elif fname.endswith(".png"):
+            Image.fromarray(arr, "RGB").save(buf, format="PNG", optimize=False)
+        elif fname.endswith(".jpg"):
+            Image.fromarray(arr, "RGB").save(buf, format="JPEG", quality=85)
+        elif fname.endswith(".webp"):
+            Image.fromarray(arr, "RGB").save(buf, format="WEBP", lossless=True)
+        elif fname.endswith(".gif"):
+            f1 = Image.fromarray(arr, "RGB").quantize(colors=16, dither=Image.Dither.NONE)
+            f2 = Image.fromarray(255 - arr, "RGB").quantize(colors=16, dither=Image.Dither.NONE)
+            f1.save(buf, format="GIF", save_all=True, append_images=[f2], duration=100, loop=0)
+        path.write_bytes(buf.getvalue())
+
+
+# ---------------------------------------------------------------------------------------------
+# Big preset: Qwen2-VL-2B-Instruct shapes, random weights (GPU machine only)
+# ---------------------------------------------------------------------------------------------
+
+QWEN2_VL_2B_SPECIAL_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647,
+    "<|box_start|>": 151648,
+    "<|box_end|>": 151649,
+    "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
+
+
+def _big_qwen_tokenizer(vocab_size: int):
+    """Small trained BPE padded with filler tokens so that len(tokenizer) == vocab_size and the
+    special tokens sit at Qwen2's real ids.  Fillers are never produced by merges."""
+    from tokenizers import Tokenizer
+
+    base = train_bpe(1024, ["<unk>"])
+    tj = json.loads(base.to_str())
+    vocab = tj["model"]["vocab"]  # token -> id, ids 0..n-1
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
+    specials = QWEN2_VL_2B_SPECIAL_IDS
+    taken = set(specials.values())
+    new_vocab = {}
+    nid = 0
+    for tokstr, _ in by_id:
+        while nid in taken:
+            nid += 1
+        new_vocab[tokstr] = nid
+        nid += 1
+    filler = 0
+    free = [i for i in range(vocab_size) if i not in taken and i not in set(new_vocab.values())]
+    for i in free:
+        new_vocab[f"<|filler_{filler}|>"] = i
+        filler += 1
+    for t, i in specials.items():
+        new_vocab[t] = i
+    tj["model"]["vocab"] = new_vocab
+    tj["added_tokens"] = [
+        {"id": new_vocab["<unk>"], "content": "<unk>", "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+    ] + [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for t, i in sorted(specials.items(), key=lambda kv: kv[1])
+    ]
+    tok = Tokenizer.from_str(json.dumps(tj))
+    fast = _wrap_fast(
+        tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>",
+        },
+        model_max_length=32768,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    assert len(fast) >= vocab_size, (len(fast), vocab_size)
+    return fast
+
+
+def build_qwen2_vl_2b(out: Path, dtype_name="bfloat16", layers=None, vision_layers=None,
+                      seed=0, zero_eos=True, std=0.02):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    vocab = 151936
+    ids = QWEN2_VL_2B_SPECIAL_IDS
+    config = {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": layers or 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": True,
+        "vocab_size": vocab,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "torch_dtype": dtype_name,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": 28,
+        "vision_config": {
+            "model_type": "qwen2_vl",
+            "depth": vision_layers or 32,
+            "embed_dim": 1280,
+            "hidden_size": 1536,
+            "hidden_act": "quick_gelu",
+            "mlp_ratio": 4,
+            "num_heads": 16,
+            "in_channels": 3,
+            "in_chans": 3,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+    dtype = getattr(mx, dtype_name)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _big_qwen_tokenizer(vocab)
+    _dump_json(out / "config.json", config)
+    min_px, max_px = 56 * 56, 1280 * 28 * 28
+    _dump_json(out / "preprocessor_config.json", _qwen_preprocessor(min_px, max_px))
+    _dump_json(out / "video_preprocessor_config.json", _qwen_video_preprocessor(min_px, max_px))
+    _dump_json(out / "generation_config.json",
+               {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"],
+                "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": False})
+    save_tokenizer(tok, QWEN2_VL_TEMPLATE, out)
+
+    model_class, model, model_config = build_model(config)
+    params = dict(tree_flatten(model.parameters()))  # lazy: nothing is materialized here
+    _check_sanitize(model_class, model, model_config, params)
+    tied = not any(k.endswith("lm_head.weight") for k in params)
+    key = mx.random.key(seed)
+    weights = {}
+    for i, name in enumerate(sorted(params)):
+        p = params[name]
+        if p.ndim >= 2:
+            k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.key(seed * 100003 + i)
+            a = (mx.random.normal(p.shape, dtype=dtype, key=k) * std).astype(dtype)
+            if zero_eos and (name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))):
+                rows = mx.array([ids["<|im_end|>"], ids["<|endoftext|>"]])
+                a[rows] = mx.zeros((2, a.shape[1]), dtype=dtype)
+            weights[name] = a
+        else:
+            weights[name] = p.astype(dtype)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def build_small(out: Path, names, zero_eos=True, seed=0, images=True):
+    out_models = out / "models"
+    out_models.mkdir(parents=True, exist_ok=True)
+    built = []
+    for name in names:
+        built.append(write_checkpoint(name, out_models, zero_eos=zero_eos, seed=seed))
+    if images:
+        write_images(out / "images")
+    return built
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", nargs="*", default=None, help=f"subset of {SMALL_MODELS}")
+    ap.add_argument("--no-images", action="store_true")
+    ap.add_argument("--keep-eos", action="store_true", help="do not zero the EOS lm_head rows")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", choices=["qwen2-vl-2b"], default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=int, default=None, help="override text layers (preset)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="override vision depth (preset)")
+    args = ap.parse_args(argv)
+
+    if args.preset == "qwen2-vl-2b":
+        if args.out is None:
+            ap.error("--preset needs --out DIR")
+        build_qwen2_vl_2b(args.out, args.dtype, args.layers, args.vision_layers, seed=args.seed,
+                          zero_eos=not args.keep_eos)
+        print(f"wrote {args.out}")
+        return 0
+
+    out = args.out or DEFAULT_OUT
+    names = args.only if args.only else list(AVAILABLE)
+    for d in build_small(out, names, zero_eos=not args.keep_eos, seed=args.seed,
+                         images=not args.no_images):
+        print(f"wrote {d}")
+    return 0
+
+
+AVAILABLE = ("qwen2_vl", "llava")
+
+if __name__ == "__main__":
+    sys.exit(main())
