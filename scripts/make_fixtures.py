@@ -260,7 +260,7 @@ def _qwen_tokenizer(vocab_size=512):
     return fast
 
 
-def _qwen_preprocessor(min_pixels, max_pixels, cls="Qwen2VLImageProcessor"):
+def _qwen_preprocessor(min_pixels, max_pixels, processor_class="Qwen2VLProcessor"):
     return {
         "do_convert_rgb": True,
         "do_normalize": True,
@@ -268,12 +268,12 @@ def _qwen_preprocessor(min_pixels, max_pixels, cls="Qwen2VLImageProcessor"):
         "do_resize": True,
         "image_mean": CLIP_MEAN,
         "image_std": CLIP_STD,
-        "image_processor_type": cls,
+        "image_processor_type": "Qwen2VLImageProcessor",
         "max_pixels": max_pixels,
         "merge_size": 2,
         "min_pixels": min_pixels,
         "patch_size": 14,
-        "processor_class": "Qwen2VLProcessor" if cls == "Qwen2VLImageProcessor" else "Qwen2_5_VLProcessor",
+        "processor_class": processor_class,
         "resample": 3,
         "rescale_factor": 0.00392156862745098,
         "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
@@ -281,8 +281,8 @@ def _qwen_preprocessor(min_pixels, max_pixels, cls="Qwen2VLImageProcessor"):
     }
 
 
-def _qwen_video_preprocessor(min_pixels, max_pixels):
-    d = _qwen_preprocessor(min_pixels, max_pixels)
+def _qwen_video_preprocessor(min_pixels, max_pixels, processor_class="Qwen2VLProcessor"):
+    d = _qwen_preprocessor(min_pixels, max_pixels, processor_class)
     d.pop("image_processor_type")
     d["video_processor_type"] = "Qwen2VLVideoProcessor"
     return d
@@ -357,10 +357,10 @@ def spec_qwen2_vl(model_type="qwen2_vl"):
         "vision_config": vision,
     }
     min_px, max_px = 56 * 56, 64 * 28 * 28
-    ip_cls = "Qwen2VLImageProcessor"
+    pcls = "Qwen2VLProcessor" if model_type == "qwen2_vl" else "Qwen2_5_VLProcessor"
     files = {
-        "preprocessor_config.json": _qwen_preprocessor(min_px, max_px, ip_cls),
-        "video_preprocessor_config.json": _qwen_video_preprocessor(min_px, max_px),
+        "preprocessor_config.json": _qwen_preprocessor(min_px, max_px, pcls),
+        "video_preprocessor_config.json": _qwen_video_preprocessor(min_px, max_px, pcls),
     }
     gen = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
            "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
@@ -821,8 +821,11 @@ def build_qwen2_vl_2b(out: Path, dtype_name="bfloat16", layers=None, vision_laye
             k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.key(seed * 100003 + i)
             a = (mx.random.normal(p.shape, dtype=dtype, key=k) * std).astype(dtype)
             if zero_eos and (name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))):
-                rows = mx.array([ids["<|im_end|>"], ids["<|endoftext|>"]])
-                a[rows] = mx.zeros((2, a.shape[1]), dtype=dtype)
+                # EOS rows, plus placeholder rows whose input embeddings are always replaced
+                # by vision features (so zeroing them is harmless even though they are tied).
+                zero = ["<|im_end|>", "<|endoftext|>", "<|image_pad|>", "<|video_pad|>", "<|vision_pad|>"]
+                rows = mx.array([ids[t] for t in zero])
+                a[rows] = mx.zeros((len(zero), a.shape[1]), dtype=dtype)
             weights[name] = a
         else:
             weights[name] = p.astype(dtype)
@@ -875,7 +878,7 @@ def main(argv=None):
     return 0
 
 
-AVAILABLE = ("qwen2_vl", "llava")
+AVAILABLE = ("qwen2_vl", "llava", "qwen2_5_vl")
 
 if __name__ == "__main__":
     sys.exit(main())

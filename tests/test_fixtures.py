@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
 SCRIPT = ROOT / "scripts" / "make_fixtures.py"
 
-MODELS = ["qwen2_vl", "llava"]
+MODELS = ["qwen2_vl", "llava", "qwen2_5_vl"]
 # image tokens per fixture image (see scripts/make_fixtures.py docstring)
 IMAGE_TOKENS = {
     "qwen2_vl": {
@@ -34,6 +34,7 @@ IMAGE_TOKENS = {
         "small_64x48.png", "photo_100x80.jpg", "alpha_40x40.png", "large_224x160.jpg",
         "pattern_72x56.webp", "anim_48x48.gif")},
 }
+IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen2_vl"]
 
 
 def _files(root: Path) -> dict[str, str]:
