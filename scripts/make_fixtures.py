@@ -475,6 +475,104 @@ def spec_llava():
                 eos_ids=[ids["</s>"]], never_ids=sorted(ids.values()))
 
 
+GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def spec_gemma3():
+    # No BOS post-processor: the template renders {{ bos_token }} itself (adding it in the
+    # tokenizer as well gives two BOS tokens).
+    tok = train_bpe(512, GEMMA3_SPECIALS)
+    fast = _wrap_fast(
+        tok,
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        extra_special_tokens={
+            "image_token": "<image_soft_token>",
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+        },
+        model_max_length=8192,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    ids = {t: fast.convert_tokens_to_ids(t) for t in GEMMA3_SPECIALS}
+    n = len(fast)
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "image_token_index": ids["<image_soft_token>"],
+        "mm_tokens_per_image": 4,
+        "vocab_size": n,
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "hidden_size": 64,
+        "torch_dtype": "float32",
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "rms_norm_eps": 1e-6,
+            "rope_global_base_freq": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "sliding_window": 512,
+            "sliding_window_pattern": 2,
+            "max_position_embeddings": 8192,
+            "mm_tokens_per_image": 4,
+            "vocab_size": n,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 14,
+            "image_size": 56,
+            "num_channels": 3,
+            "layer_norm_eps": 1e-6,
+            "vision_use_head": False,
+        },
+    }
+    files = {
+        "preprocessor_config.json": {
+            "do_convert_rgb": None,
+            "do_normalize": True,
+            "do_pan_and_scan": None,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_processor_type": "Gemma3ImageProcessor",
+            "image_seq_length": 4,
+            "image_std": [0.5, 0.5, 0.5],
+            "pan_and_scan_max_num_crops": None,
+            "pan_and_scan_min_crop_size": None,
+            "pan_and_scan_min_ratio_to_activate": None,
+            "processor_class": "Gemma3Processor",
+            "resample": 2,
+            "rescale_factor": 0.00392156862745098,
+            "size": {"height": 56, "width": 56},
+        },
+        "processor_config.json": {"image_seq_length": 4, "processor_class": "Gemma3Processor"},
+        "generation_config.json": {"bos_token_id": ids["<bos>"], "pad_token_id": ids["<pad>"],
+                                   "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+                                   "do_sample": False},
+    }
+    return dict(config=config, tokenizer=fast, template=GEMMA3_TEMPLATE, files=files,
+                eos_ids=[ids["<eos>"], ids["<end_of_turn>"]], never_ids=sorted(ids.values()))
+
+
 def get_spec(name):
     if name == "qwen2_vl":
         return spec_qwen2_vl("qwen2_vl")
@@ -508,8 +606,19 @@ def build_model(config: dict):
     return model_class, model_class.Model(model_config), model_config
 
 
+def _sanitize(model_class, model, model_config, params: dict) -> dict:
+    from mlx_vlm.utils import sanitize_weights
+
+    w = sanitize_weights(model, dict(params))
+    if hasattr(model_class, "VisionModel") and hasattr(model_config, "vision_config"):
+        w = sanitize_weights(model_class.VisionModel, w, model_config.vision_config)
+    if hasattr(model_class, "LanguageModel") and hasattr(model_config, "text_config"):
+        w = sanitize_weights(model_class.LanguageModel, w, model_config.text_config)
+    return w
+
+
 def _check_sanitize(model_class, model, model_config, params: dict):
-    """The loader runs sanitize() on the saved weights: it must be an identity here."""
+    """The loader runs sanitize() on the saved weights: it must keep names and shapes."""
     from mlx_vlm.utils import sanitize_weights
 
     w = dict(params)
@@ -563,6 +672,21 @@ def make_small_weights(config: dict, eos_ids, zero_eos=True, seed=0, std=0.1):
                 rng = np.random.default_rng(_seed_for(name, seed))
                 a = rng.normal(0.0, 0.02, size=a.shape).astype(np.float32)
             out[name] = mx.array(a)
+    # Some families tie lm_head to embed_tokens inside sanitize() (gemma3) even though the
+    # module has its own lm_head: detect it and store the tied tensor under both names, with
+    # the zeroed rows applied to the embedding.
+    lm = [k for k in out if k.endswith("lm_head.weight")]
+    emb = [k for k in out if k.endswith("embed_tokens.weight")]
+    if lm and emb:
+        san = _sanitize(model_class, model, model_config, {lm[0]: out[lm[0]], emb[0]: out[emb[0]]})
+        if san.get(lm[0]) is san.get(emb[0]) or (
+            lm[0] in san and emb[0] in san and np.array_equal(np.array(san[lm[0]]), np.array(san[emb[0]]))
+        ):
+            e = np.array(out[emb[0]])
+            if zero_eos and eos_ids:
+                e[list(eos_ids)] = 0.0
+            out[emb[0]] = mx.array(e)
+            out[lm[0]] = mx.array(e.copy())
     mx.eval(out)
     return out
 
@@ -878,7 +1002,7 @@ def main(argv=None):
     return 0
 
 
-AVAILABLE = ("qwen2_vl", "llava", "qwen2_5_vl")
+AVAILABLE = ("qwen2_vl", "llava", "qwen2_5_vl", "gemma3")
 
 if __name__ == "__main__":
     sys.exit(main())

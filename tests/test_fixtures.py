@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
 SCRIPT = ROOT / "scripts" / "make_fixtures.py"
 
-MODELS = ["qwen2_vl", "llava", "qwen2_5_vl"]
+MODELS = ["qwen2_vl", "llava", "qwen2_5_vl", "gemma3"]
 # image tokens per fixture image (see scripts/make_fixtures.py docstring)
 IMAGE_TOKENS = {
     "qwen2_vl": {
@@ -35,6 +35,7 @@ IMAGE_TOKENS = {
         "pattern_72x56.webp", "anim_48x48.gif")},
 }
 IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen2_vl"]
+IMAGE_TOKENS["gemma3"] = {name: 4 for name in IMAGE_TOKENS["llava"]}
 
 
 def _files(root: Path) -> dict[str, str]:
