@@ -5,16 +5,30 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from PIL import Image
-
+from vlmserve.media import MediaPolicy, decode_image
 from vlmserve.protocol import ChatMessage, ImageRef
+
+
+class _WithoutPadding:
+    """mlx_vlm.prepare_inputs passes `padding=` to the processor, and LlavaProcessor forwards
+    it to the image processor, which transformers 5 rejects (real checkpoints too). One
+    prompt needs no padding, so drop it; everything else goes to the real processor."""
+
+    def __init__(self, processor):
+        self._processor = processor
+
+    def __call__(self, *args, padding=None, **kwargs):
+        return self._processor(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._processor, name)
 
 
 @lru_cache(maxsize=None)
 def _mlx_vlm_processor(model_path: str):
     from mlx_vlm.utils import load_processor
 
-    return load_processor(Path(model_path))
+    return _WithoutPadding(load_processor(Path(model_path)))
 
 
 def rendered_prompt(server, text: str, n_images: int) -> str:
@@ -27,7 +41,8 @@ def mlx_vlm_text(server, text: str, image_paths: list[Path], max_tokens: int) ->
     import mlx_vlm
 
     prompt = rendered_prompt(server, text, len(image_paths))
-    images = [Image.open(p).convert("RGB") for p in image_paths]
+    # The server's own decoder (alpha flattened on white, EXIF-oriented): same pixels in both runs.
+    images = [decode_image(Path(p).read_bytes(), MediaPolicy()) for p in image_paths]
     processor = _mlx_vlm_processor(str(server.engine.model_path))
     model = server.engine.scheduler.vlm.model
 

@@ -7,10 +7,9 @@ them into mx.arrays. Nothing here runs on the event loop or on the MLX thread.
 from __future__ import annotations
 
 import asyncio
-import json
+import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,24 +20,6 @@ from .media import ImageCache, MediaError, MediaPolicy, load_image_bytes
 from .protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest
 
 log = logging.getLogger(__name__)
-
-
-def load_processor(model_path: Path):
-    """The model family's transformers processor (NumPy outputs).
-
-    mlx_vlm registers its own processors with AutoProcessor and those return mx.arrays,
-    which must never be made off the MLX thread; so take transformers' own class first.
-    """
-    import transformers
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-    model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
-    name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    if cls is not None:
-        return cls.from_pretrained(model_path)
-    log.warning("no transformers processor for %s; using AutoProcessor", model_type)
-    return transformers.AutoProcessor.from_pretrained(model_path)
 
 
 def media_policy(config: ServerConfig) -> MediaPolicy:
@@ -71,11 +52,13 @@ def cap_pixels(image: Image.Image, max_pixels: int | None) -> Image.Image:
 
 
 class Preprocessor:
-    def __init__(self, model_path: Path, context_length: int, config: ServerConfig):
+    def __init__(self, processor, context_length: int, config: ServerConfig):
         self.config = config
         self.context_length = context_length
-        self.processor = load_processor(model_path)
+        self.processor = processor
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        call = getattr(processor, "process", processor)
+        self._takes_special_tokens_flag = "add_special_tokens" in inspect.signature(call).parameters
         self.policy = media_policy(config)
         self.images = ImageCache(max_entries=config.image_cache_entries)
         self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
@@ -90,9 +73,9 @@ class Preprocessor:
 
     # ---- pool threads ------------------------------------------------------------
     def render(self, messages: list[ChatMessage]) -> str:
-        return self.processor.apply_chat_template(
-            to_template_messages(messages), add_generation_prompt=True, tokenize=False
-        )
+        # Some processors keep the chat template on their tokenizer only.
+        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        return owner.apply_chat_template(to_template_messages(messages), add_generation_prompt=True, tokenize=False)
 
     def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
         refs = chat.images
@@ -106,8 +89,9 @@ class Preprocessor:
         return self.encode(prompt, images)
 
     def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:
-        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np",
-                                  "add_special_tokens": self._add_special_tokens(prompt)}
+        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        if self._takes_special_tokens_flag:  # others forward unknown kwargs to the image processor, which rejects them
+            kwargs["add_special_tokens"] = self._add_special_tokens(prompt)
         if images:
             kwargs["images"] = images
         enc = self.processor(**kwargs)

@@ -42,6 +42,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     json_mode: bool = False
+    ignore_eos: bool = False  # vLLM extension: benchmarks need exactly max_tokens tokens
 
     @property
     def greedy(self) -> bool:

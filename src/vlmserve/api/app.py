@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
+from ..engine.processor import load_processor
 from ..metrics import Metrics, SchedulerHooks
 from ..preprocess import Preprocessor
 from ..protocol import ChatMessage, FinishReason, ImageRef, SamplingParams
@@ -54,9 +55,8 @@ class ServerState:
         t0 = time.perf_counter()
         await self.engine.start()
         loop = asyncio.get_running_loop()
-        self.preprocessor = await loop.run_in_executor(
-            None, Preprocessor, self.engine.model_path, self.engine.info.context_length, self.config
-        )
+        processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
+        self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config)
         if self.config.warmup:
             await self.warmup()
         self.ready = True

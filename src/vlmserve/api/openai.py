@@ -132,6 +132,9 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
             raise _bad("'response_format.type' must be 'text' or 'json_object'", "response_format")
         json_mode = kind == "json_object"
 
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
     sampling = SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(_number(body, "temperature", 0, 2, 1.0)),
@@ -144,6 +147,7 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
         logprobs=bool(logprobs),
         top_logprobs=int(top_logprobs),
         json_mode=json_mode,
+        ignore_eos=ignore_eos,
     )
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")

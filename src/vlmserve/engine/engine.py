@@ -13,16 +13,10 @@ from ..protocol import ModelInfo
 from .model import VLM, resolve_model_path
 from .scheduler import EngineRequest, MLLMScheduler
 from .thread_guard import GUARD
+from .tokenizer import TextCodec
 from .worker import MLXWorkerThread
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: Path):
-    """mlx_lm's tokenizer wrapper (pure Python): streaming detokenizers + EOS ids."""
-    from mlx_lm.tokenizer_utils import load as load_tok
-
-    return load_tok(path)
 
 
 class Engine:
@@ -42,11 +36,11 @@ class Engine:
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)
         self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_path)
+        self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await asyncio.wrap_future(self.worker.submit(self._load_on_worker))
 
     def _load_on_worker(self) -> None:
-        vlm = VLM(self.model_path, tuple(sorted(self.tokenizer.eos_token_ids)))
+        vlm = VLM(self.model_path, self.tokenizer.eos_token_ids)
         if self.config.thread_guard:
             GUARD.watch_model(vlm.model)
         if self.config.max_model_len:

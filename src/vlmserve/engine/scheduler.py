@@ -22,6 +22,7 @@ from .model import VLM, PromptState
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, log_softmax, sample_batch
 from .text_stream import TextStream
+from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,14 @@ class SchedulerStats:
 
 
 class MLLMScheduler:
-    def __init__(self, vlm: VLM, tokenizer, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
+    def __init__(self, vlm: VLM, tokenizer: TextCodec, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
                  prefix_cache_tokens: int = 65536, hooks: Any = None):
         self.vlm = vlm
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
-        self.eos = set(vlm.info.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos = set(vlm.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = vlm.info.context_length
         self.hooks = hooks
         self.inbox: deque[EngineRequest] = deque()  # appended from any thread
@@ -140,7 +141,7 @@ class MLLMScheduler:
             sampler = RowSampler.create(req.sampling)
             if req.sampling.json_mode:
                 sampler.logits_mask = self._json_constraints().new()
-            text = TextStream(self.tokenizer.detokenizer, req.sampling.stop)
+            text = TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop)
             self.prefilling.append(Sequence(req=req, sampler=sampler, text=text))
             if self.hooks:
                 self.hooks.on_admit(req)
@@ -149,8 +150,7 @@ class MLLMScheduler:
         if self._json_factory is None:
             from .json_mode import JsonConstraintFactory
 
-            hf_tokenizer = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-            self._json_factory = JsonConstraintFactory(hf_tokenizer, self.vlm.info.vocab_size, sorted(self.eos))
+            self._json_factory = JsonConstraintFactory(self.tokenizer.hf, self.vlm.info.vocab_size, sorted(self.eos))
         return self._json_factory
 
     def _prefill(self) -> None:
@@ -260,7 +260,7 @@ class MLLMScheduler:
         seq.last_token = token
         params = seq.req.sampling
         event = TokenEvent(token_ids=[token])
-        if token in self.eos or token in params.stop_token_ids:
+        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, FinishReason.STOP, event=event)
             return
         if logprobs is not None:
@@ -284,7 +284,7 @@ class MLLMScheduler:
         return TokenLogprob(token, self._token_text(token), float(logprobs[token].item()), top)
 
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return self.tokenizer.token_text(token)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
                 error: str | None = None) -> None:

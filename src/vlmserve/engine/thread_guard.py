@@ -55,7 +55,7 @@ class ThreadGuard:
             return
         original = getattr(target, name)
         self._originals[(target, name)] = original
-        label = f"{getattr(target, '__name__', target)}.{name}"
+        label = f"mx.{name}" if target is mx else f"{target.__name__}.{name}"
         guard = self
 
         @functools.wraps(original)
