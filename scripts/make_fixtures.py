@@ -43,7 +43,26 @@ Image-token counts
 * llava (fixed): every image is resized/cropped to image_size (56) and ``<image>`` expands to
   (56/14)**2 + num_additional_image_tokens(1) - 1 (vision_feature_select_strategy "default"
   drops CLS) = 16 tokens, whatever the input size.
-* gemma3 (fixed): ``<start_of_image>`` expands to mm_tokens_per_image tokens (fixture: 4).
+* gemma3 (fixed): ``<start_of_image>`` expands to "\n\n<start_of_image>" + 4 x
+  ``<image_soft_token>`` (mm_tokens_per_image = image_seq_length = 4: 56/14 = 4x4 patches
+  avg-pooled 2x2) + "<end_of_image>\n\n", whatever the input size.
+
+Prompts verified with mlx_vlm.generate (temperature 0, exactly max_tokens tokens)
+-----------------------------------------------------------------------------------
+    model, processor = mlx_vlm.load("fixtures/models/<name>")
+    prompt = mlx_vlm.prompt_utils.apply_chat_template(processor, model.config, "Describe this image.",
+                                                      num_images=1)
+    mlx_vlm.generate(model, processor, prompt, image=["fixtures/images/small_64x48.png"],
+                     max_tokens=32, temperature=0.0)
+  qwen2_vl:   '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n'
+              'Describe this image.<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n'
+              '<|im_start|>assistant\n'        (mlx_vlm puts the image after the text here)
+  qwen2_5_vl: same, but the image part comes before the text.
+  llava:      'USER: <image>\nDescribe this image. ASSISTANT:'  (tokenizer adds <s>)
+              mlx_vlm's LlavaProcessor forwards padding= to the image processor, which
+              transformers 5.x rejects: wrap processor.image_processor to drop it.
+  gemma3:     '<bos><start_of_turn>user\nDescribe this image.<start_of_image><end_of_turn>\n'
+              '<start_of_turn>model\n'         (template adds <bos>; the tokenizer does not)
 """
 
 from __future__ import annotations
@@ -56,7 +75,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
