@@ -1,0 +1,204 @@
+"""Issue 3 acceptance: continuous batching equals single runs, per-step admission,
+prefix cache isolation, per-request sampling, cancellation and error isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import chat_body, data_uri, images
+from reference import mlx_vlm_text
+
+MAX_TOKENS = 16
+
+
+def _mixed_requests():
+    """16 requests: text-only, one image, two images, different image sizes."""
+    imgs = images()
+    reqs = []
+    for i in range(16):
+        kind = i % 4
+        text = f"Request {i}: describe what you see, item {i * 7 % 11}."
+        if kind == 0:
+            paths = []
+        elif kind == 3:
+            paths = [imgs[i % len(imgs)], imgs[(i + 1) % len(imgs)]]
+        else:
+            paths = [imgs[i % len(imgs)]]
+        reqs.append((text, paths))
+    return reqs
+
+
+async def _post(client, body):
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _body(server, text, paths, **kw):
+    return chat_body(server.model_id, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS,
+                     temperature=0, **kw)
+
+
+def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
+    reqs = _mixed_requests()
+
+    async def alone():
+        async with httpx.AsyncClient(base_url=any_server.base_url, timeout=120) as c:
+            return [(await _post(c, _body(any_server, t, p)))["choices"][0]["message"]["content"] for t, p in reqs]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=any_server.base_url, timeout=120) as c:
+            async def one(i, t, p):
+                await asyncio.sleep(0.01 * i)  # staggered arrival: rows join a running batch
+                return (await _post(c, _body(any_server, t, p)))["choices"][0]["message"]["content"]
+            return await asyncio.gather(*(one(i, t, p) for i, (t, p) in enumerate(reqs)))
+
+    singles = asyncio.run(alone())
+    steps_before = any_server.engine.scheduler.stats.decode_steps
+    batched = asyncio.run(together())
+    steps = any_server.engine.scheduler.stats.decode_steps - steps_before
+    assert batched == singles
+    assert steps < 16 * MAX_TOKENS / 2, "requests were not decoded together"
+    for (text, paths), got in zip(reqs, singles):
+        assert got == mlx_vlm_text(any_server, text, paths, MAX_TOKENS)
+
+
+def test_new_request_is_admitted_while_others_decode(qwen_server):
+    long_body = chat_body(qwen_server.model_id, "Tell a very long story.", max_tokens=300, temperature=0,
+                          ignore_eos=True)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            finished = []
+
+            async def long(i):
+                await _post(c, {**long_body, "messages": [{"role": "user", "content": f"story {i}"}]})
+                finished.append(time.monotonic())
+
+            tasks = [asyncio.create_task(long(i)) for i in range(8)]
+            while qwen_server.engine.scheduler.stats.decode_steps == 0 or qwen_server.engine.num_running < 8:
+                await asyncio.sleep(0.005)
+            first_token = None
+            body = _body(qwen_server, "Quick question", [images()[0]], stream=True)
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        delta = json.loads(line[6:])["choices"][0]["delta"]
+                        if delta.get("content"):
+                            first_token = time.monotonic()
+                            break
+            await asyncio.gather(*tasks)
+            return first_token, finished
+
+    first_token, finished = asyncio.run(scenario())
+    assert first_token is not None
+    assert first_token < min(finished), "the new request waited for the running batch to drain"
+
+
+def test_prefix_cache_never_serves_image_requests(qwen_server):
+    text = "Prefix cache probe: what colour is the dominant object in the picture?"
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            first = await _post(c, _body(qwen_server, text, []))
+            again = await _post(c, _body(qwen_server, text, []))
+            a, b = await asyncio.gather(_post(c, _body(qwen_server, text, [images()[0]])),
+                                        _post(c, _body(qwen_server, text, [images()[2]])))
+            return first, again, a, b
+
+    pc = qwen_server.engine.scheduler.prefix_cache
+    first, again, a, b = asyncio.run(run())
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert a["choices"][0]["message"]["content"] == mlx_vlm_text(qwen_server, text, [images()[0]], MAX_TOKENS)
+    assert b["choices"][0]["message"]["content"] == mlx_vlm_text(qwen_server, text, [images()[2]], MAX_TOKENS)
+    assert pc.size_tokens > 0
+
+
+def test_mixed_sampling_in_one_batch(qwen_server):
+    greedy = _body(qwen_server, "Greedy row", [images()[1]])
+    seeded = _body(qwen_server, "Seeded row", [images()[1]]) | {"temperature": 0.9, "top_p": 0.9, "seed": 1234}
+    others = [_body(qwen_server, f"noise {i}", []) | {"temperature": 1.3, "top_k": 20} for i in range(6)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            g_alone = await _post(c, greedy)
+            s_alone = await _post(c, seeded)
+            results = await asyncio.gather(*(_post(c, b) for b in [greedy, seeded, *others]))
+            return g_alone, s_alone, results
+
+    g_alone, s_alone, results = asyncio.run(run())
+    text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+    assert text(results[0]) == text(g_alone)
+    assert text(results[1]) == text(s_alone)
+    assert text(g_alone) == mlx_vlm_text(qwen_server, "Greedy row", [images()[1]], MAX_TOKENS)
+    assert len({text(r) for r in results[2:]}) > 1, "sampled rows shared one random stream"
+
+
+def _wait_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while server.engine.num_running + server.engine.num_waiting > 0:
+        assert time.monotonic() < deadline, "rows were not freed"
+        time.sleep(0.01)
+
+
+def test_disconnect_and_cancel_free_rows(qwen_server):
+    body = chat_body(qwen_server.model_id, "Go on forever.", max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def stream_then_leave():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: ")
+                    if n > 5:
+                        break  # leaving the block closes the connection
+
+    async def post_then_cancel():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            task = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+            while qwen_server.engine.num_running == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(stream_then_leave())
+    _wait_idle(qwen_server)
+    asyncio.run(post_then_cancel())
+    _wait_idle(qwen_server)
+    assert qwen_server.engine.scheduler.batch_cache is None
+
+
+def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
+    vlm = qwen_server.engine.scheduler.vlm
+    tokenizer = qwen_server.engine.tokenizer.hf
+    real = vlm.embed_prompt
+
+    def embed(prepared):
+        if "POISON" in tokenizer.decode(prepared.prompt_ids.tolist()):
+            raise RuntimeError("injected failure")
+        return real(prepared)
+
+    good = [_body(qwen_server, f"healthy {i}", [images()[i % 3]]) for i in range(4)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            alone = [await _post(c, b) for b in good]
+            monkeypatch.setattr(vlm, "embed_prompt", embed)
+            bad = c.post("/v1/chat/completions", json=_body(qwen_server, "POISON pill", [images()[0]]))
+            results = await asyncio.gather(bad, *(_post(c, b) for b in good))
+            return alone, results
+
+    alone, results = asyncio.run(run())
+    assert results[0].status_code == 500
+    assert results[0].json()["error"]["message"]
+    assert [r["choices"][0]["message"]["content"] for r in results[1:]] == \
+        [r["choices"][0]["message"]["content"] for r in alone]
