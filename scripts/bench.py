@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Closed-loop load generator for OpenAI-compatible VLM servers (vlmserve, mlx_vlm.server, ...).
+
+Workload W1 by default: one distinct 448x448 image per request (data URI) + ~330 prompt
+tokens of text, 128 output tokens, temperature 0, streamed with include_usage, 2*c requests
+per concurrency level. Prints and records output tok/s, req/s, TTFT p50/p99, ITL p50,
+E2E p50/p99 and /health p99 (sampled every 100 ms during each level).
+
+    python scripts/bench.py --url http://127.0.0.1:8000 --concurrency 1,8 --out bench.json
+    python scripts/bench.py --url http://A --label vlmserve --peer-url http://B --peer-label mlx-vlm \\
+        --concurrency 1,8,32,64 --out w1.json --plot w1.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+from PIL import Image
+
+FILLER = ("Look at the picture carefully and describe the objects, their colours, the layout of the scene, "
+          "any text you can read, the lighting, and what might have happened just before it was taken. ")
+
+
+def make_image(index: int, size: int) -> str:
+    """A distinct deterministic PNG per request, as a data URI."""
+    rng = np.random.default_rng(index)
+    base = rng.integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
+    img = Image.fromarray(base).resize((size, size), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def make_prompt(words: int) -> str:
+    text = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
+    return " ".join(text)
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, image: str, prompt: str,
+                      max_tokens: int, image_first: bool) -> Result:
+    parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": prompt}]
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": parts if image_first else parts[::-1]}]}
+    start = time.perf_counter()
+    last = None
+    res = Result(ok=False)
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    res.error = str(payload["error"])[:200]
+                    return res
+                usage = payload.get("usage")
+                if usage:
+                    res.output_tokens = usage.get("completion_tokens", 0)
+                    res.prompt_tokens = usage.get("prompt_tokens", 0)
+                for choice in payload.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        chunks += 1
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+        return res
+    res.e2e = time.perf_counter() - start
+    res.output_tokens = res.output_tokens or chunks
+    res.ok = last is not None
+    return res
+
+
+async def sample_health(url: str, stop: asyncio.Event, period: float = 0.1) -> list[float]:
+    samples = []
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                await client.get(f"{url}/health")
+                samples.append(time.perf_counter() - t0)
+            except httpx.HTTPError:
+                samples.append(float("inf"))
+            await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
+    return samples
+
+
+def gpu_memory_mib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5)
+        return float(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+async def gpu_peak(stop: asyncio.Event) -> float | None:
+    peak = None
+    while not stop.is_set():
+        used = await asyncio.to_thread(gpu_memory_mib)
+        if used is not None:
+            peak = max(peak or 0.0, used)
+        await asyncio.sleep(0.5)
+    return peak
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(np.percentile(values, q))
+
+
+async def run_level(url: str, model: str, concurrency: int, n_requests: int, args, offset: int) -> dict:
+    images = [make_image(offset + i, args.image_size) for i in range(n_requests)]
+    prompt = make_prompt(args.prompt_words)
+    queue: asyncio.Queue = asyncio.Queue()
+    for img in images:
+        queue.put_nowait(img)
+    results: list[Result] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    stop = asyncio.Event()
+    health = asyncio.create_task(sample_health(url, stop))
+    gpu = asyncio.create_task(gpu_peak(stop))
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        async def worker():
+            while not queue.empty():
+                img = queue.get_nowait()
+                results.append(await one_request(client, url, model, img, prompt, args.max_tokens, args.image_first))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    stop.set()
+    health_s = await health
+    peak = await gpu
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    itls = [x for r in ok for x in r.itls]
+    return {
+        "concurrency": concurrency, "requests": n_requests, "ok": len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "wall_s": wall, "output_tok_s": out_tokens / wall if wall else 0.0, "req_s": len(ok) / wall if wall else 0.0,
+        "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in ok) if ok else None,
+        "output_tokens_mean": statistics.mean(r.output_tokens for r in ok) if ok else None,
+        "ttft_p50_s": pct([r.ttft for r in ok], 50), "ttft_p99_s": pct([r.ttft for r in ok], 99),
+        "ttft_first_s": ok[0].ttft if ok else None,
+        "itl_p50_s": pct(itls, 50),
+        "e2e_p50_s": pct([r.e2e for r in ok], 50), "e2e_p99_s": pct([r.e2e for r in ok], 99),
+        "health_p99_s": pct(health_s, 99), "health_samples": len(health_s),
+        "gpu_mem_peak_mib": peak,
+    }
+
+
+async def discover_model(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.get(f"{url}/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+async def bench_server(url: str, label: str, model: str | None, args) -> dict:
+    model = model or await discover_model(url)
+    levels = []
+    offset = 0
+    for c in args.concurrency:
+        n = args.requests_per_level or 2 * c
+        level = await run_level(url, model, c, n, args, offset)
+        offset += n
+        levels.append(level)
+        print(f"[{label}] c={c:<3} ok={level['ok']}/{n} out={level['output_tok_s']:.1f} tok/s "
+              f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
+              f"ITL p50={fmt(level['itl_p50_s'])} E2E p50={fmt(level['e2e_p50_s'])} p99={fmt(level['e2e_p99_s'])} "
+              f"health p99={fmt(level['health_p99_s'])}"
+              + (f" errors={level['errors']}" if level["errors"] else ""), flush=True)
+    return {"label": label, "url": url, "model": model, "levels": levels}
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}ms"
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        cs = [lv["concurrency"] for lv in run["levels"]]
+        ax1.plot(cs, [lv["output_tok_s"] for lv in run["levels"]], marker="o", label=run["label"])
+        ax2.plot(cs, [lv["ttft_p50_s"] or 0 for lv in run["levels"]], marker="o", label=f"{run['label']} p50")
+        ax2.plot(cs, [lv["ttft_p99_s"] or 0 for lv in run["levels"]], marker="x", linestyle="--",
+                 label=f"{run['label']} p99")
+    ax1.set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title="Throughput")
+    ax2.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="TTFT (s)", title="Time to first token")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True)
+    p.add_argument("--label", default="vlmserve")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--peer-url", default=None, help="a second server to measure in the same run")
+    p.add_argument("--peer-label", default="peer")
+    p.add_argument("--peer-model", default=None)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    p.add_argument("--requests-per-level", type=int, default=0, help="default: 2 x concurrency")
+    p.add_argument("--image-size", type=int, default=448)
+    p.add_argument("--prompt-words", type=int, default=40, help="text words (W1: ~330 prompt tokens with the image)")
+    p.add_argument("--image-first", action="store_true", default=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here")
+    args = p.parse_args(argv)
+
+    async def run_all():
+        runs = [await bench_server(args.url, args.label, args.model, args)]
+        if args.peer_url:
+            runs.append(await bench_server(args.peer_url, args.peer_label, args.peer_model, args))
+        return runs
+
+    runs = asyncio.run(run_all())
+    record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": {
+        k: getattr(args, k) for k in ("image_size", "prompt_words", "max_tokens", "concurrency", "requests_per_level")},
+        "runs": runs}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2)
+    if args.plot:
+        plot(runs, args.plot)
+    return 0 if all(lv["ok"] == lv["requests"] for run in runs for lv in run["levels"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
