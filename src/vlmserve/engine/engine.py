@@ -24,6 +24,8 @@ class Engine:
         self.config = config
         self.hooks = hooks
         self.worker = MLXWorkerThread()
+        self.worker.after_work = self._flush
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # worker thread only
         self.info: ModelInfo | None = None
         self.model_path: Path | None = None
         self.scheduler: MLLMScheduler | None = None
@@ -76,8 +78,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-        def emit(event: TokenEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+        def emit(event: TokenEvent) -> None:  # worker thread: batched, see _flush
+            self._outbox.setdefault(loop, []).append((queue, event))
 
         req = EngineRequest(request_id, prepared, sampling, emit)
         self.scheduler.add(req)
@@ -96,6 +98,17 @@ class Engine:
                 req.cancelled = True
                 self.worker.wake()
 
+    def _flush(self) -> None:
+        """Hand a step's events to each event loop with one thread-safe call, not one per token."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop has closed: nobody is waiting any more
+                pass
+
     async def run_on_worker(self, fn, *args, **kwargs):
         return await asyncio.wrap_future(self.worker.submit(fn, *args, **kwargs))
 
@@ -106,6 +119,11 @@ class Engine:
             except Exception:  # noqa: BLE001 - the worker may already be gone
                 pass
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+
+
+def _deliver(items) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
 
 
 __all__ = ["Engine", "FinishReason"]

@@ -34,6 +34,11 @@ class RowSampler:
     def needs_penalties(self) -> bool:
         return bool(self.counts) and (self.params.presence_penalty or self.params.frequency_penalty)
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether the next draw depends on the previous token's value (not just its array)."""
+        return bool(self.params.presence_penalty or self.params.frequency_penalty or self.logits_mask is not None)
+
     def observe(self, token: int) -> None:
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.counts[token] = self.counts.get(token, 0) + 1

@@ -83,6 +83,7 @@ class MLLMScheduler:
         self.batch_cache: list[Any] | None = None
         self.stats = SchedulerStats()
         self._json_factory = None
+        self._inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
 
     # ---- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -98,7 +99,7 @@ class MLLMScheduler:
         return len(self.waiting) + len(self.inbox)
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.waiting or self.prefilling or self.running)
+        return bool(self.inbox or self.waiting or self.prefilling or self.running or self._inflight)
 
     def step(self) -> None:
         self.stats.steps += 1
@@ -121,6 +122,7 @@ class MLLMScheduler:
         self.prefilling.clear()
         self.running.clear()
         self.batch_cache = None
+        self._inflight = None
 
     # ---- phases ------------------------------------------------------------------
     def _drop_cancelled(self) -> None:
@@ -167,6 +169,9 @@ class MLLMScheduler:
                 self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
 
     def _prefill_one(self, seq: Sequence, budget: int) -> int:
+        """Prefill prompt[:-1] in chunks; the last prompt token then rides the next batched
+        decode step, which samples the first token. This is how mlx_vlm.generate splits the
+        prompt too (chunks, then the last token alone), and it saves one forward per request."""
         prepared = seq.req.prepared
         if seq.prompt is None:
             t0 = time.perf_counter()
@@ -178,34 +183,25 @@ class MLLMScheduler:
             if self.hooks and prepared.has_pixels:
                 mx.eval(seq.prompt.embeds)
                 self.hooks.on_vision(time.perf_counter() - t0)
-        total = seq.num_prompt
-        # Like mlx_vlm.generate: the prompt minus its last token in chunks, then the last token
-        # alone, so chunk shapes (and float rounding) match the reference run.
-        end = total - 1 if seq.prefilled < total - 1 else total
-        end = min(end, seq.prefilled + budget)
-        t0 = time.perf_counter()
-        logits = self.vlm.prefill(seq.prompt, seq.prefilled, end)
+        target = seq.num_prompt - 1
+        end = min(target, seq.prefilled + budget)
         used = end - seq.prefilled
-        seq.prefilled = end
-        if end < total:
+        if used > 0:
+            t0 = time.perf_counter()
+            self.vlm.prefill(seq.prompt, seq.prefilled, end)
             mx.eval([c.state for c in seq.prompt.cache])
+            seq.prefilled = end
             if self.hooks:
                 self.hooks.on_prefill(time.perf_counter() - t0)
+        if end < target:
             return used
-        token = sample_batch(logits, [seq.sampler])
-        lp = log_softmax(logits) if seq.req.sampling.logprobs else None
-        mx.eval(token, lp, [c.state for c in seq.prompt.cache])
-        if self.hooks:
-            self.hooks.on_prefill(time.perf_counter() - t0)
-        seq.cache_len = total
         self.prefilling.remove(seq)
-        self.stats.prompt_tokens += total
-        if self.prefix_cache is not None and not prepared.has_pixels:
-            self.prefix_cache.store(prepared.prompt_ids, seq.prompt.cache)
+        self.stats.prompt_tokens += seq.num_prompt
+        if self.prefix_cache is not None and not prepared.has_pixels and target > 0:
+            self.prefix_cache.store(prepared.prompt_ids[:target], seq.prompt.cache)
+        seq.cache_len = target
+        seq.last_token = int(prepared.prompt_ids[target])
         self._join(seq)
-        self._accept(seq, int(token.item()), lp[0] if lp is not None else None)
-        if seq.finished:
-            self._remove_rows([seq])
         return used
 
     def _join(self, seq: Sequence) -> None:
@@ -220,35 +216,72 @@ class MLLMScheduler:
         self.running.append(seq)
 
     def _decode(self) -> None:
-        if not self.running:
-            return
+        """Launch this step's batched decode, then read back the previous step's tokens.
+
+        The graph for step N+1 is built from step N's still-unevaluated tokens, so the
+        device runs step N+1 while the host detokenizes and emits step N (no per-token sync
+        before launching). Rows whose sampling depends on the previous token's value
+        (penalties, JSON constraint) make the step resolve first.
+        """
+        prev, self._inflight = self._inflight, None
+        if prev is not None and any(s.sampler.needs_history for s in self.running):
+            self._resolve(prev)
+            prev = None
+        if self.running:
+            try:
+                self._inflight = self._launch(prev)
+            except Exception as exc:  # a batch-level failure cannot be attributed to one row
+                log.exception("decode step failed")
+                for seq in list(self.running):
+                    self._finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
+                self.running.clear()
+                self.batch_cache = None
+                return
+        if prev is not None:
+            self._resolve(prev)
+
+    def _launch(self, prev):
         t0 = time.perf_counter()
         rows = list(self.running)
-        tokens = mx.array([s.last_token for s in rows], dtype=mx.int32)
+        if prev is None:
+            tokens = mx.array([s.last_token for s in rows], dtype=mx.int32)
+        else:
+            prev_rows, prev_tokens, _, _ = prev
+            index = {id(s): i for i, s in enumerate(prev_rows)}
+            joined = [s for s in rows if id(s) not in index]  # first token already known on the host
+            order, k = [], len(prev_rows)
+            for seq in rows:
+                if id(seq) in index:
+                    order.append(index[id(seq)])
+                else:
+                    order.append(k)
+                    k += 1
+            tokens = prev_tokens
+            if joined:
+                tokens = mx.concatenate([tokens, mx.array([s.last_token for s in joined], dtype=mx.int32)])
+            if order != list(range(tokens.shape[0])):
+                tokens = tokens[mx.array(order, dtype=mx.int32)]
         positions = None
         if rows[0].prompt.position_ids is not None:
             positions = mx.array([s.cache_len + s.prompt.rope_delta for s in rows], dtype=mx.int32)
-        try:
-            logits = self.vlm.decode(tokens, self.batch_cache, positions)
-            next_tokens = sample_batch(logits, [s.sampler for s in rows])
-            want_lp = any(s.req.sampling.logprobs for s in rows)
-            lp = log_softmax(logits) if want_lp else None
-            mx.async_eval(next_tokens, lp)
-            ids = next_tokens.tolist()
-        except Exception as exc:  # a batch-level failure cannot be attributed to one row
-            log.exception("decode step failed")
-            for seq in rows:
-                self._finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
-            self.running.clear()
-            self.batch_cache = None
-            return
-        self.stats.decode_steps += 1
-        for i, seq in enumerate(rows):
+        logits = self.vlm.decode(tokens, self.batch_cache, positions)
+        next_tokens = sample_batch(logits, [s.sampler for s in rows])
+        lp = log_softmax(logits) if any(s.req.sampling.logprobs for s in rows) else None
+        mx.async_eval(next_tokens, *([lp] if lp is not None else []))
+        for seq in rows:
             seq.cache_len += 1
-            self._accept(seq, ids[i], lp[i] if lp is not None and seq.req.sampling.logprobs else None)
-        self._remove_rows([s for s in rows if s.finished])
+        self.stats.decode_steps += 1
+        return rows, next_tokens, lp, t0
+
+    def _resolve(self, inflight) -> None:
+        rows, tokens, lp, t0 = inflight
+        ids = tokens.tolist()
         if self.hooks:
             self.hooks.on_decode_step(time.perf_counter() - t0, len(rows))
+        for i, seq in enumerate(rows):
+            if not seq.finished:  # finished or cancelled rows were computed once more; drop that
+                self._accept(seq, ids[i], lp[i] if lp is not None and seq.req.sampling.logprobs else None)
+        self._remove_rows([s for s in rows if s.finished and s in self.running])
 
     # ---- per-token bookkeeping -------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:

@@ -28,6 +28,7 @@ class MLXWorkerThread(threading.Thread):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
         self.scheduler = None  # set on this thread once the model is loaded
+        self.after_work: Callable[[], None] | None = None  # e.g. deliver the step's events in one batch
         self.heartbeat = time.monotonic()
         self.error: BaseException | None = None
 
@@ -63,12 +64,16 @@ class MLXWorkerThread(threading.Thread):
                 self._run_jobs(block=not busy)
                 if self.scheduler is not None and self.scheduler.has_work():
                     self.scheduler.step()
+                if self.after_work is not None:
+                    self.after_work()
         except BaseException as exc:  # noqa: BLE001 - the worker must report its death, whatever it was
             self.error = exc
             log.exception("MLX worker died")
             if self.scheduler is not None:
                 self.scheduler.fail_all("the inference worker stopped unexpectedly")
         finally:
+            if self.after_work is not None:
+                self.after_work()
             self._fail_pending()
 
     def _run_jobs(self, *, block: bool) -> None:
