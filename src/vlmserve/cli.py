@@ -28,6 +28,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
+    p.add_argument("--max-pending-preprocess", type=int, default=d.max_pending_preprocess,
+                   help="requests queued for or inside the CPU pool before 429")
     p.add_argument("--image-fetch-timeout", type=float, default=d.image_fetch_timeout)
     p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
@@ -35,34 +37,99 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pixels", type=int, default=None, help="downscale images above this many pixels")
     p.add_argument("--allowed-image-hosts", type=_csv, default=(), help="comma list of hosts/CIDRs allowed despite being non-public")
     p.add_argument("--allow-local-image-files", default=None, metavar="DIR", help="allow file:// URLs under DIR")
-    p.add_argument("--api-key", default=os.environ.get("VLMSERVE_API_KEY"), help="or VLMSERVE_API_KEY")
-    p.add_argument("--metrics-require-key", action="store_true")
-    p.add_argument("--cors-origins", type=_csv, default=())
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
-    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)")
+    p.add_argument("--metrics-require-key", action="store_true", help="also require the key on /metrics")
+    p.add_argument("--cors-origins", type=_csv, default=(), help="comma list of allowed origins (default: no CORS)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="waiting requests (queued + preprocessing) before 429")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds running requests may take to finish after SIGTERM/SIGINT")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
+                   help="/health turns 503 when the worker's heartbeat is older than this")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--listen-while-loading", action=argparse.BooleanOptionalAction, default=True,
+                   help="bind before the model is loaded (/health 200, /ready 503 until warm)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("api_key") is None:
+        values["api_key"] = os.environ.get("VLMSERVE_API_KEY") or None
     return ServerConfig(**values)
 
 
-def serve(config: ServerConfig) -> int:
+def _make_server(app, config: ServerConfig):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains before uvicorn closes the listener.
+
+    Plain uvicorn closes the listener at once, waits for connections, and runs the lifespan
+    shutdown last, so /ready never reports the drain and a probe gets "connection refused";
+    it also re-raises the captured signal after shutdown, so the process dies of SIGTERM
+    instead of exiting 0. Here: drain (admission stopped, /ready 503, running requests
+    finish up to --drain-timeout, the rest get an error event), then let uvicorn shut down.
+    A second signal skips the rest of the drain.
+    """
+    import asyncio
+    import signal
+
     import uvicorn
 
+    state = app.state.server
+
+    class Server(uvicorn.Server):
+        loop = None
+        drain_task = None
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame):  # signal handler, main thread; not re-raised after shutdown
+            if self.loop is None or self.drain_task is not None or not self.started:
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                self.should_exit = True
+                return
+            logging.getLogger("vlmserve").info("received %s: draining", signal.Signals(sig).name)
+            self.drain_task = True  # claimed; the task itself is created on the loop
+            self.loop.call_soon_threadsafe(self._begin_drain)
+
+        def _begin_drain(self):
+            async def drain_then_exit():
+                try:
+                    await state.drain()
+                finally:
+                    self.should_exit = True
+
+            self.drain_task = asyncio.ensure_future(drain_then_exit())
+
+    def fatal():
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                   timeout_graceful_shutdown=max(1, int(config.graceful_shutdown_extra))))
+    return server
+
+
+def serve(config: ServerConfig) -> int:
     from .api.app import create_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           timeout_graceful_shutdown=config.drain_timeout + 2))
-    server.run()
-    if not server.started:
+    server = _make_server(app, config)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 3 when the lifespan startup (model load) fails
+        if exc.code not in (0, None):
+            print(f"vlmserve: failed to start serving {config.model} (see the error above)", file=sys.stderr)
+            return 1
+        raise
+    state = app.state.server
+    if not server.started or state.load_error is not None:
         print(f"vlmserve: failed to start serving {config.model} (see the error above)", file=sys.stderr)
         return 1
     return 0
@@ -80,7 +147,25 @@ def main(argv: list[str] | None = None) -> int:
         return caption_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return serve(config_from_args(args))
+    code = serve(config_from_args(args))
+    _exit_now(code)
+    return code  # not reached
+
+
+def _exit_now(code: int) -> None:
+    """Exit without running C++ static destructors.
+
+    With MLX's per-thread streams created on the worker, normal interpreter teardown
+    intermittently aborts ("terminate called without an active exception", exit -6) after a
+    clean shutdown. Everything that matters is done by now: flush and leave with our status.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

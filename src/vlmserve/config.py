@@ -48,6 +48,10 @@ class ServerConfig:
     drain_timeout: float = 30.0
     stall_timeout: float = 60.0
     log_level: str = "info"
+    # Bind before the model is loaded: /health 200 and /ready 503 ("loading") until warm.
+    # The CLI turns this on; in-process servers (tests) keep the blocking lifespan.
+    listen_while_loading: bool = False
+    graceful_shutdown_extra: float = 3.0  # uvicorn's wait for connections after the drain
 
     # Testing aid: record the thread of every MLX entry point and fail off the worker.
     thread_guard: bool = field(default_factory=lambda: os.environ.get("VLMSERVE_THREAD_GUARD") == "1")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+from typing import Callable
 
 from PIL import Image
 from starlette.applications import Starlette
@@ -17,12 +19,14 @@ from ..engine.engine import Engine
 from ..engine.processor import load_processor
 from ..metrics import Metrics, SchedulerHooks
 from ..preprocess import Preprocessor
-from ..protocol import ChatMessage, FinishReason, ImageRef, SamplingParams
-from .auth import APIKeyMiddleware
+from ..protocol import ChatMessage, ChatRequest, EngineError, FinishReason, ImageRef, PreparedRequest, SamplingParams
+from .auth import APIKeyMiddleware, BodySizeMiddleware
 from .errors import APIError
 from .routes import method_not_allowed, not_found, routes
 
 log = logging.getLogger("vlmserve")
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class ServerState:
@@ -34,8 +38,19 @@ class ServerState:
         self.engine = Engine(config, hooks=SchedulerHooks(self.metrics))
         self.preprocessor: Preprocessor | None = None
         self.ready = False
-        self.draining = False
+        self.loading = True
+        self.load_error: str | None = None
+        self.draining = False  # stop admitting; /ready 503
+        self.closed = False  # drain over: anything still arriving gets an error
         self.created = int(time.time())
+        # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
+        # Counted in choices (`n`) against max_waiting and in requests against max_pending_preprocess.
+        self._pending_lock = threading.Lock()
+        self.pending_choices = 0
+        self.pending_requests = 0
+        self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
+        self._load_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
 
     # ---- identity ----------------------------------------------------------------
     @property
@@ -52,15 +67,37 @@ class ServerState:
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
+        """Load, warm up, report ready. Raises with the reason if any of it fails."""
         t0 = time.perf_counter()
-        await self.engine.start()
-        loop = asyncio.get_running_loop()
-        processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
-        self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config)
-        if self.config.warmup:
-            await self.warmup()
+        try:
+            await self.engine.start()
+            loop = asyncio.get_running_loop()
+            processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
+            self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config)
+            if self.config.warmup:
+                await self.warmup()
+        finally:
+            self.loading = False
+        if self.draining:
+            return
         self.ready = True
         log.info("ready: %s (%s) in %.2f s", self.model_id, self.engine.info.model_type, time.perf_counter() - t0)
+
+    def start_in_background(self) -> None:
+        """Listen while loading: /health 200, /ready and /v1 503 until the model is warm."""
+
+        async def load() -> None:
+            try:
+                await self.start()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - reported, then the process exits non-zero
+                self.load_error = f"{type(exc).__name__}: {exc}"
+                log.error("failed to load %s: %s", self.config.model, exc)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+
+        self._load_task = asyncio.create_task(load(), name="vlmserve-load")
 
     async def warmup(self) -> None:
         """One text and one image generation, so the first real request pays no first-call costs."""
@@ -73,12 +110,42 @@ class ServerState:
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")
 
-    async def stop(self) -> None:
+    @property
+    def in_flight(self) -> int:
+        return self.engine.num_running + self.engine.num_waiting + self.pending_choices
+
+    async def drain(self) -> None:
+        """Stop admitting, let admitted requests finish (up to drain_timeout), then end the rest.
+
+        Idempotent: the signal handler and the lifespan shutdown may both call it.
+        """
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain(), name="vlmserve-drain")
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> None:
         self.draining = True
         self.ready = False
-        deadline = time.monotonic() + self.config.drain_timeout
-        while self.engine.num_running + self.engine.num_waiting > 0 and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        deadline = t0 + self.config.drain_timeout
+        if self.in_flight:
+            log.info("draining: %d request(s) in flight, up to %.1f s", self.in_flight, self.config.drain_timeout)
+        while self.in_flight > 0 and time.monotonic() < deadline and (self.loading or self.engine.healthy):
             await asyncio.sleep(0.05)
+        self.closed = True
+        left = self.in_flight
+        if left:
+            log.warning("drain timeout: ending %d request(s) with an error", left)
+        if self.engine.scheduler is not None and self.engine.healthy:
+            with contextlib.suppress(Exception):
+                await self.engine.run_on_worker(self.engine.scheduler.fail_all, SHUTDOWN_MESSAGE)
+        log.info("drained in %.2f s", time.monotonic() - t0)
+
+    async def stop(self) -> None:
+        await self.drain()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            await asyncio.gather(self._load_task, return_exceptions=True)
         await self.engine.stop()
         if self.preprocessor is not None:
             self.preprocessor.close()
@@ -86,25 +153,71 @@ class ServerState:
     # ---- admission -------------------------------------------------------------------
     def check_accepting(self) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+            raise APIError(503, SHUTDOWN_MESSAGE, code="shutting_down")
         if not self.ready:
+            if self.load_error is not None:
+                raise APIError(503, "the model failed to load", code="worker_unavailable")
             raise APIError(503, "the model is not ready yet", code="not_ready", headers={"retry-after": "1"})
         if not self.engine.healthy:
             raise APIError(503, "the inference worker is not running", code="worker_unavailable")
 
+    def _queue_full(self) -> APIError:
+        return APIError(429, "too many requests are waiting; retry later", code="queue_full",
+                        headers={"retry-after": "1"})
+
     def check_capacity(self, n: int) -> None:
-        if self.engine.num_waiting + n > self.config.max_waiting:
-            raise APIError(429, "too many requests are waiting; retry later", code="queue_full",
-                           headers={"retry-after": "1"})
+        """429 when n more choices would push the waiting work past max_waiting."""
+        if self.engine.num_waiting + self.pending_choices + n > self.config.max_waiting:
+            raise self._queue_full()
+
+    def _reserve(self, n: int) -> None:
+        # Runs on the event loop with no await between check and increment: a burst cannot
+        # all pass the check before any of it is counted.
+        with self._pending_lock:
+            self.check_capacity(n)
+            if self.pending_requests + 1 > self.config.max_pending_preprocess:
+                raise self._queue_full()
+            self.pending_choices += n
+            self.pending_requests += 1
+
+    def _release(self, n: int) -> None:
+        with self._pending_lock:
+            self.pending_choices -= n
+            self.pending_requests -= 1
+
+    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
+        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing.
+
+        The reservation is released when the pool job ends, not when this await is cancelled,
+        so a client that leaves cannot make room while its work still occupies the pool.
+        """
+        self._reserve(chat.n)
+
+        def job() -> PreparedRequest:
+            t0 = time.perf_counter()
+            try:
+                return self.preprocessor.prepare_sync(chat)
+            finally:
+                self.metrics.preprocess.observe(time.perf_counter() - t0)
+                self._release(chat.n)
+
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self.preprocessor.pool, job)
+        except BaseException:
+            self._release(chat.n)
+            raise
+        return await future
 
     async def generate(self, request_id, prepared, sampling):
         """Engine events for one choice, with latency metrics and one log line per request."""
         m = self.metrics
         start = last = time.perf_counter()
         ttft = None
-        status = "incomplete"
         final = None
         try:
+            if self.closed:
+                raise EngineError(SHUTDOWN_MESSAGE, code="shutting_down", status=503)
             async for event in self.engine.generate(request_id, prepared, sampling):
                 now = time.perf_counter()
                 if event.token_ids:
@@ -118,31 +231,45 @@ class ServerState:
                     final = event
                 yield event
         finally:
-            elapsed = time.perf_counter() - start
-            if final is not None and final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                status = final.finish_reason.value
-                m.succeed(status)
-                m.e2e.observe(elapsed)
-                m.prompt_tokens.inc(final.prompt_tokens)
-                m.generation_tokens.inc(final.completion_tokens)
-            else:
-                status = final.finish_reason.value if final is not None else "cancelled"
-                m.fail(status)
-            done = final.completion_tokens if final is not None else 0
-            log.info(
-                "request id=%s status=%s prompt_tokens=%d cached_tokens=%d image_count=%d completion_tokens=%d "
-                "ttft_ms=%s tok_per_s=%.1f e2e_ms=%.0f",
-                request_id, status, prepared.num_prompt_tokens, final.cached_tokens if final else 0,
-                prepared.num_images, done, f"{ttft * 1000:.0f}" if ttft is not None else "-",
-                done / elapsed if elapsed > 0 else 0.0, elapsed * 1000,
-            )
+            self._account(request_id, prepared, final, ttft, time.perf_counter() - start)
+
+    def _account(self, request_id, prepared, final, ttft, elapsed) -> None:
+        m = self.metrics
+        if final is not None:
+            m.prompt_tokens.inc(final.prompt_tokens)
+            m.generation_tokens.inc(final.completion_tokens)
+        if final is not None and final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            status = final.finish_reason.value
+            m.succeed(status)
+            m.e2e.observe(elapsed)
+        else:
+            status = final.finish_reason.value if final is not None else "cancelled"
+            m.fail(status)
+        done = final.completion_tokens if final is not None else 0
+        image_tokens = 0
+        image_token = self.engine.info.image_token_id if self.engine.info is not None else None
+        if prepared.num_images and image_token is not None:
+            image_tokens = int((prepared.prompt_ids == image_token).sum())
+        decode_s = elapsed - ttft if ttft is not None else 0.0
+        # Counts and timings only: never the prompt, image bytes/URLs or headers.
+        log.info(
+            "request id=%s status=%s prompt_tokens=%d cached_tokens=%d image_count=%d image_tokens=%d "
+            "completion_tokens=%d ttft_ms=%s tok_per_s=%.1f e2e_ms=%.0f",
+            request_id, status, prepared.num_prompt_tokens, final.cached_tokens if final else 0,
+            prepared.num_images, image_tokens, done, f"{ttft * 1000:.0f}" if ttft is not None else "-",
+            (done - 1) / decode_s if done > 1 and decode_s > 0 else 0.0, elapsed * 1000,
+        )
 
     # ---- health ------------------------------------------------------------------------
     def liveness(self) -> tuple[bool, str | None]:
+        if self.load_error is not None:
+            return False, "model failed to load"
         worker = self.engine.worker
         if worker.error is not None or (worker.ident is not None and not worker.is_alive()):
             return False, "inference worker died"
-        if worker.ident is not None and time.monotonic() - worker.heartbeat > self.config.stall_timeout:
+        # A model load is one long job on the worker; the heartbeat only counts once serving.
+        if not self.loading and worker.ident is not None \
+                and time.monotonic() - worker.heartbeat > self.config.stall_timeout:
             return False, "inference worker stalled"
         return True, None
 
@@ -150,12 +277,11 @@ class ServerState:
         if self.draining:
             return False, "draining"
         if not self.ready:
-            return False, "loading"
-        ok, reason = self.liveness()
-        return ok, reason
+            return False, "load failed" if self.load_error else "loading"
+        return self.liveness()
 
     # ---- observability hooks (metrics land here) -----------------------------------------
-    def observe_preprocess(self, seconds: float) -> None:
+    def observe_preprocess(self, seconds: float) -> None:  # kept for callers timing outside prepare()
         self.metrics.preprocess.observe(seconds)
 
     def count_failure(self, exc: APIError) -> None:
@@ -166,7 +292,7 @@ class ServerState:
     def refresh_gauges(self) -> None:
         m, sched = self.metrics, self.engine.scheduler
         m.running.set(self.engine.num_running)
-        m.waiting.set(self.engine.num_waiting)
+        m.waiting.set(self.engine.num_waiting + self.pending_choices)
         if sched is not None and sched.prefix_cache is not None:
             pc = sched.prefix_cache
             m.prefix_cache_usage.set(pc.size_tokens / max(1, pc.max_tokens))
@@ -179,12 +305,15 @@ def create_app(config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        try:
-            await state.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await state.engine.stop()
-            raise
+        if config.listen_while_loading:
+            state.start_in_background()
+        else:
+            try:
+                await state.start()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await state.engine.stop()
+                raise
         try:
             yield
         finally:
@@ -198,6 +327,7 @@ def create_app(config: ServerConfig) -> Starlette:
     if config.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,
                                      protect_metrics=config.metrics_require_key))
+    middleware.append(Middleware(BodySizeMiddleware, max_bytes=config.max_body_bytes))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={404: not_found, 405: method_not_allowed})
     app.state.server = state
