@@ -47,10 +47,7 @@ async def chat_completions(request: Request) -> Response:
         server.check_accepting()
         body = await _read_json(request, server.config.max_body_bytes)
         chat = oai.parse_chat_request(body, server.config, server.model_names, server.context_length)
-        server.check_capacity(chat.n)
-        t0 = time.perf_counter()
-        prepared = await server.preprocessor.prepare(chat)
-        server.observe_preprocess(time.perf_counter() - t0)
+        prepared = await server.prepare(chat)  # 429 past --max-waiting; times the CPU pool
     except APIError as exc:
         server.count_failure(exc)
         return error_response(exc)

@@ -84,6 +84,13 @@ class Engine:
         req = EngineRequest(request_id, prepared, sampling, emit)
         self.scheduler.add(req)
         self.worker.wake()
+        if not self.worker.healthy:  # it died (or stopped) after the check above: nobody would answer
+            try:
+                self.scheduler.inbox.remove(req)
+            except ValueError:
+                pass  # the exiting worker already took it and emits its error
+            else:
+                raise EngineError("the inference worker is not running", code="worker_unavailable", status=503)
         finished = False
         try:
             while True:

@@ -31,6 +31,7 @@ class MLXWorkerThread(threading.Thread):
         self.after_work: Callable[[], None] | None = None  # e.g. deliver the step's events in one batch
         self.heartbeat = time.monotonic()
         self.error: BaseException | None = None
+        self.closed = False  # set before the final fail_all; healthy is False from then on
 
     # ---- any thread --------------------------------------------------------------
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
@@ -53,7 +54,7 @@ class MLXWorkerThread(threading.Thread):
 
     @property
     def healthy(self) -> bool:
-        return self.is_alive() and self.error is None
+        return self.is_alive() and self.error is None and not self.closed
 
     # ---- worker thread -------------------------------------------------------------
     def run(self) -> None:
@@ -69,9 +70,16 @@ class MLXWorkerThread(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - the worker must report its death, whatever it was
             self.error = exc
             log.exception("MLX worker died")
+            self.closed = True
             if self.scheduler is not None:
                 self.scheduler.fail_all("the inference worker stopped unexpectedly")
         finally:
+            self.closed = True
+            if self.scheduler is not None:  # requests added while stopping: wake them, never leave them waiting
+                try:
+                    self.scheduler.fail_all("the inference worker stopped")
+                except Exception:  # noqa: BLE001
+                    log.exception("failing the remaining requests")
             if self.after_work is not None:
                 self.after_work()
             self._fail_pending()
