@@ -140,6 +140,44 @@ def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q))
 
 
+_PROFILE = ("decode_step_seconds", "prefill_seconds", "vision_encode_seconds", "batch_size",
+            "request_queue_time_seconds", "preprocess_seconds", "time_to_first_token_seconds")
+
+
+async def scrape_profile(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of vlmserve's histograms; empty for servers without /metrics."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.get(f"{url}/metrics")
+        if r.status_code != 200:
+            return {}
+        out = {}
+        for fam in text_string_to_metric_families(r.text):
+            name = fam.name.split(":")[-1]
+            if name in _PROFILE:
+                total = sum(x.value for x in fam.samples if x.name.endswith("_sum"))
+                count = sum(x.value for x in fam.samples if x.name.endswith("_count"))
+                out[name] = (total, count)
+        return out
+    except Exception:  # noqa: BLE001 - profiling is best effort
+        return {}
+
+
+def profile_delta(before: dict, after: dict) -> dict:
+    """Mean of each histogram over one level (ms for times), and how many observations."""
+    out = {}
+    for name, (total, count) in after.items():
+        t0, c0 = before.get(name, (0.0, 0.0))
+        n = count - c0
+        if n > 0:
+            scale = 1 if name == "batch_size" else 1000
+            out[name.replace("_seconds", "_ms_mean")] = round((total - t0) / n * scale, 3)
+            out[name.replace("_seconds", "") + "_n"] = int(n)
+    return out
+
+
 async def run_level(url: str, model: str, concurrency: int, n_requests: int, args, offset: int) -> dict:
     images = [make_image(offset + i, args.image_size) for i in range(n_requests)]
     prompt = make_prompt(args.prompt_words)
@@ -149,6 +187,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     results: list[Result] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     stop = asyncio.Event()
+    before = await scrape_profile(url)
     health = asyncio.create_task(sample_health(url, stop))
     gpu = asyncio.create_task(gpu_peak(stop))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
@@ -163,6 +202,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     stop.set()
     health_s = await health
     peak = await gpu
+    profile = profile_delta(before, await scrape_profile(url))
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     itls = [x for r in ok for x in r.itls]
@@ -178,6 +218,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         "e2e_p50_s": pct([r.e2e for r in ok], 50), "e2e_p99_s": pct([r.e2e for r in ok], 99),
         "health_p99_s": pct(health_s, 99), "health_samples": len(health_s),
         "gpu_mem_peak_mib": peak,
+        "server_profile": profile,
     }
 
 
@@ -201,7 +242,8 @@ async def bench_server(url: str, label: str, model: str | None, args) -> dict:
               f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
               f"ITL p50={fmt(level['itl_p50_s'])} E2E p50={fmt(level['e2e_p50_s'])} p99={fmt(level['e2e_p99_s'])} "
               f"health p99={fmt(level['health_p99_s'])}"
-              + (f" errors={level['errors']}" if level["errors"] else ""), flush=True)
+              + (f" errors={level['errors']}" if level["errors"] else "")
+              + (f"\n    profile {level['server_profile']}" if level["server_profile"] else ""), flush=True)
     return {"label": label, "url": url, "model": model, "levels": levels}
 
 

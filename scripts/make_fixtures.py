@@ -835,8 +835,8 @@ QWEN2_VL_2B_SPECIAL_IDS = {
 
 
 def _big_qwen_tokenizer(vocab_size: int):
-    """Small trained BPE padded with filler tokens so that len(tokenizer) == vocab_size and the
-    special tokens sit at Qwen2's real ids.  Fillers are never produced by merges."""
+    """Small trained BPE padded with filler tokens (" ~N") so that len(tokenizer) == vocab_size and
+    the special tokens sit at Qwen2's real ids.  Fillers are never produced by merges."""
     from tokenizers import Tokenizer
 
     base = train_bpe(1024, ["<unk>"])
@@ -855,7 +855,11 @@ def _big_qwen_tokenizer(vocab_size: int):
     filler = 0
     free = [i for i in range(vocab_size) if i not in taken and i not in set(new_vocab.values())]
     for i in free:
-        new_vocab[f"<|filler_{filler}|>"] = i
+        # A leading "Ġ" (byte-level space) so streaming detokenizers flush every filler token
+        # at once, as they do real words; otherwise a benchmark sees all text at the end.
+        name = f"\u0120~{filler}"
+        assert name not in new_vocab
+        new_vocab[name] = i
         filler += 1
     for t, i in specials.items():
         new_vocab[t] = i
