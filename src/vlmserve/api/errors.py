@@ -9,6 +9,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -35,8 +36,9 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 def error_response(exc: APIError) -> JSONResponse:
     headers = dict(exc.headers)
-    # Clients (the openai package) retry unless told not to; a 4xx other than 429 will not change.
-    if 400 <= exc.status < 500 and exc.status != 429:
+    # Clients (the openai package) retry 408/409/429/5xx unless told not to. A 4xx other than
+    # 408/429 will not change on retry, nor will a 500 (a generation failure or a bug); 503 may.
+    if (400 <= exc.status < 500 and exc.status not in (408, 429)) or exc.status == 500:
         headers.setdefault("x-should-retry", "false")
     return JSONResponse(error_body(exc.status, exc.message, exc.code, exc.param), status_code=exc.status,
                         headers=headers)

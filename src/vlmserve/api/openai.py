@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from ..config import ServerConfig
@@ -13,6 +14,21 @@ _ROLES = {"system", "developer", "user", "assistant"}
 MAX_N = 8
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # OpenAI's int64, plus the unsigned range
+SEED_MOD = 1 << 64  # the engine's PRNG takes an unsigned 64-bit seed
+
+
+def model_aliases(config: ServerConfig) -> set[str]:
+    """Names a request may use: the served name, and the name derived from the model directory."""
+    names = {config.model_id}
+    path = Path(config.model)
+    names.add(path.name if path.exists() else config.model)
+    return {n for n in names if n}
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index` of a seeded request samples with its own, reproducible seed."""
+    return None if seed is None else (seed + index) % SEED_MOD
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -99,9 +115,10 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
         raise APIError(404, f"The model '{model}' does not exist", code="model_not_found", param="model")
     messages = parse_messages(body.get("messages"))
 
-    max_tokens = _number(body, "max_completion_tokens", 1, context_length, None, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, context_length, None, integer=True)
+    # Both are validated; the newer `max_completion_tokens` wins when both are sent.
+    max_completion = _number(body, "max_completion_tokens", 1, context_length, None, integer=True)
+    max_legacy = _number(body, "max_tokens", 1, context_length, None, integer=True)
+    max_tokens = max_completion if max_completion is not None else max_legacy
     if max_tokens is None:
         max_tokens = min(config.default_max_tokens, context_length)
 
@@ -115,6 +132,10 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _bad("'seed' must be an integer", "seed")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise _bad(f"'seed' must be between {SEED_MIN} and {SEED_MAX}", "seed")
+    if seed is not None:
+        seed %= SEED_MOD  # negative int64 seeds map onto the unsigned range, deterministically
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -122,7 +143,10 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
-    include_usage = bool((stream_options or {}).get("include_usage", False))
+    include_usage = (stream_options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    include_usage = bool(include_usage) and stream
 
     response_format = body.get("response_format")
     json_mode = False
@@ -133,13 +157,18 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
         json_mode = kind == "json_object"
 
     ignore_eos = body.get("ignore_eos", False)
+    if ignore_eos is None:
+        ignore_eos = False
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    if ignore_eos and json_mode:
+        raise _bad("'ignore_eos' cannot be combined with response_format 'json_object'", "ignore_eos")
+    top_k = int(_number(body, "top_k", -1, 1 << 20, 0, integer=True))
     sampling = SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(_number(body, "temperature", 0, 2, 1.0)),
         top_p=float(_number(body, "top_p", 0, 1, 1.0)),
-        top_k=int(_number(body, "top_k", 0, 1 << 20, 0, integer=True)),
+        top_k=max(top_k, 0),  # -1 (vLLM's "off") == 0
         seed=seed,
         stop=parse_stop(body.get("stop")),
         presence_penalty=float(_number(body, "presence_penalty", -2, 2, 0.0)),
@@ -152,7 +181,11 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")
     n = int(_number(body, "n", 1, MAX_N, 1, integer=True))
-    return ChatRequest(messages=messages, sampling=sampling, n=n, stream=stream, include_usage=include_usage)
+    chat = ChatRequest(messages=messages, sampling=sampling, n=n, stream=stream, include_usage=include_usage)
+    if len(chat.images) > config.max_images_per_request:  # before fetching or decoding any of them
+        raise _bad(f"too many images: {len(chat.images)} > {config.max_images_per_request} per request",
+                   "messages", "invalid_image")
+    return chat
 
 
 # ---- responses -----------------------------------------------------------------------

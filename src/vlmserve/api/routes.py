@@ -25,7 +25,19 @@ def _state(request: Request):
     return request.app.state.server
 
 
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only; a missing Content-Type is tolerated (the body must still parse)."""
+    ctype = request.headers.get("content-type")
+    if ctype is None:
+        return
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(400, f"Content-Type must be application/json, got {media or 'nothing'!r}",
+                       code="invalid_content_type")
+
+
 async def _read_json(request: Request, limit: int):
+    _check_content_type(request)
     body = bytearray()
     async for part in request.stream():
         body += part
@@ -33,7 +45,7 @@ async def _read_json(request: Request, limit: int):
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
 
 
@@ -42,11 +54,23 @@ def _engine_error(exc: EngineError) -> APIError:
 
 
 async def chat_completions(request: Request) -> Response:
+    try:
+        return await _chat_completions(request)
+    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, never a bare 500 page
+        log.exception("chat completion failed")
+        return error_response(APIError(500, "internal server error", code="internal_error"))
+
+
+def model_names(server) -> set[str]:
+    return set(server.model_names) | oai.model_aliases(server.config)
+
+
+async def _chat_completions(request: Request) -> Response:
     server = _state(request)
     try:
         server.check_accepting()
         body = await _read_json(request, server.config.max_body_bytes)
-        chat = oai.parse_chat_request(body, server.config, server.model_names, server.context_length)
+        chat = oai.parse_chat_request(body, server.config, model_names(server), server.context_length)
         prepared = await server.prepare(chat)  # 429 past --max-waiting; times the CPU pool
     except APIError as exc:
         server.count_failure(exc)
@@ -63,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
     for i in range(chat.n):
         sampling = chat.sampling
         if chat.n > 1 and sampling.seed is not None:
-            sampling = replace(sampling, seed=sampling.seed + i)
+            sampling = replace(sampling, seed=oai.choice_seed(sampling.seed, i))
         streams.append(server.generate(f"{request_id}-{i}", prepared, sampling))
 
     if chat.stream:
@@ -73,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
-    collect = asyncio.create_task(_collect(streams, chat.n))
+    collect = asyncio.create_task(_collect(streams, chat.n, chat.sampling.logprobs))
     disconnect = asyncio.create_task(wait_disconnect(request))
     done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     if collect not in done:  # the client left: cancelling the task aborts every choice
@@ -102,18 +126,16 @@ def _failure(event: TokenEvent) -> _ChoiceFailed:
     return _ChoiceFailed(event.error or "generation failed")
 
 
-async def _collect(streams, n: int):
+async def _collect(streams, n: int, want_logprobs: bool):
     texts = [""] * n
     logprobs: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     prompt = cached = completion = 0
-    want_logprobs = False
     async for i, event in merge(streams):
         if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
             raise _failure(event)
         texts[i] += event.text
         logprobs[i].extend(event.logprobs)
-        want_logprobs = want_logprobs or bool(event.logprobs)
         if event.finish_reason is not None:
             finish[i] = oai.finish_reason_str(event.finish_reason)
             prompt, cached = event.prompt_tokens, event.cached_tokens
@@ -153,6 +175,10 @@ async def _sse(request_id, model, created, chat, streams):
     except EngineError as exc:
         yield _sse_line(error_body(exc.status, exc.message, exc.code, exc.param))
         return
+    except Exception:  # noqa: BLE001 - the headers are gone: report it as the stream's one error event
+        log.exception("stream failed")
+        yield _sse_line(error_body(500, "internal server error", "internal_error"))
+        return
     if chat.include_usage:
         yield _sse_line(oai.chunk(request_id, model, created, [], oai.usage_dict(prompt, completion, cached)))
     yield "data: [DONE]\n\n"
@@ -160,8 +186,7 @@ async def _sse(request_id, model, created, chat, streams):
 
 async def list_models(request: Request) -> Response:
     server = _state(request)
-    data = [{"id": name, "object": "model", "created": server.created, "owned_by": "vlmserve"}
-            for name in sorted(server.model_names)]
+    data = [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "vlmserve"}]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -182,12 +207,13 @@ async def metrics(request: Request) -> Response:
 
 
 async def not_found(request: Request, exc) -> Response:
-    return JSONResponse(error_body(404, f"no route {request.method} {request.url.path}", "not_found"), 404)
+    return error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
 
 async def method_not_allowed(request: Request, exc) -> Response:
-    return JSONResponse(error_body(405, f"method {request.method} not allowed on {request.url.path}",
-                                   "method_not_allowed"), 405)
+    headers = dict(getattr(exc, "headers", None) or {})  # Starlette's `Allow`
+    return error_response(APIError(405, f"method {request.method} not allowed on {request.url.path}",
+                                   code="method_not_allowed", headers=headers))
 
 
 routes = [
