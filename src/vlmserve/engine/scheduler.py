@@ -140,10 +140,15 @@ class MLLMScheduler:
     def _admit(self) -> None:
         while self.waiting and self.num_running < self.max_num_seqs:
             req = self.waiting.popleft()
-            sampler = RowSampler.create(req.sampling)
-            if req.sampling.json_mode:
-                sampler.logits_mask = self._json_constraints().new()
-            text = TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop)
+            try:  # a request the sampler cannot take (e.g. a seed out of range) ends only itself
+                sampler = RowSampler.create(req.sampling)
+                if req.sampling.json_mode:
+                    sampler.logits_mask = self._json_constraints().new()
+                text = TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop)
+            except Exception as exc:
+                log.exception("request %s failed at admission", req.request_id)
+                req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=f"admission failed: {type(exc).__name__}"))
+                continue
             self.prefilling.append(Sequence(req=req, sampler=sampler, text=text))
             if self.hooks:
                 self.hooks.on_admit(req)
