@@ -103,10 +103,13 @@ class ServerState:
         """One text and one image generation, so the first real request pays no first-call costs."""
         loop = asyncio.get_running_loop()
         image = Image.new("RGB", (64, 64), (127, 127, 127))
-        for parts, images in (([("text", "Hello")], []), ([("image", ImageRef("warmup", "warmup")), ("text", "Hi")], [image])):
+        for name, parts, images in (("warmup-text", [("text", "Hello")], []),
+                                    ("warmup-image", [("image", ImageRef("warmup", "warmup")), ("text", "Hi")], [image])):
             prompt = self.preprocessor.render([ChatMessage("user", parts)])
             prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode, prompt, images)
-            async for event in self.engine.generate("warmup", prepared, SamplingParams(max_tokens=2, temperature=0)):
+            # Distinct ids: the scheduler's Sequence dataclass compares by value, and two rows with the
+            # same id would compare their NumPy inputs (ValueError on the worker).
+            async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")
 
