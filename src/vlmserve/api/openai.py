@@ -137,7 +137,8 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
     if seed is not None:
         seed %= SEED_MOD  # negative int64 seeds map onto the unsigned range, deterministically
 
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # some proxies send explicit nulls for unset fields
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
     stream_options = body.get("stream_options")
