@@ -94,7 +94,13 @@ class Preprocessor:
             kwargs["add_special_tokens"] = self._add_special_tokens(prompt)
         if images:
             kwargs["images"] = images
-        enc = self.processor(**kwargs)
+        try:
+            enc = self.processor(**kwargs)
+        except ValueError as exc:  # the image processor rejects some images (e.g. Qwen: aspect ratio > 200)
+            if not images:
+                raise
+            raise EngineError(f"an image could not be processed: {exc}", code="invalid_image",
+                              param="messages") from None
         ids = np.asarray(enc["input_ids"], dtype=np.int32).reshape(-1)
         if ids.shape[0] + 1 > self.context_length:
             raise EngineError(
