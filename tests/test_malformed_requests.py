@@ -30,6 +30,16 @@ def user(*parts) -> list:
 
 
 TEXT = {"type": "text", "text": "Describe."}
+def _png_uri(width: int, height: int) -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 10, 10)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 NOT_IMAGE = "data:image/png;base64," + base64.b64encode(b"this is plain text, not a png").decode()
 
 # (id, method, path, json body | raw bytes | None, extra headers, expected status, expected code or None)
@@ -109,6 +119,9 @@ CASES = [
      body(messages=user({"type": "image_url", "image_url": {"url": NOT_IMAGE}}, TEXT)), {}, 400, "invalid_image"),
     ("image-url-not-a-url", "POST", "/v1/chat/completions",
      body(messages=user({"type": "image_url", "image_url": {"url": "not a url"}}, TEXT)), {}, 400, None),
+    ("extreme-aspect-ratio-image", "POST", "/v1/chat/completions",  # Qwen's processor refuses > 200:1
+     body(messages=user({"type": "image_url", "image_url": {"url": _png_uri(2, 500)}}, TEXT)), {}, 400,
+     "invalid_image"),
     ("image-part-without-url", "POST", "/v1/chat/completions",
      body(messages=user({"type": "image_url", "image_url": {}}, TEXT)), {}, 400, "invalid_image_url"),
     ("image-part-without-image-url", "POST", "/v1/chat/completions",
