@@ -1,0 +1,229 @@
+"""Command line: `python scripts/caption.py INPUT... --out captions.jsonl` / `vlmserve caption ...`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .client import normalize_server
+from .inputs import InputError, dedupe, discover
+from .output import RecordWriter, format_for, load_existing, rewrite
+from .progress import Progress, Stats, summary
+from .runner import Options, Runner
+
+DEFAULT_PROMPT = "Describe this image in one or two sentences."
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EPILOG = """\
+exit status: 0 every image captioned; 1 some images failed (rows with an "error"); 2 bad usage,
+unreadable input or a fatal server answer (401/403/404); 130 interrupted (rerun with --resume).
+
+resume: successful rows are kept and skipped; failed rows are dropped from the file and retried;
+a trailing partial line left by a hard kill is dropped. A finished run holds one row per image.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="a directory (recursive), a glob, an image, an http(s) URL, a text file of paths/URLs, "
+                        "or a JSONL/CSV/TSV manifest with a path (or url/image/file) column and optional prompt")
+    p.add_argument("-o", "--out", required=True, help="output file (one record per image)")
+    p.add_argument("--format", choices=("jsonl", "csv"), default=None,
+                   help="output format (default: csv for *.csv, else jsonl)")
+    g = p.add_argument_group("servers")
+    g.add_argument("--server", action="append", default=None, metavar="URL",
+                   help="OpenAI-compatible server; repeat (or comma-separate) for several replicas, used "
+                        f"together with --concurrency each (default: $VLMSERVE_URL or {DEFAULT_SERVER})")
+    g.add_argument("--in-process", metavar="MODEL", default=None,
+                   help="no server: load MODEL (local dir or Hugging Face id) into a vlmserve engine in this process")
+    g.add_argument("--model", default=None, help="model name to request (default: ask each server's /v1/models)")
+    g.add_argument("--api-key", default=None,
+                   help="bearer token (default: $VLMSERVE_API_KEY, then $OPENAI_API_KEY)")
+    g.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight per server (default 16; --in-process: the engine's batch size, 32)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    g.add_argument("--retries", type=int, default=5,
+                   help="retries per image on 429/5xx/connection errors/timeouts; never on other 4xx (default 5)")
+    g.add_argument("--backoff", type=float, default=1.0,
+                   help="first retry delay in seconds, doubled per retry, jittered, Retry-After honoured (default 1)")
+    g.add_argument("--backoff-max", type=float, default=60.0, help="longest retry delay (default 60)")
+    r = p.add_argument_group("request")
+    pr = r.add_mutually_exclusive_group()
+    pr.add_argument("--prompt", default=None, help=f"instruction sent with every image (default: {DEFAULT_PROMPT!r}); "
+                                                   "a manifest's per-row prompt wins")
+    pr.add_argument("--prompt-file", default=None, metavar="F", help="read the prompt from a file")
+    r.add_argument("--system", default=None, help="optional system message")
+    r.add_argument("--max-tokens", type=int, default=256, help="caption length cap (default 256)")
+    r.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    r.add_argument("--detail", choices=("auto", "low", "high"), default=None, help="image_url detail")
+    r.add_argument("--extra-body", default=None, metavar="JSON",
+                   help='extra request fields, e.g. \'{"top_p": 0.9, "seed": 0}\'')
+    i = p.add_argument_group("input and output")
+    i.add_argument("--path-column", default=None, help="manifest column holding the path/URL (default: auto)")
+    i.add_argument("--prompt-column", default="prompt", help="manifest column holding a per-row prompt")
+    i.add_argument("--limit", type=int, default=None, help="only the first N images of the input")
+    i.add_argument("--resume", action="store_true", help="continue an interrupted run: skip images already captioned")
+    i.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    i.add_argument("--fsync-every", type=float, default=2.0, help="seconds between fsyncs of the output (default 2)")
+    i.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    i.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+
+
+def build_parser(prog: str = "vlmserve caption") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Caption many images through OpenAI-compatible "
+                                "vision-language servers, resumably.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def _servers(args: argparse.Namespace) -> list[str]:
+    raw = args.server or [os.environ.get("VLMSERVE_URL") or DEFAULT_SERVER]
+    urls = [normalize_server(u) for s in raw for u in s.split(",") if u.strip()]
+    return list(dict.fromkeys(urls))  # the same replica twice would only double its concurrency
+
+
+def _eprint(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Everything after parsing; returns the exit status."""
+    if args.in_process and args.server:
+        _eprint("caption: --in-process and --server are exclusive")
+        return EXIT_USAGE
+    for name in ("concurrency", "max_tokens", "limit"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            _eprint(f"caption: --{name.replace('_', '-')} must be >= 1")
+            return EXIT_USAGE
+    if args.retries < 0:
+        _eprint("caption: --retries must be >= 0")
+        return EXIT_USAGE
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+        if not isinstance(extra, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        _eprint(f"caption: --extra-body must be a JSON object ({exc})")
+        return EXIT_USAGE
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            _eprint(f"caption: cannot read --prompt-file: {exc}")
+            return EXIT_USAGE
+    prompt = prompt or DEFAULT_PROMPT
+
+    try:
+        items, duplicates = dedupe(discover(args.inputs, args.path_column, args.prompt_column))
+    except (InputError, OSError, UnicodeDecodeError) as exc:
+        _eprint(f"caption: {exc}")
+        return EXIT_USAGE
+    if args.limit:
+        items = items[: args.limit]
+
+    out = Path(args.out)
+    fmt = format_for(args.out, args.format)
+    stats = Stats(duplicates=duplicates)
+    if out.exists() and out.stat().st_size > 0 and not (args.resume or args.overwrite):
+        _eprint(f"caption: {out} exists; pass --resume to continue it or --overwrite to start over")
+        return EXIT_USAGE
+    if args.overwrite and not args.resume and out.exists():
+        out.unlink()
+    done_keys: set = set()
+    if args.resume:
+        try:
+            existing = load_existing(out, fmt)
+        except (OSError, ValueError) as exc:
+            _eprint(f"caption: cannot resume from {out}: {exc}")
+            return EXIT_USAGE
+        if existing.needs_rewrite:
+            rewrite(out, fmt, existing.rows)
+            if not args.quiet:
+                notes = [f"{n} {what}" for n, what in ((existing.failed, "failed rows (retrying)"),
+                         (existing.duplicates, "duplicate rows"), (existing.corrupt, "corrupt lines"),
+                         (int(existing.partial_tail), "partial last line")) if n]
+                _eprint(f"caption: resume dropped {', '.join(notes)} from {out}")
+        done_keys = existing.done_keys
+    todo = [it for it in items if it.key not in done_keys]
+    stats.skipped = len(items) - len(todo)
+    stats.total = len(todo)
+
+    api_key = args.api_key or os.environ.get("VLMSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if not todo:
+        if not args.quiet:
+            _eprint(summary(stats, str(out)))
+        if not out.exists():
+            RecordWriter(out, fmt).close()  # an empty (CSV: header-only) output, so scripts find the file
+        return EXIT_OK
+
+    with contextlib.ExitStack() as stack:
+        if args.in_process:
+            from .inprocess import in_process_server
+
+            if not args.quiet:
+                _eprint(f"caption: loading {args.in_process} in-process ...")
+            try:
+                url, model_id = stack.enter_context(in_process_server(args.in_process, api_key=api_key))
+            except RuntimeError as exc:
+                _eprint(f"caption: {exc}")
+                return EXIT_USAGE
+            servers, model, concurrency = [url], args.model or model_id, args.concurrency or 32
+        else:
+            servers, model, concurrency = _servers(args), args.model, args.concurrency or 16
+        opts = Options(servers=servers, prompt=prompt, model=model, max_tokens=args.max_tokens,
+                       temperature=args.temperature, concurrency=concurrency, retries=args.retries,
+                       backoff_base=args.backoff, backoff_max=args.backoff_max, timeout=args.timeout,
+                       api_key=api_key, detail=args.detail, system=args.system, extra=extra)
+        writer = RecordWriter(out, fmt, fsync_every=args.fsync_every)
+        progress = Progress(stats, False if args.quiet else args.progress)
+        stats.started = time.monotonic()
+        try:
+            asyncio.run(Runner(todo, writer, opts, stats, progress).run())
+        except RuntimeError as exc:  # model discovery failed
+            progress.close()
+            _eprint(f"caption: {exc}")
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            stats.interrupted = True
+        finally:
+            progress.close()
+            writer.close()
+    if not args.quiet:
+        _eprint(summary(stats, str(out)))
+    if stats.fatal:
+        return EXIT_USAGE
+    if stats.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if stats.failed else EXIT_OK
+
+
+def main(argv: list[str] | None = None, hard_exit: bool = False) -> int:
+    """Entry point for `vlmserve caption` and scripts/caption.py; returns the exit status.
+
+    hard_exit: leave with os._exit once the output is closed (scripts: MLX's C++ teardown after an
+    --in-process run can abort at interpreter exit; there is nothing left to clean up by then).
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        code = run(args)
+    except KeyboardInterrupt:
+        _eprint("caption: interrupted")
+        code = EXIT_INTERRUPTED
+    if hard_exit and args.in_process:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    return code
