@@ -18,6 +18,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
+    p.add_argument("--append", action="store_true",
+                   help="add this run to the runs already in --out (measure servers one at a time, plot together)")
     args = p.parse_args(argv)
 
     async def run_all():
@@ -299,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         return runs
 
     runs = asyncio.run(run_all())
+    measured = runs
+    if args.append and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            runs = json.load(f)["runs"] + runs
     record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": {
         k: getattr(args, k) for k in ("image_size", "prompt_words", "max_tokens", "concurrency", "requests_per_level")},
         "runs": runs}
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(record, f, indent=2)
     if args.plot:
         plot(runs, args.plot)
-    return 0 if all(lv["ok"] == lv["requests"] for run in runs for lv in run["levels"]) else 1
+    return 0 if all(lv["ok"] == lv["requests"] for run in measured for lv in run["levels"]) else 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ class ServerConfig:
     prefill_token_budget: int = 2048
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
+    mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool
     default_max_tokens: int = 512
 
     # CPU preprocessing

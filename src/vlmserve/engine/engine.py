@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+
+import mlx.core as mx
 from typing import AsyncIterator
 
 from ..config import ServerConfig
@@ -42,6 +44,7 @@ class Engine:
         await asyncio.wrap_future(self.worker.submit(self._load_on_worker))
 
     def _load_on_worker(self) -> None:
+        mx.set_cache_limit(int(self.config.mlx_cache_limit_gb * (1 << 30)))
         vlm = VLM(self.model_path, self.tokenizer.eos_token_ids)
         if self.config.thread_guard:
             GUARD.watch_model(vlm.model)

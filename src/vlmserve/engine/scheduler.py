@@ -109,6 +109,8 @@ class MLLMScheduler:
         self._admit()
         self._prefill()
         self._decode()
+        if not self.has_work():
+            mx.clear_cache()  # idle: hand cached buffers back (other processes share the device)
 
     def fail_all(self, message: str) -> None:
         """Wake every waiter with an error (worker death or shutdown)."""
@@ -185,8 +187,8 @@ class MLLMScheduler:
                 seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, seq.prompt.cache)
                 if self.hooks:
                     self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
+            mx.async_eval(seq.prompt.embeds)
             if self.hooks and prepared.has_pixels:
-                mx.eval(seq.prompt.embeds)
                 self.hooks.on_vision(time.perf_counter() - t0)
         target = seq.num_prompt - 1
         end = min(target, seq.prefilled + budget)
@@ -194,7 +196,8 @@ class MLLMScheduler:
         if used > 0:
             t0 = time.perf_counter()
             self.vlm.prefill(seq.prompt, seq.prefilled, end)
-            mx.eval([c.state for c in seq.prompt.cache])
+            # Queue it and move on: the device runs it between decode steps, no host stall.
+            mx.async_eval([c.state for c in seq.prompt.cache])
             seq.prefilled = end
             if self.hooks:
                 self.hooks.on_prefill(time.perf_counter() - t0)

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Drive the scheduler directly (no HTTP) and time each phase of its steps.
+
+    python scripts/profile_engine.py MODEL --requests 64 --concurrency 32 --max-tokens 128
+
+Also times raw eager decode steps at the same batch size, for the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from bench import make_image, make_prompt  # noqa: E402
+from vlmserve.config import ServerConfig  # noqa: E402
+from vlmserve.engine.model import VLM  # noqa: E402
+from vlmserve.engine.processor import load_processor  # noqa: E402
+from vlmserve.engine.scheduler import EngineRequest, MLLMScheduler  # noqa: E402
+from vlmserve.engine.tokenizer import TextCodec  # noqa: E402
+from vlmserve.media import MediaPolicy, decode_image, load_image_bytes  # noqa: E402
+from vlmserve.preprocess import Preprocessor  # noqa: E402
+from vlmserve.protocol import ChatMessage, ImageRef, SamplingParams  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--image-size", type=int, default=448)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    args = p.parse_args()
+
+    path = Path(args.model)
+    t0 = time.perf_counter()
+    vlm = VLM(path)
+    codec = TextCodec(path)
+    pre = Preprocessor(load_processor(path), vlm.info.context_length, ServerConfig())
+    print(f"load {time.perf_counter() - t0:.2f}s")
+    prompt = pre.render([ChatMessage("user", [("image", ImageRef("x", "x")), ("text", make_prompt(40))])])
+    prepared = []
+    for i in range(args.requests):
+        img = decode_image(load_image_bytes(make_image(i, args.image_size), MediaPolicy()), MediaPolicy())
+        prepared.append(pre.encode(prompt, [img]))
+    print(f"prompt tokens {prepared[0].num_prompt_tokens}")
+
+    sched = MLLMScheduler(vlm, codec, max_num_seqs=args.concurrency, prefill_chunk=args.prefill_chunk,
+                          prefix_cache_tokens=0)
+    timers: dict[str, list[float]] = defaultdict(list)
+    for name in ("_admit", "_prefill", "_decode", "_launch", "_resolve"):
+        real = getattr(sched, name)
+
+        def timed(*a, _real=real, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                timers[_name].append(time.perf_counter() - t)
+
+        setattr(sched, name, timed)
+
+    done = []
+    pending = list(prepared)
+
+    def submit():
+        prep = pending.pop(0)
+        holder = {}
+
+        def emit(ev, holder=holder):
+            if ev.finish_reason is not None:
+                done.append(time.perf_counter())
+                if pending:
+                    submit()
+
+        sched.add(EngineRequest(f"r{len(pending)}", prep, SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                                         ignore_eos=True), emit))
+
+    def run(label):
+        done.clear()
+        for _ in range(min(args.concurrency, len(pending))):
+            submit()
+        steps = 0
+        t = time.perf_counter()
+        while sched.has_work():
+            sched.step()
+            steps += 1
+        wall = time.perf_counter() - t
+        print(f"[{label}] {len(done)} requests, {steps} steps, {wall:.2f}s, "
+              f"{len(done) * args.max_tokens / wall:.0f} tok/s, decode steps {sched.stats.decode_steps}")
+
+    pending[:] = prepared[: max(2, args.concurrency // 4)]
+    run("warmup")
+    for v in timers.values():
+        v.clear()
+    sched.stats.decode_steps = 0
+    pending[:] = list(prepared)
+    run("measure")
+    for name, vals in timers.items():
+        if vals:
+            print(f"  {name:9s} n={len(vals):5d} mean={sum(vals) / len(vals) * 1000:7.2f}ms "
+                  f"total={sum(vals):6.2f}s")
+
+    # Raw floor: eager batched decode at this batch size on a synthetic cache.
+    B = args.concurrency
+    caches = []
+    for prep in prepared[:B]:
+        st = vlm.embed_prompt(prep)
+        vlm.prefill(st, 0, prep.num_prompt_tokens)
+        mx.eval([c.state for c in st.cache])
+        caches.append(st.cache)
+    batch = vlm.merge_caches(caches)
+    tokens = mx.zeros((B,), dtype=mx.int32)
+    pos = mx.full((B,), prepared[0].num_prompt_tokens, dtype=mx.int32)
+    for i in range(5):
+        mx.eval(mx.argmax(vlm.decode(tokens, batch, pos), axis=-1))
+    t = time.perf_counter()
+    n = 50
+    for i in range(n):
+        tokens = mx.argmax(vlm.decode(tokens, batch, pos + i), axis=-1).astype(mx.int32)
+        mx.async_eval(tokens)
+    mx.eval(tokens)
+    step = (time.perf_counter() - t) / n
+    print(f"raw eager decode B={B}: {step * 1000:.2f} ms/step, {B / step:.0f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
