@@ -31,6 +31,30 @@ from vlmserve.preprocess import Preprocessor  # noqa: E402
 from vlmserve.protocol import ChatMessage, ImageRef, SamplingParams  # noqa: E402
 
 
+def probe_shapes(vlm, pre) -> None:
+    """Does a prompt length never seen before cost more (kernel JIT / plan building)?"""
+    for words in (30, 31, 32, 30, 31, 32, 90, 90):
+        prompt = pre.render([ChatMessage("user", [("text", make_prompt(words))])])
+        prep = pre.encode(prompt, [])
+        t = time.perf_counter()
+        st = vlm.embed_prompt(prep)
+        vlm.prefill(st, 0, prep.num_prompt_tokens)
+        mx.eval([c.state for c in st.cache])
+        print(f"  probe prefill L={prep.num_prompt_tokens}: {(time.perf_counter() - t) * 1000:.1f} ms")
+    for size in (448, 448, 336, 336):
+        img = decode_image(load_image_bytes(make_image(size, size), MediaPolicy()), MediaPolicy())
+        prompt = pre.render([ChatMessage("user", [("image", ImageRef("x", "x")), ("text", "hi")])])
+        prep = pre.encode(prompt, [img])
+        t = time.perf_counter()
+        st = vlm.embed_prompt(prep)
+        mx.eval(st.embeds)
+        t1 = time.perf_counter()
+        vlm.prefill(st, 0, prep.num_prompt_tokens)
+        mx.eval([c.state for c in st.cache])
+        print(f"  probe image {size}: embed {(t1 - t) * 1000:.1f} ms, prefill L={prep.num_prompt_tokens} "
+              f"{(time.perf_counter() - t1) * 1000:.1f} ms")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -39,6 +63,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--probe-shapes", action="store_true", help="time prefill at new vs seen prompt lengths")
     args = p.parse_args()
 
     path = Path(args.model)
@@ -54,6 +79,8 @@ def main() -> int:
         prepared.append(pre.encode(prompt, [img]))
     print(f"prompt tokens {prepared[0].num_prompt_tokens}")
 
+    if args.probe_shapes:
+        probe_shapes(vlm, pre)
     sched = MLLMScheduler(vlm, codec, max_num_seqs=args.concurrency, prefill_chunk=args.prefill_chunk,
                           prefix_cache_tokens=0)
     timers: dict[str, list[float]] = defaultdict(list)
