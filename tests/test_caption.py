@@ -337,6 +337,11 @@ def test_retries_exhausted_and_dead_server_tolerated(tmp_path, fake):
     assert caption(tmp_path / "imgs", "-o", out2, "--server", f"{dead},{healthy.url}", "--model", "m",
                    "--retries", "20", *FAST) == 0
     assert {r["path"]: r["caption"] for r in read_jsonl(out2)} == expected
+    # Without --model the dead one is dropped at discovery; with only dead servers it is a usage error.
+    out3 = tmp_path / "e.jsonl"
+    assert caption(tmp_path / "imgs", "-o", out3, "--server", dead, "--server", healthy.url, *FAST) == 0
+    assert {r["server"] for r in read_jsonl(out3)} == {healthy.url}
+    assert caption(tmp_path / "imgs", "-o", tmp_path / "f.jsonl", "--server", dead, *FAST) == 2
 
 
 def test_unauthorized_stops_the_run(tmp_path, fake):

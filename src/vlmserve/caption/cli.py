@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                        backoff_base=args.backoff, backoff_max=args.backoff_max, timeout=args.timeout,
                        api_key=api_key, detail=args.detail, system=args.system, extra=extra)
         writer = RecordWriter(out, fmt, fsync_every=args.fsync_every)
-        progress = Progress(stats, False if args.quiet else args.progress)
+        progress = Progress(stats, args.progress, quiet=args.quiet)
         stats.started = time.monotonic()
         try:
             asyncio.run(Runner(todo, writer, opts, stats, progress).run())

@@ -85,24 +85,31 @@ async def post_chat(client: httpx.AsyncClient, server: str, body: dict, headers:
     return out
 
 
-async def discover_model(client: httpx.AsyncClient, server: str, headers: dict, attempts: int = 30,
-                         delay: float = 1.0) -> str:
-    """The first model id from GET {server}/v1/models (waits while the server answers 503: loading)."""
+async def discover_model(client: httpx.AsyncClient, server: str, headers: dict, wait_loading: float = 600.0,
+                         connect_attempts: int = 5, delay: float = 1.0) -> str:
+    """The first model id from GET {server}/v1/models. Waits (up to `wait_loading` s) while the
+    server answers 503/5xx (still loading its model); gives up after `connect_attempts` refused connections."""
     import asyncio
 
-    last = ""
-    for _ in range(max(1, attempts)):
+    last, refused, deadline = "", 0, time.monotonic() + wait_loading
+    while True:
         try:
             r = await client.get(f"{server}/v1/models", headers=headers, timeout=30)
             if r.status_code == 200:
                 data = r.json().get("data") or []
-                if data and data[0].get("id"):
+                if data and isinstance(data[0], dict) and data[0].get("id"):
                     return data[0]["id"]
                 raise RuntimeError(f"{server}/v1/models lists no model; pass --model")
             last = _error_message(r)
-            if not is_retriable_status(r.status_code):
+            if not is_retriable_status(r.status_code) or time.monotonic() > deadline:
                 break
         except (httpx.TimeoutException, httpx.TransportError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
+            last = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            refused += 1
+            if refused >= connect_attempts:
+                break
+        except ValueError:
+            last = "invalid JSON"
+            break
         await asyncio.sleep(delay)
-    raise RuntimeError(f"cannot ask {server}/v1/models for the model id ({last}); pass --model")
+    raise RuntimeError(f"cannot get the model id from {server}/v1/models ({last}); pass --model")

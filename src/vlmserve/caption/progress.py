@@ -33,11 +33,18 @@ class Stats:
 
 
 class Progress:
-    def __init__(self, stats: Stats, enabled: bool | None):
+    """A tqdm bar on a terminal; otherwise (logs, batch jobs) a status line every `log_every` seconds.
+    quiet: neither."""
+
+    def __init__(self, stats: Stats, enabled: bool | None, quiet: bool = False, log_every: float = 60.0):
         self.stats = stats
         self.bar = None
+        self.quiet = quiet
+        self.log_every = log_every
+        self._last_log = time.monotonic()
         if enabled is None:
             enabled = sys.stderr.isatty()
+        enabled = enabled and not quiet
         if enabled and stats.total:
             from tqdm import tqdm
 
@@ -57,6 +64,21 @@ class Progress:
         if self.bar is not None:
             self._postfix()
             self.bar.refresh()
+        elif not self.quiet and time.monotonic() - self._last_log >= self.log_every:
+            self._last_log = time.monotonic()
+            s = self.stats
+            n = s.done + s.failed
+            rate = n / s.elapsed
+            eta = f"{s.remaining / rate / 60:.1f} min" if rate > 0 else "?"
+            print(f"caption: {n}/{s.total} ({s.done} ok, {s.failed} failed, {s.retries} retries), "
+                  f"{rate:.2f} images/s, ETA {eta}", file=sys.stderr, flush=True)
+
+    def write(self, message: str) -> None:
+        """A message that does not tear the bar."""
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        elif not self.quiet:
+            print(message, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -64,6 +64,7 @@ class Runner:
         self.pending = len(items)
         self.finished = asyncio.Event()  # every item has its row, or we are stopping
         self._timers: list[asyncio.TimerHandle] = []
+        self.warn = progress.write
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -117,14 +118,21 @@ class Runner:
                 limits=httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency))
             servers.append(_Server(url, opts.model or "", client))
         if not opts.model:
-            models = await asyncio.gather(*(discover_model(s.client, s.url, self.headers) for s in servers),
+            models = await asyncio.gather(*(discover_model(s.client, s.url, self.headers, delay=min(opts.backoff_base, opts.backoff_max))
+                                            for s in servers),
                                           return_exceptions=True)
+            alive = []
             for s, m in zip(servers, models):
                 if isinstance(m, BaseException):
-                    for t in servers:
-                        await t.client.aclose()
-                    raise m
-                s.model = m
+                    await s.client.aclose()
+                    self.warn(f"caption: skipping {s.url}: {m}")
+                    last_error = m
+                else:
+                    s.model = m
+                    alive.append(s)
+            if not alive:
+                raise RuntimeError(str(last_error))
+            servers = alive
         return servers
 
     async def _tick(self) -> None:
@@ -137,6 +145,7 @@ class Runner:
         while True:
             await server.wait_healthy()
             entry = await self.queue.get()
+            await server.wait_healthy()  # it may have turned unwell while this worker waited for work
             await self._attempt(server, entry)
 
     async def _attempt(self, server: _Server, entry: _Entry) -> None:
