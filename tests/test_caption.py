@@ -7,7 +7,6 @@ import asyncio
 import base64
 import csv
 import hashlib
-import io
 import json
 import os
 import signal
