@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "caption":
         from .caption import main as caption_main
 
-        return caption_main(rest)
+        return caption_main(rest, hard_exit=True)  # MLX may abort in interpreter teardown after --in-process
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     code = serve(config_from_args(args))

@@ -27,7 +27,7 @@ from .tokenizer import TextCodec
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: rows are found in lists by `is`, never by value
 class EngineRequest:
     """What the API side hands to the engine; `emit` delivers events (called on the worker)."""
 
@@ -39,7 +39,7 @@ class EngineRequest:
     cancelled: bool = False  # set from any thread; read by the worker at its next step
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     req: EngineRequest
     sampler: RowSampler
