@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -52,18 +53,31 @@ def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
             return [(await _post(c, _body(any_server, t, p)))["choices"][0]["message"]["content"] for t, p in reqs]
 
     async def together():
+        """The first 8 reach the scheduler while the worker is held (admitted and prefilled in one
+        step, as a group); the other 8 arrive staggered, joining a batch that is decoding."""
+        gate = threading.Event()
+        any_server.engine.worker.submit(gate.wait, 30)
         async with httpx.AsyncClient(base_url=any_server.base_url, timeout=120) as c:
             async def one(i, t, p):
-                await asyncio.sleep(0.01 * i)  # staggered arrival: rows join a running batch
+                if i >= 8:
+                    await asyncio.sleep(0.01 * (i - 7))
                 return (await _post(c, _body(any_server, t, p)))["choices"][0]["message"]["content"]
-            return await asyncio.gather(*(one(i, t, p) for i, (t, p) in enumerate(reqs)))
+
+            first = [asyncio.create_task(one(i, t, p)) for i, (t, p) in enumerate(reqs[:8])]
+            while any_server.engine.scheduler.num_waiting < 8:
+                await asyncio.sleep(0.005)
+            gate.set()
+            rest = [asyncio.create_task(one(i + 8, t, p)) for i, (t, p) in enumerate(reqs[8:])]
+            return await asyncio.gather(*first, *rest)
 
     singles = asyncio.run(alone())
-    steps_before = any_server.engine.scheduler.stats.decode_steps
+    stats = any_server.engine.scheduler.stats
+    steps_before, grouped_before = stats.decode_steps, stats.batched_prefills
     batched = asyncio.run(together())
-    steps = any_server.engine.scheduler.stats.decode_steps - steps_before
+    steps = stats.decode_steps - steps_before
     assert batched == singles
     assert steps < 16 * MAX_TOKENS / 2, "requests were not decoded together"
+    assert stats.batched_prefills > grouped_before, "no prompts were prefilled together"
     for (text, paths), got in zip(reqs, singles):
         assert got == mlx_vlm_text(any_server, text, paths, MAX_TOKENS)
 

@@ -23,7 +23,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="rows decoded together")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="prompt tokens per scheduler step")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="longest prompt piece prefilled in one forward")
+    p.add_argument("--prefill-token-budget", type=int, default=None,
+                   help="prompt tokens per scheduler step over all requests (default: one chunk); short prompts that fit are prefilled together")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)

@@ -20,7 +20,7 @@ class ServerConfig:
     # Scheduler
     max_num_seqs: int = 32
     prefill_chunk: int = 512
-    prefill_token_budget: int = 2048
+    prefill_token_budget: int | None = None  # prompt tokens per step over all requests; None: one chunk
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
     mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool

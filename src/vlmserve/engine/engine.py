@@ -56,6 +56,7 @@ class Engine:
             self.tokenizer,
             max_num_seqs=self.config.max_num_seqs,
             prefill_chunk=self.config.prefill_chunk,
+            prefill_budget=self.config.prefill_token_budget,
             prefix_cache_tokens=self.config.prefix_cache_tokens,
             hooks=self.hooks,
         )

@@ -134,6 +134,30 @@ class VLM:
         )
         return out.logits[:, -1, :]
 
+    def prefill_batch(self, states: list[PromptState], lengths: list[int]) -> list[Any]:
+        """Prefill prompt[:n] of several requests in one left-padded forward; returns their batch cache."""
+        longest = max(lengths)
+        pads = [longest - n for n in lengths]
+
+        def stack(arrays, axis):
+            return mx.concatenate(arrays, axis=axis)
+
+        def left_pad(x, n, pad, axis):
+            x = x[..., :n] if axis == x.ndim - 1 else x[:, :n]
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (pad, 0)
+            return mx.pad(x, widths) if pad else x
+
+        ids = stack([left_pad(st.input_ids, n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
+        embeds = stack([left_pad(st.embeds, n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
+        kwargs = {}
+        if states[0].position_ids is not None:
+            kwargs["position_ids"] = stack(
+                [left_pad(st.position_ids, n, p, 2) for st, n, p in zip(states, lengths, pads)], 1)
+        cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
+        self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
+        return cache
+
     # ---- batched decode ------------------------------------------------------
     def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
         """Per-request caches -> one batch cache per layer (left-padded)."""

@@ -63,15 +63,17 @@ class SchedulerStats:
     decode_steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    batched_prefills: int = 0  # forwards that prefilled several requests at once
 
 
 class MLLMScheduler:
     def __init__(self, vlm: VLM, tokenizer: TextCodec, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
-                 prefix_cache_tokens: int = 65536, hooks: Any = None):
+                 prefill_budget: int | None = None, prefix_cache_tokens: int = 65536, hooks: Any = None):
         self.vlm = vlm
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget or prefill_chunk  # prompt tokens per step, all requests
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.eos = set(vlm.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = vlm.info.context_length
@@ -163,33 +165,66 @@ class MLLMScheduler:
         return self._json_factory
 
     def _prefill(self) -> None:
-        """Spend at most one chunk of prompt tokens, oldest request first."""
-        budget = self.prefill_chunk
+        """Spend at most the step's prefill budget, oldest request first.
+
+        New prompts that fit whole go into one left-padded batched forward (one launch for
+        several requests); a long prompt is prefilled alone, one chunk per step.
+        """
+        budget = self.prefill_budget
+        group: list[Sequence] = []
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
             try:
-                budget -= self._prefill_one(seq, budget)
+                self._embed(seq)
+                remaining = seq.num_prompt - 1 - seq.prefilled
+                if self._batchable(seq) and remaining <= min(budget, self.prefill_chunk):
+                    group.append(seq)
+                    budget -= remaining
+                else:
+                    budget -= self._prefill_one(seq, min(budget, self.prefill_chunk))
             except Exception as exc:  # one bad request ends only itself
-                log.exception("request %s failed in prefill", seq.req.request_id)
+                self._fail_prefill([seq], exc)
+        if len(group) == 1:  # alone, it keeps exactly the single-request shapes of mlx_vlm.generate
+            try:
+                self._prefill_one(group[0], self.prefill_chunk)
+            except Exception as exc:
+                self._fail_prefill(group, exc)
+        elif group:
+            try:
+                self._prefill_group(group)
+            except Exception as exc:  # the batched forward failed: those requests end, others go on
+                self._fail_prefill(group, exc)
+
+    def _fail_prefill(self, seqs: list[Sequence], exc: Exception) -> None:
+        for seq in seqs:
+            log.error("request %s failed in prefill: %r", seq.req.request_id, exc)
+            if seq in self.prefilling:
                 self.prefilling.remove(seq)
-                self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
+            self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
+
+    def _embed(self, seq: Sequence) -> None:
+        """Vision encoder + embeddings (once per request), and the prefix cache for text-only prompts."""
+        if seq.prompt is not None:
+            return
+        prepared = seq.req.prepared
+        t0 = time.perf_counter()
+        seq.prompt = self.vlm.embed_prompt(prepared)
+        if self.prefix_cache is not None and not prepared.has_pixels:
+            seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, seq.prompt.cache)
+            if self.hooks:
+                self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
+        mx.async_eval(seq.prompt.embeds)
+        if self.hooks and prepared.has_pixels:
+            self.hooks.on_vision(time.perf_counter() - t0)
+
+    def _batchable(self, seq: Sequence) -> bool:
+        return seq.prefilled == 0 and seq.num_prompt > 1 and PrefixCache.supports(seq.prompt.cache)
 
     def _prefill_one(self, seq: Sequence, budget: int) -> int:
         """Prefill prompt[:-1] in chunks; the last prompt token then rides the next batched
         decode step, which samples the first token. This is how mlx_vlm.generate splits the
         prompt too (chunks, then the last token alone), and it saves one forward per request."""
-        prepared = seq.req.prepared
-        if seq.prompt is None:
-            t0 = time.perf_counter()
-            seq.prompt = self.vlm.embed_prompt(prepared)
-            if self.prefix_cache is not None and not prepared.has_pixels:
-                seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, seq.prompt.cache)
-                if self.hooks:
-                    self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
-            mx.async_eval(seq.prompt.embeds)
-            if self.hooks and prepared.has_pixels:
-                self.hooks.on_vision(time.perf_counter() - t0)
         target = seq.num_prompt - 1
         end = min(target, seq.prefilled + budget)
         used = end - seq.prefilled
@@ -203,25 +238,43 @@ class MLLMScheduler:
                 self.hooks.on_prefill(time.perf_counter() - t0)
         if end < target:
             return used
-        self.prefilling.remove(seq)
-        self.stats.prompt_tokens += seq.num_prompt
-        if self.prefix_cache is not None and not prepared.has_pixels and target > 0:
-            self.prefix_cache.store(prepared.prompt_ids[:target], seq.prompt.cache)
-        seq.cache_len = target
-        seq.last_token = int(prepared.prompt_ids[target])
-        self._join(seq)
+        self._store_prefix(seq, seq.prompt.cache)
+        self._join([seq], self.vlm.merge_caches([seq.prompt.cache]))
         return used
 
-    def _join(self, seq: Sequence) -> None:
-        row = self.vlm.merge_caches([seq.prompt.cache])
+    def _prefill_group(self, group: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        cache = self.vlm.prefill_batch([s.prompt for s in group], [s.num_prompt - 1 for s in group])
+        self.stats.batched_prefills += 1
+        mx.async_eval([c.state for c in cache])
+        if self.hooks:
+            self.hooks.on_prefill(time.perf_counter() - t0)
+        for i, seq in enumerate(group):
+            seq.prefilled = seq.num_prompt - 1
+            if self.prefix_cache is not None and not seq.req.prepared.has_pixels:
+                self._store_prefix(seq, [layer.extract(i) for layer in cache])
+        self._join(group, cache)
+
+    def _store_prefix(self, seq: Sequence, cache: list[Any]) -> None:
+        prepared = seq.req.prepared
+        if self.prefix_cache is not None and not prepared.has_pixels and seq.num_prompt > 1:
+            self.prefix_cache.store(prepared.prompt_ids[: seq.num_prompt - 1], cache)
+
+    def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
+        """Prefilled rows enter the running batch; their last prompt token is the next input."""
         if self.batch_cache is None:
-            self.batch_cache = row
+            self.batch_cache = rows_cache
         else:
-            for batch_layer, row_layer in zip(self.batch_cache, row):
+            for batch_layer, row_layer in zip(self.batch_cache, rows_cache):
                 batch_layer.extend(row_layer)
-        seq.prompt.cache = None  # the batch cache owns the KV now
-        seq.prompt.embeds = None
-        self.running.append(seq)
+        for seq in seqs:
+            self.prefilling.remove(seq)
+            self.stats.prompt_tokens += seq.num_prompt
+            seq.cache_len = seq.num_prompt - 1
+            seq.last_token = int(seq.req.prepared.prompt_ids[-1])
+            seq.prompt.cache = None  # the batch cache owns the KV now
+            seq.prompt.embeds = None
+            self.running.append(seq)
 
     def _decode(self) -> None:
         """Launch this step's batched decode, then read back the previous step's tokens.
