@@ -24,8 +24,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="rows decoded together")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="longest prompt piece prefilled in one forward")
-    p.add_argument("--prefill-token-budget", type=int, default=None,
-                   help="prompt tokens per scheduler step over all requests (default: one chunk); short prompts that fit are prefilled together")
+    p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget,
+                   help="prompt tokens per scheduler step over all requests; short prompts that fit are prefilled together in one forward")
+    p.add_argument("--prefill-bucket", type=int, default=d.prefill_bucket,
+                   help="pad prompt lengths to multiples of this so new lengths reuse compiled kernels (0: exact)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
@@ -52,6 +54,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="/health turns 503 when the worker's heartbeat is older than this")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--warmup-image-sizes", type=lambda v: tuple(int(x) for x in _csv(v)), default=d.warmup_image_sizes,
+                   help="comma list of square image sizes to compile before reporting ready")
     p.add_argument("--listen-while-loading", action=argparse.BooleanOptionalAction, default=True,
                    help="bind before the model is loaded (/health 200, /ready 503 until warm)")
 

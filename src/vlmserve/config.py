@@ -20,7 +20,8 @@ class ServerConfig:
     # Scheduler
     max_num_seqs: int = 32
     prefill_chunk: int = 512
-    prefill_token_budget: int | None = None  # prompt tokens per step over all requests; None: one chunk
+    prefill_token_budget: int | None = 2048  # prompt tokens per step over all requests (None: one chunk)
+    prefill_bucket: int = 64  # pad prompt lengths to multiples of this; 0 keeps exact shapes
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
     mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool
@@ -57,6 +58,7 @@ class ServerConfig:
     # Testing aid: record the thread of every MLX entry point and fail off the worker.
     thread_guard: bool = field(default_factory=lambda: os.environ.get("VLMSERVE_THREAD_GUARD") == "1")
     warmup: bool = True
+    warmup_image_sizes: tuple[int, ...] = (64, 448)  # square images compiled before /ready
 
     @property
     def model_id(self) -> str:

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -100,15 +101,29 @@ class ServerState:
         self._load_task = asyncio.create_task(load(), name="vlmserve-load")
 
     async def warmup(self) -> None:
-        """One text and one image generation, so the first real request pays no first-call costs."""
+        """Compile the shapes real traffic will use before reporting ready.
+
+        A text and an image generation (at each --warmup-image-sizes), then one prefill per
+        prompt-length bucket up to a chunk: on CUDA a shape seen for the first time costs a
+        kernel compile (tens of ms for a prompt length, ~0.6 s for an image size).
+        """
         loop = asyncio.get_running_loop()
-        image = Image.new("RGB", (64, 64), (127, 127, 127))
-        for name, parts, images in (("warmup-text", [("text", "Hello")], []),
-                                    ("warmup-image", [("image", ImageRef("warmup", "warmup")), ("text", "Hi")], [image])):
+        jobs = [("warmup-text", [("text", "Hello")], [])]
+        for size in self.config.warmup_image_sizes:
+            image = Image.new("RGB", (size, size), (127, 127, 127))
+            jobs.append((f"warmup-image-{size}", [("image", ImageRef("warmup", "warmup")), ("text", "Hi")], [image]))
+        prepared_jobs = []
+        for name, parts, images in jobs:
             prompt = self.preprocessor.render([ChatMessage("user", parts)])
             prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode, prompt, images)
-            # Distinct ids: the scheduler's Sequence dataclass compares by value, and two rows with the
-            # same id would compare their NumPy inputs (ValueError on the worker).
+            prepared_jobs.append((name, prepared))
+        bucket = self.config.prefill_bucket
+        if bucket > 0:
+            filler = int(prepared_jobs[0][1].prompt_ids[-1])
+            for length in range(bucket, self.config.prefill_chunk + 1, bucket):
+                ids = np.full(length + 1, filler, dtype=np.int32)
+                prepared_jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=ids)))
+        for name, prepared in prepared_jobs:  # one at a time: each must be its own shape
             async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")

@@ -57,6 +57,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             prefill_chunk=self.config.prefill_chunk,
             prefill_budget=self.config.prefill_token_budget,
+            prefill_bucket=self.config.prefill_bucket,
             prefix_cache_tokens=self.config.prefix_cache_tokens,
             hooks=self.hooks,
         )

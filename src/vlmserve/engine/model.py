@@ -134,9 +134,12 @@ class VLM:
         )
         return out.logits[:, -1, :]
 
-    def prefill_batch(self, states: list[PromptState], lengths: list[int]) -> list[Any]:
-        """Prefill prompt[:n] of several requests in one left-padded forward; returns their batch cache."""
-        longest = max(lengths)
+    def prefill_batch(self, states: list[PromptState], lengths: list[int], bucket: int = 1) -> list[Any]:
+        """Prefill prompt[:n] of several requests in one left-padded forward; returns their batch cache.
+
+        The padded length is rounded up to a multiple of `bucket`, so prompts of many lengths
+        share a few kernel shapes (a shape seen for the first time costs a compile on CUDA)."""
+        longest = -(-max(lengths) // bucket) * bucket
         pads = [longest - n for n in lengths]
 
         def stack(arrays, axis):
@@ -152,8 +155,10 @@ class VLM:
         embeds = stack([left_pad(st.embeds, n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
         kwargs = {}
         if states[0].position_ids is not None:
-            kwargs["position_ids"] = stack(
-                [left_pad(st.position_ids, n, p, 2) for st, n, p in zip(states, lengths, pads)], 1)
+            # Text-only rows carry (1, L) positions, image rows (3, 1, L) M-RoPE ones.
+            pos = [st.position_ids if st.position_ids.ndim == 3 else
+                   mx.broadcast_to(st.position_ids[None], (3, *st.position_ids.shape)) for st in states]
+            kwargs["position_ids"] = stack([left_pad(p_, n, p, 2) for p_, n, p in zip(pos, lengths, pads)], 1)
         cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
         self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
         return cache

@@ -68,12 +68,14 @@ class SchedulerStats:
 
 class MLLMScheduler:
     def __init__(self, vlm: VLM, tokenizer: TextCodec, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
-                 prefill_budget: int | None = None, prefix_cache_tokens: int = 65536, hooks: Any = None):
+                 prefill_budget: int | None = None, prefill_bucket: int = 0, prefix_cache_tokens: int = 65536,
+                 hooks: Any = None):
         self.vlm = vlm
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget or prefill_chunk  # prompt tokens per step, all requests
+        self.prefill_bucket = prefill_bucket  # pad prompt lengths to multiples of this (0: exact shapes)
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.eos = set(vlm.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = vlm.info.context_length
@@ -185,7 +187,7 @@ class MLLMScheduler:
                     budget -= self._prefill_one(seq, min(budget, self.prefill_chunk))
             except Exception as exc:  # one bad request ends only itself
                 self._fail_prefill([seq], exc)
-        if len(group) == 1:  # alone, it keeps exactly the single-request shapes of mlx_vlm.generate
+        if len(group) == 1 and self.prefill_bucket <= 1:  # alone: exactly mlx_vlm.generate's shapes
             try:
                 self._prefill_one(group[0], self.prefill_chunk)
             except Exception as exc:
@@ -198,7 +200,7 @@ class MLLMScheduler:
 
     def _fail_prefill(self, seqs: list[Sequence], exc: Exception) -> None:
         for seq in seqs:
-            log.error("request %s failed in prefill: %r", seq.req.request_id, exc)
+            log.error("request %s failed in prefill: %r", seq.req.request_id, exc, exc_info=exc)
             if seq in self.prefilling:
                 self.prefilling.remove(seq)
             self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
@@ -244,7 +246,8 @@ class MLLMScheduler:
 
     def _prefill_group(self, group: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        cache = self.vlm.prefill_batch([s.prompt for s in group], [s.num_prompt - 1 for s in group])
+        cache = self.vlm.prefill_batch([s.prompt for s in group], [s.num_prompt - 1 for s in group],
+                                       max(1, self.prefill_bucket))
         self.stats.batched_prefills += 1
         mx.async_eval([c.state for c in cache])
         if self.hooks:
