@@ -143,7 +143,9 @@ class VLM:
         pads = [longest - n for n in lengths]
 
         def stack(arrays, axis):
-            return mx.concatenate(arrays, axis=axis)
+            # Always a fresh row-contiguous array: kernels are compiled per memory layout too, and a
+            # lone broadcast or sliced view would miss the ones warm-up compiled.
+            return mx.contiguous(mx.concatenate(arrays, axis=axis))
 
         def left_pad(x, n, pad, axis):
             x = x[..., :n] if axis == x.ndim - 1 else x[:, :n]
