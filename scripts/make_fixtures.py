@@ -258,23 +258,26 @@ QWEN_SPECIALS = [
 ]
 
 
+# Shared by the tiny fixtures and the 2B preset.
+QWEN_TOKENIZER_SETTINGS = dict(
+    unk_token="<unk>",
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    extra_special_tokens={
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+    },
+    model_max_length=32768,
+    padding_side="left",
+    clean_up_tokenization_spaces=False,
+)
+
+
 def _qwen_tokenizer(vocab_size=512):
     tok = train_bpe(vocab_size, QWEN_SPECIALS)
-    fast = _wrap_fast(
-        tok,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
-        model_max_length=32768,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
+    fast = _wrap_fast(tok, **QWEN_TOKENIZER_SETTINGS)
     return fast
 
 
@@ -873,21 +876,7 @@ def _big_qwen_tokenizer(vocab_size: int):
         for t, i in sorted(specials.items(), key=lambda kv: kv[1])
     ]
     tok = Tokenizer.from_str(json.dumps(tj))
-    fast = _wrap_fast(
-        tok,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
-        model_max_length=32768,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
+    fast = _wrap_fast(tok, **QWEN_TOKENIZER_SETTINGS)
     assert len(fast) >= vocab_size, (len(fast), vocab_size)
     return fast
 
