@@ -9,7 +9,6 @@ Also times raw eager decode steps at the same batch size, for the floor.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from collections import defaultdict
@@ -18,7 +17,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from PIL import Image  # noqa: E402
 
 from bench import make_image, make_prompt  # noqa: E402
 from vlmserve.config import ServerConfig  # noqa: E402

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

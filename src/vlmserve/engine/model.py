@@ -178,7 +178,3 @@ class VLM:
             kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]
-
-    @property
-    def uses_position_ids(self) -> bool:
-        return hasattr(self.language_model, "get_rope_index")
