@@ -51,6 +51,8 @@ class ImageCache:
                 if owner:
                     pending = self._inflight[key] = Future()
                     self.misses += 1
+                else:
+                    self.hits += 1  # joins the decode in flight: not decoded again
         if img is not None:
             # Cached under possibly laxer limits: re-apply this caller's policy.
             if len(data) > policy.max_image_bytes:
