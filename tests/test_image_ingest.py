@@ -20,11 +20,12 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from loopback_http import QuietHandler
 from PIL import Image
 
 import vlmserve.media.cache as cache_mod
@@ -79,20 +80,9 @@ ROUTES.update({
 
 # -- loopback image server -------------------------------------------------------------------------
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(QuietHandler):
+    default_content_type = "text/plain"
     protocol_version = "HTTP/1.1"  # chunked responses
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status: int, body: bytes = b"", ctype: str = "text/plain", extra=()) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in extra:
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self):  # noqa: C901 - a route table
         path = urlsplit(self.path).path

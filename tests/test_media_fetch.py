@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import socket
 import ssl
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
+from loopback_http import QuietHandler
 from PIL import Image
 
 from vlmserve.media import MediaError, MediaPolicy, decode_image, load_image_bytes
@@ -42,20 +42,9 @@ IMAGES = {
 }
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(QuietHandler):
+    default_content_type = "image/png"
     protocol_version = "HTTP/1.1"  # needed for chunked responses
-
-    def log_message(self, *args):  # keep pytest output clean
-        pass
-
-    def _send(self, status, body=b"", ctype="image/png", extra=()):
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in extra:
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
 
     def _redirect(self, location):
         self._send(302, b"", "text/plain", [("Location", location)])
