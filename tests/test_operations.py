@@ -252,13 +252,13 @@ def test_requests_waiting_for_the_cpu_pool_count(keyed_server):
     s = keyed_server
     pre = s.state.preprocessor
     gate = threading.Event()
-    original = pre.encode_chat
+    original = pre.prepare_sync
 
-    def slow(chat, images):
+    def slow(chat):
         gate.wait(30)
-        return original(chat, images)
+        return original(chat)
 
-    pre.encode_chat = slow
+    pre.prepare_sync = slow
     body = chat_body(s.model_id, "Hi", max_tokens=4)
     try:
         async def flood():
@@ -274,7 +274,7 @@ def test_requests_waiting_for_the_cpu_pool_count(keyed_server):
         statuses = sorted(r.status_code for r in asyncio.run(flood()))
     finally:
         gate.set()
-        del pre.encode_chat
+        del pre.prepare_sync
     assert statuses == [200] * 4 + [429] * 6
     assert s.state.pending_choices == s.state.pending_requests == 0
 
