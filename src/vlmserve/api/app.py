@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -81,6 +82,9 @@ class ServerState:
             self.loading = False
         if self.draining:
             return
+        # The ~100k long-lived objects of the model, tokenizer and processor would make every
+        # full GC pass a 50-150 ms stop-the-world pause (seen as /health spikes); freeze them.
+        gc.freeze()
         self.ready = True
         log.info("ready: %s (%s) in %.2f s", self.model_id, self.engine.info.model_type, time.perf_counter() - t0)
 
