@@ -494,3 +494,24 @@ def test_same_bytes_decoded_once_within_and_across_requests(loop, images, monkey
         assert images.hits == {"/img/fresh": 2}  # bytes are fetched per request; decoding is cached
     finally:
         del ROUTES["/img/fresh"]
+
+
+def test_slow_image_urls_do_not_block_other_requests_preprocessing(loop, images):
+    """Fetches wait on the fetch pool, not on a CPU-pool worker: with more slow URLs in flight
+    than there are preprocessing workers, a text request still goes straight through."""
+    slow = loop.config.preprocess_workers + 1
+    with ThreadPoolExecutor(slow) as pool:
+        pending = [pool.submit(post, loop, body_for(loop, [images.url("/slow")])) for _ in range(slow)]
+        deadline = time.monotonic() + 5
+        while images.hits["/slow"] < slow:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        start = time.monotonic()
+        resp = post(loop, body_for(loop, [], text="Just text, please.", max_tokens=2))
+        elapsed = time.monotonic() - start
+        still_fetching = not any(f.done() for f in pending)
+        for f in pending:
+            assert_error(f.result(), "invalid_image_url")
+    assert resp.status_code == 200, resp.text
+    assert still_fetching, "the slow fetches ended before the text request was measured"
+    assert elapsed < TIMEOUT / 2, f"text request waited {elapsed:.2f}s behind slow image fetches"

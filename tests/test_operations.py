@@ -252,13 +252,13 @@ def test_requests_waiting_for_the_cpu_pool_count(keyed_server):
     s = keyed_server
     pre = s.state.preprocessor
     gate = threading.Event()
-    original = pre.prepare_sync
+    original = pre.encode_chat
 
-    def slow(chat):
+    def slow(chat, images):
         gate.wait(30)
-        return original(chat)
+        return original(chat, images)
 
-    pre.prepare_sync = slow
+    pre.encode_chat = slow
     body = chat_body(s.model_id, "Hi", max_tokens=4)
     try:
         async def flood():
@@ -274,7 +274,7 @@ def test_requests_waiting_for_the_cpu_pool_count(keyed_server):
         statuses = sorted(r.status_code for r in asyncio.run(flood()))
     finally:
         gate.set()
-        del pre.prepare_sync
+        del pre.encode_chat
     assert statuses == [200] * 4 + [429] * 6
     assert s.state.pending_choices == s.state.pending_requests == 0
 

@@ -69,7 +69,18 @@ class Preprocessor:
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     async def prepare(self, chat: ChatRequest) -> PreparedRequest:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.prepare_sync, chat)
+        images = await self.fetch_images(chat)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.encode_chat, chat, images)
+
+    async def fetch_images(self, chat: ChatRequest) -> list[Image.Image]:
+        """Fetch + decode a request's images concurrently on the fetch pool.
+
+        Kept off the CPU pool, so a slow image server cannot hold a preprocessing worker
+        for its whole timeout and stall every other request's tokenization."""
+        self.check_image_count(chat)
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(loop.run_in_executor(self.fetch_pool, self._load_image, ref)
+                                           for ref in chat.images)))
 
     # ---- pool threads ------------------------------------------------------------
     def render(self, messages: list[ChatMessage]) -> str:
@@ -77,16 +88,20 @@ class Preprocessor:
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
         return owner.apply_chat_template(to_template_messages(messages), add_generation_prompt=True, tokenize=False)
 
-    def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
-        refs = chat.images
-        if len(refs) > self.config.max_images_per_request:
+    def check_image_count(self, chat: ChatRequest) -> None:
+        if len(chat.images) > self.config.max_images_per_request:
             raise EngineError(
-                f"too many images: {len(refs)} > {self.config.max_images_per_request} per request",
+                f"too many images: {len(chat.images)} > {self.config.max_images_per_request} per request",
                 code="invalid_image", param="messages",
             )
-        images = list(self.fetch_pool.map(self._load_image, refs)) if refs else []
-        prompt = self.render(chat.messages)
-        return self.encode(prompt, images)
+
+    def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
+        """Both stages from one thread, for callers outside an event loop (tools, tests)."""
+        self.check_image_count(chat)
+        return self.encode_chat(chat, list(self.fetch_pool.map(self._load_image, chat.images)))
+
+    def encode_chat(self, chat: ChatRequest, images: list[Image.Image]) -> PreparedRequest:
+        return self.encode(self.render(chat.messages), images)
 
     def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:
         kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}

@@ -214,11 +214,17 @@ class ServerState:
         so a client that leaves cannot make room while its work still occupies the pool.
         """
         self._reserve(chat.n)
+        t0 = time.perf_counter()
+        try:
+            images = await self.preprocessor.fetch_images(chat)
+        except BaseException:
+            self.metrics.preprocess.observe(time.perf_counter() - t0)
+            self._release(chat.n)
+            raise
 
         def job() -> PreparedRequest:
-            t0 = time.perf_counter()
             try:
-                return self.preprocessor.prepare_sync(chat)
+                return self.preprocessor.encode_chat(chat, images)
             finally:
                 self.metrics.preprocess.observe(time.perf_counter() - t0)
                 self._release(chat.n)
