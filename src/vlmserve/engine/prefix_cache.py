@@ -19,8 +19,6 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self._entries: OrderedDict[tuple[int, ...], list[tuple[mx.array, mx.array]]] = OrderedDict()
         self._tokens = 0
-        self.queries = 0
-        self.hits = 0
 
     @property
     def size_tokens(self) -> int:
@@ -32,7 +30,6 @@ class PrefixCache:
 
     def lookup(self, tokens: np.ndarray, fresh_cache: list[Any]) -> int:
         """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run); return its length."""
-        self.queries += 1
         if not self._entries or not self.supports(fresh_cache):
             return 0
         best_key, best_n = None, 0
@@ -48,7 +45,6 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         for layer, (k, v) in zip(fresh_cache, self._entries[best_key]):
             layer.keys, layer.values, layer.offset = k[..., :best_n, :], v[..., :best_n, :], best_n
-        self.hits += 1
         return best_n
 
     def store(self, tokens: np.ndarray, cache: list[Any]) -> None:

@@ -61,8 +61,6 @@ class Sequence:
 class SchedulerStats:
     steps: int = 0
     decode_steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
     batched_prefills: int = 0  # forwards that prefilled several requests at once
 
 
@@ -254,14 +252,17 @@ class MLLMScheduler:
             self.hooks.on_prefill(time.perf_counter() - t0)
         for i, seq in enumerate(group):
             seq.prefilled = seq.num_prompt - 1
-            if self.prefix_cache is not None and not seq.req.prepared.has_pixels:
+            if self._caches_prefix(seq):  # extract() syncs: only when the row will be stored
                 self._store_prefix(seq, [layer.extract(i) for layer in cache])
         self._join(group, cache)
 
+    def _caches_prefix(self, seq: Sequence) -> bool:
+        """Invariant 6: only text-only prompts enter the prefix cache."""
+        return self.prefix_cache is not None and not seq.req.prepared.has_pixels and seq.num_prompt > 1
+
     def _store_prefix(self, seq: Sequence, cache: list[Any]) -> None:
-        prepared = seq.req.prepared
-        if self.prefix_cache is not None and not prepared.has_pixels and seq.num_prompt > 1:
-            self.prefix_cache.store(prepared.prompt_ids[: seq.num_prompt - 1], cache)
+        if self._caches_prefix(seq):
+            self.prefix_cache.store(seq.req.prepared.prompt_ids[: seq.num_prompt - 1], cache)
 
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
         """Prefilled rows enter the running batch; their last prompt token is the next input."""
@@ -272,7 +273,6 @@ class MLLMScheduler:
                 batch_layer.extend(row_layer)
         for seq in seqs:
             self.prefilling.remove(seq)
-            self.stats.prompt_tokens += seq.num_prompt
             seq.cache_len = seq.num_prompt - 1
             seq.last_token = int(seq.req.prepared.prompt_ids[-1])
             seq.prompt.cache = None  # the batch cache owns the KV now
@@ -350,7 +350,6 @@ class MLLMScheduler:
     # ---- per-token bookkeeping -------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
         seq.generated += 1
-        self.stats.generated_tokens += 1
         seq.sampler.observe(token)
         if seq.sampler.logits_mask is not None:
             seq.sampler.logits_mask.consume(token)
@@ -377,11 +376,8 @@ class MLLMScheduler:
             vals = logprobs[idx]
             order = mx.argsort(-vals)
             for tid, val in zip(idx[order].tolist(), vals[order].tolist()):
-                top.append(TopLogprob(tid, self._token_text(tid), float(val)))
-        return TokenLogprob(token, self._token_text(token), float(logprobs[token].item()), top)
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.token_text(token)
+                top.append(TopLogprob(tid, self.tokenizer.token_text(tid), float(val)))
+        return TokenLogprob(token, self.tokenizer.token_text(token), float(logprobs[token].item()), top)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, event: TokenEvent | None = None,
                 error: str | None = None) -> None:
