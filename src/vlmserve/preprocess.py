@@ -68,10 +68,6 @@ class Preprocessor:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
-        images = await self.fetch_images(chat)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.encode_chat, chat, images)
-
     async def fetch_images(self, chat: ChatRequest) -> list[Image.Image]:
         """Fetch + decode a request's images concurrently on the fetch pool.
 

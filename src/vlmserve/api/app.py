@@ -215,25 +215,28 @@ class ServerState:
         """
         self._reserve(chat.n)
         t0 = time.perf_counter()
+
+        def done() -> None:
+            self.metrics.preprocess.observe(time.perf_counter() - t0)
+            self._release(chat.n)
+
         try:
             images = await self.preprocessor.fetch_images(chat)
         except BaseException:
-            self.metrics.preprocess.observe(time.perf_counter() - t0)
-            self._release(chat.n)
+            done()
             raise
 
         def job() -> PreparedRequest:
             try:
                 return self.preprocessor.encode_chat(chat, images)
             finally:
-                self.metrics.preprocess.observe(time.perf_counter() - t0)
-                self._release(chat.n)
+                done()
 
         loop = asyncio.get_running_loop()
         try:
             future = loop.run_in_executor(self.preprocessor.pool, job)
         except BaseException:
-            self._release(chat.n)
+            done()
             raise
         return await future
 
