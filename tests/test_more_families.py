@@ -47,3 +47,53 @@ def test_family_matches_mlx_vlm_alone_and_batched(family_server):
     assert together == alone
     for (text, paths), got in zip(_cases(), alone):
         assert got == mlx_vlm_text(family_server, text, paths, MAX_TOKENS)
+
+
+def test_images_of_several_requests_share_one_vision_call(family_server):
+    """embed_prompts (the scheduler's path for requests admitted together) gives each request the
+    embeddings and M-RoPE positions it gets alone; grid towers encode all images in one call."""
+    import numpy as np
+
+    from vlmserve.api.openai import parse_chat_request
+
+    st = family_server.state
+    bodies = [chat_body(family_server.model_id, t, [data_uri(p) for p in ps], max_tokens=4) for t, ps in _cases()]
+    prepared = [asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length)))
+                for b in bodies]
+    vlm = st.engine.scheduler.vlm
+
+    def compare():
+        import mlx.core as mx
+
+        tower_cls = type(vlm.model.vision_tower)
+        calls = []
+        original = tower_cls.__call__
+
+        def counting(self, *args, **kwargs):
+            calls.append(1)
+            return original(self, *args, **kwargs)
+
+        tower_cls.__call__ = counting
+        try:
+            together = vlm.embed_prompts(prepared)
+            n_together = len(calls)
+            alone = [vlm.embed_prompt(p) for p in prepared]
+        finally:
+            tower_cls.__call__ = original
+        rows = []
+        for a, b in zip(together, alone):
+            pos = (None, None) if a.position_ids is None else (np.array(a.position_ids), np.array(b.position_ids))
+            rows.append((np.array(a.embeds.astype(mx.float32)), np.array(b.embeds.astype(mx.float32)),
+                         a.rope_delta, b.rope_delta, *pos))
+        return n_together, len(calls) - n_together, rows
+
+    n_together, n_alone, rows = family_server.on_worker(compare)
+    assert n_alone == 3  # three of the four requests carry images
+    if family_server.state.engine.info.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        assert n_together == 1
+    for emb_t, emb_a, delta_t, delta_a, pos_t, pos_a in rows:
+        np.testing.assert_allclose(emb_t, emb_a, rtol=1e-5, atol=1e-5)
+        assert delta_t == delta_a
+        if pos_t is not None:
+            np.testing.assert_array_equal(pos_t, pos_a)
+

@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 # Embedding outputs that only make sense for a single, unpadded row.
 _PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
 
+# Families whose vision tower takes the patches of many images in one call
+# (`vision_tower(pixel_values, image_grid_thw)`, attention split per image) and whose
+# get_input_embeddings accepts the tower's output as `cached_image_features`.
+_GRID_TOWERS = {"qwen2_vl", "qwen2_5_vl"}
+
 
 def resolve_model_path(model: str) -> Path:
     """A local directory, or a Hugging Face repo id fetched (or found in the cache) via huggingface_hub."""
@@ -96,12 +101,30 @@ class VLM:
         )
 
     # ---- prompt ---------------------------------------------------------------
-    def embed_prompt(self, prepared: PreparedRequest) -> PromptState:
+    def embed_prompts(self, prepared: list[PreparedRequest]) -> list[PromptState]:
+        """Embed several prompts; where the family allows, all their images share one vision-tower
+        call (one launch sequence and one set of the tower's host syncs instead of one per image)."""
+        with_images = [p for p in prepared if p.has_pixels]
+        if len(with_images) < 2 or self.info.model_type not in _GRID_TOWERS:
+            return [self.embed_prompt(p) for p in prepared]
+        tower = self.model.vision_tower
+        dtype = tower.patch_embed.proj.weight.dtype
+        pixels = mx.concatenate([mx.array(p.model_inputs["pixel_values"]) for p in with_images]).astype(dtype)
+        grids = [np.asarray(p.model_inputs["image_grid_thw"]).reshape(-1, 3) for p in with_images]
+        features = tower(pixels, mx.array(np.concatenate(grids)), output_hidden_states=False)
+        merge = self.model.config.vision_config.spatial_merge_size ** 2
+        rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids])[:-1]
+        per_request = dict(zip(map(id, with_images), mx.split(features, rows.tolist())))
+        return [self.embed_prompt(p, per_request.get(id(p))) for p in prepared]
+
+    def embed_prompt(self, prepared: PreparedRequest, image_features: mx.array | None = None) -> PromptState:
         """NumPy -> mx on this thread, then vision encoder + token embeddings."""
         input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
         inputs = {k: mx.array(v) for k, v in prepared.model_inputs.items()}
         pixel_values = inputs.pop("pixel_values", None)
         mask = mx.ones(input_ids.shape, dtype=mx.int32)
+        if image_features is not None:
+            inputs["cached_image_features"] = image_features
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
         extra = {
             k: v

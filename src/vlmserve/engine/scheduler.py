@@ -170,6 +170,7 @@ class MLLMScheduler:
         New prompts that fit whole go into one left-padded batched forward (one launch for
         several requests); a long prompt is prefilled alone, one chunk per step.
         """
+        self._embed_upcoming()
         budget = self.prefill_budget
         group: list[Sequence] = []
         for seq in list(self.prefilling):
@@ -203,20 +204,46 @@ class MLLMScheduler:
                 self.prefilling.remove(seq)
             self._finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
 
+    def _embed_upcoming(self) -> None:
+        """Embed, in one call, the new requests this step's prefill budget will reach, so their
+        images go through the vision tower together. If that batch fails, each request is
+        embedded alone later (by `_embed`) and only a bad one ends."""
+        budget, todo = self.prefill_budget, []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            if seq.prompt is None:
+                todo.append(seq)
+            budget -= max(1, min(seq.num_prompt - 1 - seq.prefilled, self.prefill_chunk))
+        if len(todo) < 2:
+            return
+        t0 = time.perf_counter()
+        try:
+            prompts = self.vlm.embed_prompts([s.req.prepared for s in todo])
+        except Exception:
+            log.warning("batched embedding of %d requests failed; embedding them one by one", len(todo),
+                        exc_info=True)
+            return
+        share = (time.perf_counter() - t0) / len(todo)
+        for seq, prompt in zip(todo, prompts):
+            self._embedded(seq, prompt, share)
+
     def _embed(self, seq: Sequence) -> None:
         """Vision encoder + embeddings (once per request), and the prefix cache for text-only prompts."""
-        if seq.prompt is not None:
-            return
+        if seq.prompt is None:
+            t0 = time.perf_counter()
+            self._embedded(seq, self.vlm.embed_prompt(seq.req.prepared), time.perf_counter() - t0)
+
+    def _embedded(self, seq: Sequence, prompt: PromptState, seconds: float) -> None:
         prepared = seq.req.prepared
-        t0 = time.perf_counter()
-        seq.prompt = self.vlm.embed_prompt(prepared)
+        seq.prompt = prompt
         if self.prefix_cache is not None and not prepared.has_pixels:
-            seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, seq.prompt.cache)
+            seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, prompt.cache)
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
-        mx.async_eval(seq.prompt.embeds)
+        mx.async_eval(prompt.embeds)
         if self.hooks and prepared.has_pixels:
-            self.hooks.on_vision(time.perf_counter() - t0)
+            self.hooks.on_vision(seconds)
 
     def _batchable(self, seq: Sequence) -> bool:
         return seq.prefilled == 0 and seq.num_prompt > 1 and PrefixCache.supports(seq.prompt.cache)
