@@ -188,7 +188,7 @@ def test_disconnect_and_cancel_free_rows(qwen_server):
     _wait_idle(qwen_server)
     asyncio.run(post_then_cancel())
     _wait_idle(qwen_server)
-    assert qwen_server.engine.scheduler.batch_cache is None
+    assert qwen_server.engine.scheduler.batch is None
 
 
 def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):

@@ -89,6 +89,9 @@ class VLM:
         mx.eval(self.model.parameters())
         self.config = json.loads((model_path / "config.json").read_text())
         self.language_model = self.model.language_model
+        # M-RoPE families (Qwen2-VL...) take explicit (3, B, L) positions; decode passes them per row.
+        self.uses_mrope = hasattr(self.language_model, "get_rope_index")
+        self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
             path=str(model_path),
@@ -189,6 +192,16 @@ class VLM:
         return cache
 
     # ---- batched decode ------------------------------------------------------
+    def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
+        """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache, read off a one-token forward."""
+        if self._kv_layout is None:
+            cache = vlm_cache.make_prompt_cache(self.language_model)
+            kwargs = {"position_ids": mx.zeros((3, 1, 1), dtype=mx.int32)} if self.uses_mrope else {}
+            self.language_model(mx.zeros((1, 1), dtype=mx.int32), cache=cache, **kwargs)
+            k, v = cache[0].state
+            self._kv_layout = (len(cache), (k.shape[1], k.shape[3], v.shape[3]), k.dtype)
+        return self._kv_layout
+
     def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
         """Per-request caches -> one batch cache per layer (left-padded)."""
         return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
+from .decode_batch import make_decode_batch_factory
 from .model import VLM, PromptState
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, log_softmax, sample_batch
@@ -25,6 +26,8 @@ from .text_stream import TextStream
 from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
+
+_EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
 
 
 @dataclass(eq=False)  # identity semantics: rows are found in lists by `is`, never by value
@@ -67,7 +70,7 @@ class SchedulerStats:
 class MLLMScheduler:
     def __init__(self, vlm: VLM, tokenizer: TextCodec, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
                  prefill_budget: int | None = None, prefill_bucket: int = 0, prefix_cache_tokens: int = 65536,
-                 hooks: Any = None):
+                 compile_decode: bool = False, hooks: Any = None):
         self.vlm = vlm
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -82,7 +85,8 @@ class MLLMScheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.batch_cache: list[Any] | None = None
+        self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
+        self._new_batch = make_decode_batch_factory(vlm, compile_decode)
         self.stats = SchedulerStats()
         self._json_factory = None
         self._inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -125,7 +129,7 @@ class MLLMScheduler:
         self.waiting.clear()
         self.prefilling.clear()
         self.running.clear()
-        self.batch_cache = None
+        self.batch = None
         self._inflight = None
 
     # ---- phases ------------------------------------------------------------------
@@ -293,16 +297,15 @@ class MLLMScheduler:
 
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
         """Prefilled rows enter the running batch; their last prompt token is the next input."""
-        if self.batch_cache is None:
-            self.batch_cache = rows_cache
-        else:
-            for batch_layer, row_layer in zip(self.batch_cache, rows_cache):
-                batch_layer.extend(row_layer)
         for seq in seqs:
-            self.prefilling.remove(seq)
             seq.cache_len = seq.num_prompt - 1
             seq.last_token = int(seq.req.prepared.prompt_ids[-1])
-            seq.prompt.cache = None  # the batch cache owns the KV now
+        if self.batch is None:
+            self.batch = self._new_batch()
+        self.batch.join(seqs, rows_cache)
+        for seq in seqs:
+            self.prefilling.remove(seq)
+            seq.prompt.cache = None  # the batch owns the KV now
             seq.prompt.embeds = None
             self.running.append(seq)
 
@@ -326,40 +329,39 @@ class MLLMScheduler:
                 for seq in list(self.running):
                     self._finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
                 self.running.clear()
-                self.batch_cache = None
+                self.batch = None
                 return
         if prev is not None:
             self._resolve(prev)
 
     def _launch(self, prev):
         t0 = time.perf_counter()
-        rows = list(self.running)
-        if prev is None:
-            tokens = mx.array([s.last_token for s in rows], dtype=mx.int32)
+        rows = self.batch.layout()  # row order of this step; None marks an empty slot
+        # Each row's input: its token from the previous (unread) step, or one known on the host
+        # (a row that just joined, or every row when the previous step was already read).
+        prev_rows, prev_tokens = (prev[0], prev[1]) if prev is not None else ([], None)
+        index = {id(s): i for i, s in enumerate(prev_rows) if s is not None}
+        host, order = [], []
+        for seq in rows:
+            if seq is not None and id(seq) in index:
+                order.append(index[id(seq)])
+            else:
+                order.append(len(prev_rows) + len(host))
+                host.append(seq.last_token if seq is not None else 0)
+        if prev_tokens is None:
+            tokens = mx.array(host, dtype=mx.int32)
         else:
-            prev_rows, prev_tokens, _, _ = prev
-            index = {id(s): i for i, s in enumerate(prev_rows)}
-            joined = [s for s in rows if id(s) not in index]  # first token already known on the host
-            order, k = [], len(prev_rows)
-            for seq in rows:
-                if id(seq) in index:
-                    order.append(index[id(seq)])
-                else:
-                    order.append(k)
-                    k += 1
             tokens = prev_tokens
-            if joined:
-                tokens = mx.concatenate([tokens, mx.array([s.last_token for s in joined], dtype=mx.int32)])
+            if host:
+                tokens = mx.concatenate([tokens, mx.array(host, dtype=mx.int32)])
             if order != list(range(tokens.shape[0])):
                 tokens = tokens[mx.array(order, dtype=mx.int32)]
-        positions = None
-        if rows[0].prompt.position_ids is not None:
-            positions = mx.array([s.cache_len + s.prompt.rope_delta for s in rows], dtype=mx.int32)
-        logits = self.vlm.decode(tokens, self.batch_cache, positions)
-        next_tokens = sample_batch(logits, [s.sampler for s in rows])
-        lp = log_softmax(logits) if any(s.req.sampling.logprobs for s in rows) else None
+        logits = self.batch.forward(tokens, rows)
+        live = [s for s in rows if s is not None]
+        next_tokens = sample_batch(logits, [s.sampler if s is not None else _EMPTY_SLOT_SAMPLER for s in rows])
+        lp = log_softmax(logits) if any(s.req.sampling.logprobs for s in live) else None
         mx.async_eval(next_tokens, *([lp] if lp is not None else []))
-        for seq in rows:
+        for seq in live:
             seq.cache_len += 1
         self.stats.decode_steps += 1
         return rows, next_tokens, lp, t0
@@ -367,12 +369,13 @@ class MLLMScheduler:
     def _resolve(self, inflight) -> None:
         rows, tokens, lp, t0 = inflight
         ids = tokens.tolist()
+        live = [(i, s) for i, s in enumerate(rows) if s is not None]
         if self.hooks:
-            self.hooks.on_decode_step(time.perf_counter() - t0, len(rows))
-        for i, seq in enumerate(rows):
+            self.hooks.on_decode_step(time.perf_counter() - t0, len(live))
+        for i, seq in live:
             if not seq.finished:  # finished or cancelled rows were computed once more; drop that
                 self._accept(seq, ids[i], lp[i] if lp is not None and seq.req.sampling.logprobs else None)
-        self._remove_rows([s for s in rows if s.finished and s in self.running])
+        self._remove_rows([s for _, s in live if s.finished and s in self.running])
 
     # ---- per-token bookkeeping -------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
@@ -424,11 +427,8 @@ class MLLMScheduler:
     def _remove_rows(self, gone: list[Sequence]) -> None:
         if not gone:
             return
-        keep = [i for i, s in enumerate(self.running) if s not in gone]
-        self.running = [self.running[i] for i in keep]
+        self.running = [s for s in self.running if s not in gone]
         if not self.running:
-            self.batch_cache = None
-        elif self.batch_cache is not None:
-            index = mx.array(keep, dtype=mx.int32)
-            for layer in self.batch_cache:
-                layer.filter(index)
+            self.batch = None
+        elif self.batch is not None:
+            self.batch.remove(gone)

@@ -1,0 +1,118 @@
+"""The running batch's KV caches, behind one interface the scheduler drives.
+
+- `SlotDecodeBatch` (plain KV-cache families): fixed-shape slots, so a decode step keeps its
+  shapes from step to step and can run as one compiled graph (see slot_cache.py).
+- `PaddedDecodeBatch` (anything else, e.g. sliding-window or SSM caches): mlx_vlm's batch
+  caches, left-padded, extended on join and filtered on leave.
+
+`layout()` gives the row order of the next step: a list of the rows' owners (any object with
+`cache_len`, and `prompt.rope_delta`), `None` for an empty slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_vlm.models import cache as vlm_cache
+
+from .model import VLM
+from .slot_cache import SlotBatch, make_decode_step, round_up
+
+
+def uses_plain_kv_cache(vlm: VLM) -> bool:
+    return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(vlm.language_model))
+
+
+class PaddedDecodeBatch:
+    def __init__(self, vlm: VLM):
+        self.vlm = vlm
+        self.rows: list[Any] = []
+        self.cache: list[Any] | None = None
+
+    def layout(self) -> list[Any]:
+        return list(self.rows)
+
+    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+        """rows_cache: per-layer batch caches (from a prefill) holding `owners` in order."""
+        if self.cache is None:
+            self.cache = rows_cache
+        else:
+            for batch_layer, row_layer in zip(self.cache, rows_cache):
+                batch_layer.extend(row_layer)
+        self.rows.extend(owners)
+
+    def remove(self, owners: list[Any]) -> None:
+        keep = [i for i, r in enumerate(self.rows) if r not in owners]
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+        elif len(keep) < len(owners) + len(keep):
+            index = mx.array(keep, dtype=mx.int32)
+            for layer in self.cache:
+                layer.filter(index)
+
+    def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
+        positions = None
+        if self.vlm.uses_mrope:
+            positions = mx.array([r.cache_len + r.prompt.rope_delta for r in rows], dtype=mx.int32)
+        return self.vlm.decode(tokens, self.cache, positions)
+
+
+class SlotDecodeBatch:
+    def __init__(self, vlm: VLM, step: Callable):
+        self.vlm = vlm
+        self.step = step  # make_decode_step(...), compiled or not; shared across batches
+        self.slots: list[Any] = []
+        self.kv: SlotBatch | None = None
+
+    def layout(self) -> list[Any]:
+        return list(self.slots)
+
+    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
+        if self.kv is None:
+            self.kv = SlotBatch(*self.vlm.kv_layout(), slots=len(owners), capacity=1)
+            self.slots = [None] * self.kv.slots
+        for i, owner in enumerate(owners):
+            n, end = owner.cache_len, rows_cache[0]._idx
+            layer_kv = [(c.keys[i : i + 1, :, end - n : end, :], c.values[i : i + 1, :, end - n : end, :])
+                        for c in rows_cache] if n else []
+            slot = self._free_slot()
+            self.kv.write(slot, layer_kv, n)
+            self.slots[slot] = owner
+
+    def _free_slot(self) -> int:
+        if None not in self.slots:
+            self.kv.ensure(len(self.slots) + 1, 1)
+            self.slots += [None] * (self.kv.slots - len(self.slots))
+        return self.slots.index(None)
+
+    def remove(self, owners: list[Any]) -> None:
+        self.slots = [None if s is not None and s in owners else s for s in self.slots]
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        if not live:
+            self.slots, self.kv = [], None
+        elif round_up(len(live), SlotBatch.SLOT_BUCKETS) * 2 <= self.kv.slots:  # mostly empty: fewer rows per step
+            self.kv.compact(live)
+            self.slots = [self.slots[i] for i in live] + [None] * (self.kv.slots - len(live))
+
+    def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
+        kv = self.kv
+        kv.ensure(kv.slots, max(r.cache_len for r in rows if r is not None) + 1)
+        lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
+        positions = None
+        if self.vlm.uses_mrope:
+            positions = mx.array([0 if r is None else r.cache_len + r.prompt.rope_delta for r in rows],
+                                 dtype=mx.int32)
+        out = self.step(tokens, positions, lengths, *kv.arrays())
+        n = len(kv.keys)
+        kv.keys, kv.values = list(out[1 : 1 + n]), list(out[1 + n :])
+        return out[0]
+
+
+def make_decode_batch_factory(vlm: VLM, compiled: bool) -> Callable[[], Any]:
+    if not uses_plain_kv_cache(vlm):
+        return lambda: PaddedDecodeBatch(vlm)
+    step = make_decode_step(vlm.language_model, compiled)
+    return lambda: SlotDecodeBatch(vlm, step)

@@ -1,0 +1,134 @@
+"""A fixed-shape batch KV cache for decode: one slot per running request.
+
+mlx_vlm's BatchKVCache grows by Python-int offsets, re-pads on every join and syncs on every
+filter, so the decode graph changes shape every step and cannot be compiled. Here every layer
+holds keys/values of shape (slots, kv_heads, capacity, head_dim) and each slot's fill level
+is an *array*, so one decode step has the same shapes from step to step: `mx.compile` traces
+the whole forward once per (slots, capacity) and replays it with elementwise ops fused — on
+CUDA the step is bound by per-kernel launch overhead, not by the weights' bandwidth.
+
+A slot's KV always starts at index 0; positions past its length are masked out. Slot count
+and capacity grow in buckets (a copy, rarely), so the number of compiled shapes stays small.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+
+
+class SlotLayerCache:
+    """The per-layer cache object the language model sees during one decode step.
+
+    Implements the part of the mlx_vlm cache protocol a one-token decode uses:
+    `offset` (per-row RoPE offset), `make_mask` and `update_and_fetch`."""
+
+    _offset = 0  # mlx_vlm's cache_position_offset reads this instead of syncing on `offset`
+
+    def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array):
+        self.keys = keys
+        self.values = values
+        self.offset = lengths  # (S,) tokens already in each slot
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any):
+        cap = self.keys.shape[2]
+        pos = mx.arange(cap)[None, None, None, :]
+        end = (self.offset + n)[:, None, None, None]
+        mask = pos < end
+        if window_size:
+            mask = mask & (pos >= end - window_size)
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.shape[2] != 1:
+            raise ValueError("SlotLayerCache takes one token per row (decode only)")
+        idx = self.offset[:, None, None, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        return self.keys, self.values
+
+
+def round_up(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    step = buckets[-1]
+    return -(-n // step) * step
+
+
+class SlotBatch:
+    """Per-layer (slots, heads, capacity, dim) buffers plus the host's view of each slot's length."""
+
+    SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+    CAPACITY_BUCKETS = (256, 512, 1024, 2048, 4096)
+
+    def __init__(self, num_layers: int, kv_shape: tuple[int, int, int], dtype, slots: int, capacity: int):
+        heads, dim_k, dim_v = kv_shape
+        self.slots = round_up(slots, self.SLOT_BUCKETS)
+        self.capacity = round_up(capacity, self.CAPACITY_BUCKETS)
+        self.keys = [mx.zeros((self.slots, heads, self.capacity, dim_k), dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros((self.slots, heads, self.capacity, dim_v), dtype) for _ in range(num_layers)]
+        self.lengths = [0] * self.slots
+
+    def arrays(self) -> list[mx.array]:
+        return self.keys + self.values
+
+    # ---- layout changes (eager, rare) --------------------------------------------
+    def ensure(self, slots: int, capacity: int) -> None:
+        """Grow to at least `slots` slots and `capacity` positions (bucketed)."""
+        slots = max(self.slots, round_up(slots, self.SLOT_BUCKETS))
+        capacity = max(self.capacity, round_up(capacity, self.CAPACITY_BUCKETS))
+        if (slots, capacity) == (self.slots, self.capacity):
+            return
+        widths = [(0, slots - self.slots), (0, 0), (0, capacity - self.capacity), (0, 0)]
+        self.keys = [mx.pad(k, widths) for k in self.keys]
+        self.values = [mx.pad(v, widths) for v in self.values]
+        self.lengths += [0] * (slots - self.slots)
+        self.slots, self.capacity = slots, capacity
+
+    def compact(self, keep: list[int]) -> None:
+        """Keep only slots `keep` (in that order), shrinking to the bucket that fits them."""
+        slots = round_up(max(1, len(keep)), self.SLOT_BUCKETS)
+        index = keep + [keep[0] if keep else 0] * (slots - len(keep))
+        take = mx.array(index, dtype=mx.int32)
+        self.keys = [k[take] for k in self.keys]
+        self.values = [v[take] for v in self.values]
+        self.lengths = [self.lengths[i] for i in keep] + [0] * (slots - len(keep))
+        self.slots = slots
+
+    def write(self, slot: int, layer_kv: list[tuple[mx.array, mx.array]], length: int) -> None:
+        """Put one request's prefilled KV ((1, H, length, D) per layer) into `slot` at positions [0, length)."""
+        self.ensure(slot + 1, length + 1)
+        self.lengths[slot] = length
+        if not length:
+            return
+        for i, (k, v) in enumerate(layer_kv):
+            self.keys[i][slot : slot + 1, :, :length, :] = k
+            self.values[i][slot : slot + 1, :, :length, :] = v
+
+    def read(self, slot: int) -> list[tuple[mx.array, mx.array]]:
+        n = self.lengths[slot]
+        return [(k[slot : slot + 1, :, :n, :], v[slot : slot + 1, :, :n, :]) for k, v in zip(self.keys, self.values)]
+
+
+def make_decode_step(language_model: Any, compiled: bool) -> Callable:
+    """fn(tokens (S,), positions (S,) | None, lengths (S,), *kv) -> (logits (S, V), *new_kv).
+
+    A pure function of its inputs, so `mx.compile` can trace it once per input shape."""
+
+    def step(tokens, positions, lengths, *kv):
+        n = len(kv) // 2
+        caches = [SlotLayerCache(kv[i], kv[n + i], lengths) for i in range(n)]
+        kwargs = {}
+        if positions is not None:
+            pos = positions.reshape(1, -1, 1)
+            kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
+        logits = language_model(tokens[:, None], cache=caches, **kwargs).logits[:, -1, :]
+        return (logits, *[c.keys for c in caches], *[c.values for c in caches])
+
+    if not compiled:
+        return step
+    with_pos = mx.compile(lambda t, p, l, *kv: step(t, p, l, *kv))
+    without_pos = mx.compile(lambda t, l, *kv: step(t, None, l, *kv))
+    return lambda t, p, l, *kv: with_pos(t, p, l, *kv) if p is not None else without_pos(t, l, *kv)
