@@ -216,3 +216,30 @@ def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
     assert results[0].json()["error"]["message"]
     assert [r["choices"][0]["message"]["content"] for r in results[1:]] == \
         [r["choices"][0]["message"]["content"] for r in alone]
+
+
+def test_compiled_decode_matches_eager(qwen_server):
+    """The compiled decode step (the GPU default) gives the eager path's tokens, alone and batched,
+    with rows joining and leaving the slots mid-decode."""
+    from conftest import start_server
+
+    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4, prefill_chunk=128)
+    try:
+        assert server.engine.scheduler.batches.compiled
+        reqs = _mixed_requests()[:8]
+
+        async def run(target, concurrent):
+            async with httpx.AsyncClient(base_url=target.base_url, timeout=120) as c:
+                bodies = [chat_body(target.model_id, t, [data_uri(x) for x in p], temperature=0,
+                                    max_tokens=MAX_TOKENS + 4 * (i % 3)) for i, (t, p) in enumerate(reqs)]
+                if concurrent:
+                    outs = await asyncio.gather(*(_post(c, b) for b in bodies))
+                else:
+                    outs = [await _post(c, b) for b in bodies]
+                return [o["choices"][0]["message"]["content"] for o in outs]
+
+        eager = asyncio.run(run(qwen_server, False))
+        assert asyncio.run(run(server, False)) == eager
+        assert asyncio.run(run(server, True)) == eager
+    finally:
+        server.stop()

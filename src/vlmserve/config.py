@@ -24,6 +24,9 @@ class ServerConfig:
     prefill_bucket: int = 64  # pad prompt lengths to multiples of this; 0 keeps exact shapes
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
+    # Run each decode step as one mx.compile'd graph ("auto": on GPU). CUDA decode is bound by
+    # per-kernel launch cost, which fusion and graph replay cut; on CPU the fused-kernel JIT costs more.
+    compile_decode: str = "auto"
     mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool
     default_max_tokens: int = 512
 

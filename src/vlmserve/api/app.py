@@ -131,6 +131,13 @@ class ServerState:
             async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")
+        # The compiled decode step: every slot-count bucket up to --max-num-seqs, at the KV
+        # capacities prompts up to two prefill chunks use (longer ones trace once, when they come).
+        t0 = time.perf_counter()
+        capacity = min(self.context_length, 2 * self.config.prefill_chunk)
+        traced = await self.engine.run_on_worker(self.engine.scheduler.batches.warm, self.config.max_num_seqs, capacity)
+        if traced:
+            log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
 
     @property
     def in_flight(self) -> int:

@@ -111,8 +111,31 @@ class SlotDecodeBatch:
         return out[0]
 
 
-def make_decode_batch_factory(vlm: VLM, compiled: bool) -> Callable[[], Any]:
-    if not uses_plain_kv_cache(vlm):
-        return lambda: PaddedDecodeBatch(vlm)
-    step = make_decode_step(vlm.language_model, compiled)
-    return lambda: SlotDecodeBatch(vlm, step)
+class DecodeBatches:
+    """Makes the running batch for this model, and pre-compiles its decode shapes."""
+
+    def __init__(self, vlm: VLM, compiled: bool):
+        self.vlm = vlm
+        self.slotted = uses_plain_kv_cache(vlm)
+        self.compiled = compiled and self.slotted
+        self.step = make_decode_step(vlm.language_model, self.compiled) if self.slotted else None
+
+    def new(self):
+        return SlotDecodeBatch(self.vlm, self.step) if self.slotted else PaddedDecodeBatch(self.vlm)
+
+    def warm(self, max_slots: int, max_capacity: int) -> int:
+        """Trace the compiled step at every (slots, capacity) bucket up to these bounds, so no
+        request pays a trace (~0.1 s each on CUDA once kernels are built). Returns shapes traced."""
+        if not self.compiled:
+            return 0
+        layers, (heads, dim_k, dim_v), dtype = self.vlm.kv_layout()
+        slot_counts = [b for b in SlotBatch.SLOT_BUCKETS if b < max_slots] + [round_up(max_slots, SlotBatch.SLOT_BUCKETS)]
+        capacities = [b for b in SlotBatch.CAPACITY_BUCKETS if b < max_capacity]
+        capacities.append(round_up(max_capacity, SlotBatch.CAPACITY_BUCKETS))
+        for n in slot_counts:
+            zeros = mx.zeros((n,), dtype=mx.int32)
+            for cap in capacities:
+                kv = [mx.zeros((n, heads, cap, dim_k), dtype) for _ in range(layers)]
+                kv += [mx.zeros((n, heads, cap, dim_v), dtype) for _ in range(layers)]
+                mx.eval(self.step(zeros, zeros if self.vlm.uses_mrope else None, zeros, *kv))
+        return len(slot_counts) * len(capacities)

@@ -59,6 +59,8 @@ class Engine:
             prefill_budget=self.config.prefill_token_budget,
             prefill_bucket=self.config.prefill_bucket,
             prefix_cache_tokens=self.config.prefix_cache_tokens,
+            compile_decode=self.config.compile_decode == "on"
+            or (self.config.compile_decode == "auto" and mx.default_device() == mx.gpu),
             hooks=self.hooks,
         )
         self.worker.scheduler = self.scheduler

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
-from .decode_batch import make_decode_batch_factory
+from .decode_batch import DecodeBatches
 from .model import VLM, PromptState
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, log_softmax, sample_batch
@@ -86,7 +86,7 @@ class MLLMScheduler:
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
-        self._new_batch = make_decode_batch_factory(vlm, compile_decode)
+        self.batches = DecodeBatches(vlm, compile_decode)
         self.stats = SchedulerStats()
         self._json_factory = None
         self._inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -301,7 +301,7 @@ class MLLMScheduler:
             seq.cache_len = seq.num_prompt - 1
             seq.last_token = int(seq.req.prepared.prompt_ids[-1])
         if self.batch is None:
-            self.batch = self._new_batch()
+            self.batch = self.batches.new()
         self.batch.join(seqs, rows_cache)
         for seq in seqs:
             self.prefilling.remove(seq)
