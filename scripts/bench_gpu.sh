@@ -11,8 +11,9 @@ MODEL=${MODEL:-/root/models/qwen2-vl-2b-bf16}
 OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
 PEER=${PEER:-1}
+SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to an existing w1.json (split across device calls)
 mkdir -p "$OUT"
-rm -f "$OUT/w1.json"
+[ "$SELF" = 1 ] && rm -f "$OUT/w1.json"
 if [ ! -f "$MODEL/config.json" ]; then
   python3 scripts/make_fixtures.py --preset qwen2-vl-2b --dtype bfloat16 --out "$MODEL"
 fi
@@ -35,7 +36,7 @@ serve_and_bench() {  # name ready_url port label cmd...
 }
 
 MODEL_ID=$(basename "$MODEL")
-serve_and_bench vlmserve http://127.0.0.1:8100/ready vlmserve \
+[ "$SELF" = 1 ] && serve_and_bench vlmserve http://127.0.0.1:8100/ready vlmserve \
   python3 -m vlmserve.cli serve "$MODEL" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
 if [ "$PEER" = 1 ]; then
   MODEL_ID=$MODEL
