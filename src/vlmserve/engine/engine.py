@@ -133,6 +133,8 @@ class Engine:
             except Exception:  # noqa: BLE001 - the worker may already be gone
                 pass
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        if self.config.thread_guard and self.worker.ident is not None:
+            GUARD.release(self.worker.ident)
 
 
 def _deliver(items) -> None:

@@ -142,7 +142,9 @@ class VLM:
         return PromptState(
             input_ids=input_ids,
             embeds=out.inputs_embeds,
-            position_ids=out.position_ids,
+            # One dtype for every prompt (text-only rows come back int64, image rows int32), so
+            # image requests reuse the kernels the text warm-up compiled for each length bucket.
+            position_ids=None if out.position_ids is None else out.position_ids.astype(mx.int32),
             rope_delta=rope_delta,
             cache=vlm_cache.make_prompt_cache(self.language_model),
         )

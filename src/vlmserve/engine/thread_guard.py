@@ -34,6 +34,10 @@ class ThreadGuard:
         for name in _PATCHED_METHODS:
             self._wrap(mx.array, name)
 
+    def release(self, owner_ident: int) -> None:
+        """A stopped worker's ident is no owner any more (CPython reuses idents of ended threads)."""
+        self.owners.discard(owner_ident)
+
     def uninstall(self) -> None:
         for (target, name), original in self._originals.items():
             setattr(target, name, original)
