@@ -223,7 +223,7 @@ def test_compiled_decode_matches_eager(qwen_server):
     with rows joining and leaving the slots mid-decode."""
     from conftest import start_server
 
-    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4, prefill_chunk=128)
+    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4)
     try:
         assert server.engine.scheduler.batches.compiled
         reqs = _mixed_requests()[:8]

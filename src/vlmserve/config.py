@@ -20,7 +20,7 @@ class ServerConfig:
     # Scheduler
     max_num_seqs: int = 32
     prefill_chunk: int = 512
-    prefill_token_budget: int | None = 2048  # prompt tokens per step over all requests (None: one chunk)
+    prefill_token_budget: int | None = 8192  # prompt tokens per step over all requests (None: one chunk)
     prefill_bucket: int = 64  # pad prompt lengths to multiples of this; 0 keeps exact shapes
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
@@ -53,6 +53,9 @@ class ServerConfig:
     drain_timeout: float = 30.0
     stall_timeout: float = 60.0
     log_level: str = "info"
+    # Seconds a thread may hold the GIL while others wait (Python's default 0.005). Smaller
+    # lets the event loop (health checks, streaming) cut in on the CPU pool and worker sooner.
+    gil_switch_interval: float | None = None
     # Bind before the model is loaded: /health 200 and /ready 503 ("loading") until warm.
     # The CLI turns this on; in-process servers (tests) keep the blocking lifespan.
     listen_while_loading: bool = False
