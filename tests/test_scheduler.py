@@ -218,14 +218,17 @@ def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
         [r["choices"][0]["message"]["content"] for r in alone]
 
 
-def test_compiled_decode_matches_eager(qwen_server):
+def test_compiled_decode_matches_eager():
     """The compiled decode step (the GPU default) gives the eager path's tokens, alone and batched,
-    with rows joining and leaving the slots mid-decode."""
+    with rows joining and leaving the slots mid-decode. Both servers start fresh with the same
+    settings (no prefix cache), so prompts are prefilled the same way on both."""
     from conftest import start_server
 
-    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4)
+    settings = dict(max_num_seqs=4, prefix_cache_tokens=0)
+    compiled = start_server("qwen2_vl", compile_decode="on", **settings)
+    eager = start_server("qwen2_vl", compile_decode="off", **settings)
     try:
-        assert server.engine.scheduler.batches.compiled
+        assert compiled.engine.scheduler.batches.compiled and not eager.engine.scheduler.batches.compiled
         reqs = _mixed_requests()[:8]
 
         async def run(target, concurrent):
@@ -238,8 +241,8 @@ def test_compiled_decode_matches_eager(qwen_server):
                     outs = [await _post(c, b) for b in bodies]
                 return [o["choices"][0]["message"]["content"] for o in outs]
 
-        eager = asyncio.run(run(qwen_server, False))
-        assert asyncio.run(run(server, False)) == eager
-        assert asyncio.run(run(server, True)) == eager
+        for concurrent in (False, True):
+            assert asyncio.run(run(compiled, concurrent)) == asyncio.run(run(eager, concurrent))
     finally:
-        server.stop()
+        compiled.stop()
+        eager.stop()

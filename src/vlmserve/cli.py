@@ -54,8 +54,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGTERM/SIGINT")
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="/health turns 503 when the worker's heartbeat is older than this")
-    p.add_argument("--gil-switch-interval", type=float, default=None, metavar="SECONDS",
-                   help="how long a thread may hold the GIL while others wait (Python default 0.005)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--warmup-image-sizes", type=lambda v: tuple(int(x) for x in _csv(v)), default=d.warmup_image_sizes,
@@ -129,8 +127,6 @@ def serve(config: ServerConfig) -> int:
     from .api.app import create_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.gil_switch_interval:
-        sys.setswitchinterval(config.gil_switch_interval)
     app = create_app(config)
     server = _make_server(app, config)
     try:

@@ -53,9 +53,6 @@ class ServerConfig:
     drain_timeout: float = 30.0
     stall_timeout: float = 60.0
     log_level: str = "info"
-    # Seconds a thread may hold the GIL while others wait (Python's default 0.005). Smaller
-    # lets the event loop (health checks, streaming) cut in on the CPU pool and worker sooner.
-    gil_switch_interval: float | None = None
     # Bind before the model is loaded: /health 200 and /ready 503 ("loading") until warm.
     # The CLI turns this on; in-process servers (tests) keep the blocking lifespan.
     listen_while_loading: bool = False
