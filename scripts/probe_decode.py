@@ -110,7 +110,7 @@ def main() -> int:
             sb.write(s, [(c.state[0][s:s + 1], c.state[1][s:s + 1]) for c in cache], L)
         mx.eval(sb.arrays())
         fn = make_decode_step(lm, compiled)
-        lengths = list(sb.lengths)
+        lengths = [L] * sb.slots
 
         def step_slot(tok, n):
             positions = mx.full((sb.slots,), n, dtype=mx.int32) if mrope else None

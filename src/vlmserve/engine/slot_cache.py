@@ -58,7 +58,7 @@ def round_up(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class SlotBatch:
-    """Per-layer (slots, heads, capacity, dim) buffers plus the host's view of each slot's length."""
+    """Per-layer (slots, heads, capacity, dim) buffers; slot lengths are kept by their owners."""
 
     SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
     CAPACITY_BUCKETS = (256, 512, 1024, 2048, 4096)
@@ -69,7 +69,6 @@ class SlotBatch:
         self.capacity = round_up(capacity, self.CAPACITY_BUCKETS)
         self.keys = [mx.zeros((self.slots, heads, self.capacity, dim_k), dtype) for _ in range(num_layers)]
         self.values = [mx.zeros((self.slots, heads, self.capacity, dim_v), dtype) for _ in range(num_layers)]
-        self.lengths = [0] * self.slots
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
@@ -84,7 +83,6 @@ class SlotBatch:
         widths = [(0, slots - self.slots), (0, 0), (0, capacity - self.capacity), (0, 0)]
         self.keys = [mx.pad(k, widths) for k in self.keys]
         self.values = [mx.pad(v, widths) for v in self.values]
-        self.lengths += [0] * (slots - self.slots)
         self.slots, self.capacity = slots, capacity
 
     def compact(self, keep: list[int]) -> None:
@@ -94,22 +92,16 @@ class SlotBatch:
         take = mx.array(index, dtype=mx.int32)
         self.keys = [k[take] for k in self.keys]
         self.values = [v[take] for v in self.values]
-        self.lengths = [self.lengths[i] for i in keep] + [0] * (slots - len(keep))
         self.slots = slots
 
     def write(self, slot: int, layer_kv: list[tuple[mx.array, mx.array]], length: int) -> None:
         """Put one request's prefilled KV ((1, H, length, D) per layer) into `slot` at positions [0, length)."""
         self.ensure(slot + 1, length + 1)
-        self.lengths[slot] = length
         if not length:
             return
         for i, (k, v) in enumerate(layer_kv):
             self.keys[i][slot : slot + 1, :, :length, :] = k
             self.values[i][slot : slot + 1, :, :length, :] = v
-
-    def read(self, slot: int) -> list[tuple[mx.array, mx.array]]:
-        n = self.lengths[slot]
-        return [(k[slot : slot + 1, :, :n, :], v[slot : slot + 1, :, :n, :]) for k, v in zip(self.keys, self.values)]
 
 
 def make_decode_step(language_model: Any, compiled: bool) -> Callable:
