@@ -109,7 +109,7 @@ def main() -> int:
         for s in range(B):
             sb.write(s, [(c.state[0][s:s + 1], c.state[1][s:s + 1]) for c in cache], L)
         mx.eval(sb.arrays())
-        fn = make_decode_step(lm, compiled)
+        fn = make_decode_step(vlm.decode, compiled)
         lengths = [L] * sb.slots
 
         def step_slot(tok, n):

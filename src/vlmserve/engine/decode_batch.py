@@ -17,11 +17,18 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from .model import VLM
-from .slot_cache import SlotBatch, make_decode_step, round_up
+from .slot_cache import SlotBatch, buckets_up_to, make_decode_step, round_up
 
 
 def uses_plain_kv_cache(vlm: VLM) -> bool:
     return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(vlm.language_model))
+
+
+def decode_positions(vlm: VLM, rows: list[Any]) -> mx.array | None:
+    """Each row's M-RoPE position for its next token (0 for an empty slot); None without M-RoPE."""
+    if not vlm.uses_mrope:
+        return None
+    return mx.array([0 if r is None else r.cache_len + r.prompt.rope_delta for r in rows], dtype=mx.int32)
 
 
 class PaddedDecodeBatch:
@@ -44,19 +51,18 @@ class PaddedDecodeBatch:
 
     def remove(self, owners: list[Any]) -> None:
         keep = [i for i, r in enumerate(self.rows) if r not in owners]
+        if len(keep) == len(self.rows):
+            return
         self.rows = [self.rows[i] for i in keep]
         if not self.rows:
             self.cache = None
-        elif len(keep) < len(owners) + len(keep):
+        else:
             index = mx.array(keep, dtype=mx.int32)
             for layer in self.cache:
                 layer.filter(index)
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
-        positions = None
-        if self.vlm.uses_mrope:
-            positions = mx.array([r.cache_len + r.prompt.rope_delta for r in rows], dtype=mx.int32)
-        return self.vlm.decode(tokens, self.cache, positions)
+        return self.vlm.decode(tokens, self.cache, decode_positions(self.vlm, rows))
 
 
 class SlotDecodeBatch:
@@ -101,11 +107,7 @@ class SlotDecodeBatch:
         kv = self.kv
         kv.ensure(kv.slots, max(r.cache_len for r in rows if r is not None) + 1)
         lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
-        positions = None
-        if self.vlm.uses_mrope:
-            positions = mx.array([0 if r is None else r.cache_len + r.prompt.rope_delta for r in rows],
-                                 dtype=mx.int32)
-        out = self.step(tokens, positions, lengths, *kv.arrays())
+        out = self.step(tokens, decode_positions(self.vlm, rows), lengths, *kv.arrays())
         n = len(kv.keys)
         kv.keys, kv.values = list(out[1 : 1 + n]), list(out[1 + n :])
         return out[0]
@@ -118,7 +120,7 @@ class DecodeBatches:
         self.vlm = vlm
         self.slotted = uses_plain_kv_cache(vlm)
         self.compiled = compiled and self.slotted
-        self.step = make_decode_step(vlm.language_model, self.compiled) if self.slotted else None
+        self.step = make_decode_step(vlm.decode, self.compiled) if self.slotted else None
 
     def new(self):
         return SlotDecodeBatch(self.vlm, self.step) if self.slotted else PaddedDecodeBatch(self.vlm)
@@ -129,9 +131,8 @@ class DecodeBatches:
         if not self.compiled:
             return 0
         layers, (heads, dim_k, dim_v), dtype = self.vlm.kv_layout()
-        slot_counts = [b for b in SlotBatch.SLOT_BUCKETS if b < max_slots] + [round_up(max_slots, SlotBatch.SLOT_BUCKETS)]
-        capacities = [b for b in SlotBatch.CAPACITY_BUCKETS if b < max_capacity]
-        capacities.append(round_up(max_capacity, SlotBatch.CAPACITY_BUCKETS))
+        slot_counts = buckets_up_to(max_slots, SlotBatch.SLOT_BUCKETS)
+        capacities = buckets_up_to(max_capacity, SlotBatch.CAPACITY_BUCKETS)
         for n in slot_counts:
             zeros = mx.zeros((n,), dtype=mx.int32)
             for cap in capacities:

@@ -31,6 +31,10 @@ _PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
 _GRID_TOWERS = {"qwen2_vl", "qwen2_5_vl"}
 
 
+def _device_inputs(prepared: PreparedRequest) -> dict[str, mx.array]:
+    return {k: mx.array(v) for k, v in prepared.model_inputs.items()}
+
+
 def resolve_model_path(model: str) -> Path:
     """A local directory, or a Hugging Face repo id fetched (or found in the cache) via huggingface_hub."""
     path = Path(model).expanduser()
@@ -112,18 +116,20 @@ class VLM:
             return [self.embed_prompt(p) for p in prepared]
         tower = self.model.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
-        pixels = mx.concatenate([mx.array(p.model_inputs["pixel_values"]) for p in with_images]).astype(dtype)
+        inputs = {id(p): _device_inputs(p) for p in with_images}  # one host->device copy per request
+        pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
         grids = [np.asarray(p.model_inputs["image_grid_thw"]).reshape(-1, 3) for p in with_images]
         features = tower(pixels, mx.array(np.concatenate(grids)), output_hidden_states=False)
         merge = self.model.config.vision_config.spatial_merge_size ** 2
         rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids])[:-1]
         per_request = dict(zip(map(id, with_images), mx.split(features, rows.tolist())))
-        return [self.embed_prompt(p, per_request.get(id(p))) for p in prepared]
+        return [self.embed_prompt(p, per_request.get(id(p)), inputs.get(id(p))) for p in prepared]
 
-    def embed_prompt(self, prepared: PreparedRequest, image_features: mx.array | None = None) -> PromptState:
-        """NumPy -> mx on this thread, then vision encoder + token embeddings."""
+    def embed_prompt(self, prepared: PreparedRequest, image_features: mx.array | None = None,
+                     inputs: dict[str, mx.array] | None = None) -> PromptState:
+        """NumPy -> mx on this thread (unless `inputs` already holds it), then vision encoder + token embeddings."""
         input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
-        inputs = {k: mx.array(v) for k, v in prepared.model_inputs.items()}
+        inputs = dict(inputs if inputs is not None else _device_inputs(prepared))
         pixel_values = inputs.pop("pixel_values", None)
         mask = mx.ones(input_ids.shape, dtype=mx.int32)
         if image_features is not None:

@@ -57,6 +57,11 @@ def round_up(n: int, buckets: tuple[int, ...]) -> int:
     return -(-n // step) * step
 
 
+def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
+    """Every bucket a size of at most n can round up to."""
+    return [b for b in buckets if b < n] + [round_up(n, buckets)]
+
+
 class SlotBatch:
     """Per-layer (slots, heads, capacity, dim) buffers; slot lengths are kept by their owners."""
 
@@ -104,23 +109,20 @@ class SlotBatch:
             self.values[i][slot : slot + 1, :, :length, :] = v
 
 
-def make_decode_step(language_model: Any, compiled: bool) -> Callable:
+def make_decode_step(decode: Callable, compiled: bool) -> Callable:
     """fn(tokens (S,), positions (S,) | None, lengths (S,), *kv) -> (logits (S, V), *new_kv).
 
+    `decode(tokens, caches, positions)` is the model's one-token batched forward (VLM.decode).
     A pure function of its inputs, so `mx.compile` can trace it once per input shape."""
 
     def step(tokens, positions, lengths, *kv):
         n = len(kv) // 2
         caches = [SlotLayerCache(kv[i], kv[n + i], lengths) for i in range(n)]
-        kwargs = {}
-        if positions is not None:
-            pos = positions.reshape(1, -1, 1)
-            kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
-        logits = language_model(tokens[:, None], cache=caches, **kwargs).logits[:, -1, :]
+        logits = decode(tokens, caches, positions)
         return (logits, *[c.keys for c in caches], *[c.values for c in caches])
 
     if not compiled:
         return step
-    with_pos = mx.compile(lambda t, p, l, *kv: step(t, p, l, *kv))
-    without_pos = mx.compile(lambda t, l, *kv: step(t, None, l, *kv))
+    with_pos = mx.compile(step)
+    without_pos = mx.compile(lambda t, l, *kv: step(t, None, l, *kv))  # compiled inputs must be arrays
     return lambda t, p, l, *kv: with_pos(t, p, l, *kv) if p is not None else without_pos(t, l, *kv)
