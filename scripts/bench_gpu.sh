@@ -12,6 +12,7 @@ OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
 PEER=${PEER:-1}
 SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to an existing w1.json (split across device calls)
+WRAP=${WRAP:-}  # prefix for the vlmserve command, e.g. "py-spy record --gil -f raw -o $OUT/gil.txt --"
 mkdir -p "$OUT"
 [ "$SELF" = 1 ] && rm -f "$OUT/w1.json"
 if [ ! -f "$MODEL/config.json" ]; then
@@ -31,13 +32,13 @@ serve_and_bench() {  # name ready_url port label cmd...
   echo "$name ready after $(( $(date +%s) - t0 )) s"
   python3 scripts/bench.py --url "${ready%/*}" --label "$label" --model "$MODEL_ID" --concurrency "$LEVELS" \
     --out "$OUT/w1.json" --plot "$OUT/w1.png" --append || true
-  kill -- -"$pid" 2>/dev/null || true
+  kill -INT -- -"$pid" 2>/dev/null || true  # SIGINT: a profiler in WRAP writes its output on the way out
   wait "$pid" 2>/dev/null || true
 }
 
 MODEL_ID=$(basename "$MODEL")
 [ "$SELF" = 1 ] && serve_and_bench vlmserve http://127.0.0.1:8100/ready vlmserve \
-  python3 -m vlmserve.cli serve "$MODEL" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
+  $WRAP python3 -m vlmserve.cli serve "$MODEL" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
 if [ "$PEER" = 1 ]; then
   MODEL_ID=$MODEL
   serve_and_bench mlx_vlm http://127.0.0.1:8200/health mlx-vlm-0.7.10 \

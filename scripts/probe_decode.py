@@ -18,8 +18,21 @@ from vlmserve.engine.model import VLM
 from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
 
 
+def _timed(fn, reps: int = 3) -> tuple[float, float, mx.array]:
+    """(ms inside the async_eval call: host-side launch cost, ms until done, output) of the last rep."""
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        mx.async_eval(out)
+        launched = time.perf_counter()
+        mx.eval(out)
+        done = time.perf_counter()
+    return (launched - t) * 1000, (done - t) * 1000, out
+
+
 def probe_vision(vlm, n: int) -> None:
-    """Qwen2-VL-style towers take several images in one call (patches concatenated, grid per image)."""
+    """Qwen2-VL-style towers take several images in one call (patches concatenated, grid per image).
+    VLM swaps in run-batched attention (engine/vision_attention.py); time mlx_vlm's own too."""
     tower = vlm.model.vision_tower
     vc = vlm.model.config.vision_config
     dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
@@ -27,17 +40,35 @@ def probe_vision(vlm, n: int) -> None:
     dtype = tower.patch_embed.proj.weight.dtype
     pix = [mx.random.normal((grid * grid, dim)).astype(dtype) for _ in range(n)]
     thw = mx.array([[1, grid, grid]])
-    for _ in range(2):
-        mx.eval(tower(pix[0], thw, output_hidden_states=False))
-    t = time.perf_counter()
-    mx.eval([tower(x, thw, output_hidden_states=False) for x in pix])
-    one = time.perf_counter() - t
-    for _ in range(2):
-        mx.eval(tower(mx.concatenate(pix), mx.concatenate([thw] * n), output_hidden_states=False))
-    t = time.perf_counter()
-    mx.eval(tower(mx.concatenate(pix), mx.concatenate([thw] * n), output_hidden_states=False))
-    many = time.perf_counter() - t
-    print(f"vision x{n}: one call per image {one * 1000:.1f} ms, one call for all {many * 1000:.1f} ms", flush=True)
+    allpix, allthw = mx.concatenate(pix), mx.concatenate([thw] * n)
+    _, each, _ = _timed(lambda: [tower(x, thw, output_hidden_states=False) for x in pix])
+    launch, many, batched = _timed(lambda: tower(allpix, allthw, output_hidden_states=False))
+    attns = [b.attn for b in tower.blocks]
+    swapped = [type(a) for a in attns]
+    for a, cls in zip(attns, swapped):
+        a.__class__ = cls.__mro__[1] if cls.__name__.startswith("Segment") else cls
+    launch0, many0, ref = _timed(lambda: tower(allpix, allthw, output_hidden_states=False))
+    for a, cls in zip(attns, swapped):
+        a.__class__ = cls
+    diff = mx.abs(batched.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    print(f"vision x{n}: one call per image {each:.1f} ms; one call, mlx_vlm attention {many0:.1f} ms "
+          f"(launch {launch0:.1f}); one call, run-batched attention {many:.1f} ms (launch {launch:.1f}); "
+          f"max |diff| {diff:.3g}", flush=True)
+
+
+def probe_prefill(vlm, n: int, length: int) -> None:
+    """One left-padded batched prefill of n prompts (what the scheduler does for a group)."""
+    lm = vlm.language_model
+    ids = mx.random.randint(10, 1000, (n, length)).astype(mx.int32)
+    kw = {"position_ids": mx.broadcast_to(mx.arange(length)[None, None], (3, n, length))} if vlm.uses_mrope else {}
+
+    def run():
+        cache = [vlm_cache.BatchKVCache([0] * n) for _ in lm.model.layers]
+        return [lm(ids, cache=cache, **kw).logits[:, -1]] + [c.state for c in cache]
+
+    launch, total, _ = _timed(run)
+    print(f"prefill {n} x {length}: {total:.1f} ms (launch {launch:.1f} ms), "
+          f"{n * length / total:.0f} tokens/ms", flush=True)
 
 
 def main() -> int:
@@ -47,10 +78,13 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=370)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--vision", type=int, default=0, help="also time N 448px images: one call each vs one call")
+    p.add_argument("--prefill", type=int, default=0, help="also time one batched prefill of N prompts")
     a = p.parse_args()
     vlm = VLM(Path(a.model))
     if a.vision:
         probe_vision(vlm, a.vision)
+    if a.prefill:
+        probe_prefill(vlm, a.prefill, a.prompt)
     lm = vlm.language_model
     B, L = a.batch, a.prompt
     mx.random.seed(0)
@@ -68,10 +102,13 @@ def main() -> int:
         outs = []
         t_first = None
         times = []
+        launch = 0.0
         for i in range(a.steps):
             t = time.perf_counter()
             tok = step_fn(tok, L + i)
+            t_launch = time.perf_counter()
             mx.async_eval(tok)
+            launch += time.perf_counter() - t_launch
             outs.append(tok)
             if i == 0:
                 mx.eval(tok)
@@ -81,7 +118,7 @@ def main() -> int:
         end = time.perf_counter()
         steady = (end - times[0]) / (a.steps - 1)
         print(f"{name:>14}: first step {t_first * 1000:8.1f} ms, steady {steady * 1000:6.2f} ms/step "
-              f"({B / steady:7.0f} tok/s)", flush=True)
+              f"({B / steady:7.0f} tok/s), inside async_eval {launch * 1000 / a.steps:5.2f} ms/step", flush=True)
         return mx.stack(outs).tolist()
 
     # 1) mlx_vlm BatchKVCache, eager (a fresh copy of the prefilled cache each run)

@@ -19,6 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
+from . import vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class VLM:
         self.language_model = self.model.language_model
         # M-RoPE families (Qwen2-VL...) take explicit (3, B, L) positions; decode passes them per row.
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
+        if self.config.get("model_type") in _GRID_TOWERS:
+            vision_attention.install(self.model.vision_tower)
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
