@@ -3,6 +3,9 @@
 
     python scripts/profile_engine.py MODEL --requests 64 --concurrency 32 --max-tokens 128
 
+The scheduler gets the server's defaults (ServerConfig: prefill budget, buckets, compiled
+decode on GPU, the same warm-up of decode shapes); all requests' inputs are prepared up
+front, so TTFT here is the engine's alone (no HTTP, no CPU preprocessing).
 Also times raw eager decode steps at the same batch size, for the floor.
 """
 
@@ -60,7 +63,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--image-size", type=int, default=448)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk)
     p.add_argument("--probe-shapes", action="store_true", help="time prefill at new vs seen prompt lengths")
     args = p.parse_args()
 
@@ -79,8 +82,13 @@ def main() -> int:
 
     if args.probe_shapes:
         probe_shapes(vlm, pre)
+    cfg = ServerConfig()
     sched = MLLMScheduler(vlm, codec, max_num_seqs=args.concurrency, prefill_chunk=args.prefill_chunk,
-                          prefix_cache_tokens=0)
+                          prefill_budget=cfg.prefill_token_budget, prefill_bucket=cfg.prefill_bucket,
+                          prefix_cache_tokens=0, compile_decode=mx.default_device() == mx.gpu)
+    t0 = time.perf_counter()
+    warmed = sched.batches.warm(args.concurrency, min(vlm.info.context_length, 2 * args.prefill_chunk))
+    print(f"warmed {warmed} decode shapes in {time.perf_counter() - t0:.1f}s")
     timers: dict[str, list[float]] = defaultdict(list)
     for name in ("_admit", "_prefill", "_decode", "_launch", "_resolve"):
         real = getattr(sched, name)
@@ -95,13 +103,18 @@ def main() -> int:
         setattr(sched, name, timed)
 
     done = []
+    ttfts = []
     pending = list(prepared)
 
     def submit():
         prep = pending.pop(0)
-        holder = {}
+        start = time.perf_counter()
+        first = []
 
-        def emit(ev, holder=holder):
+        def emit(ev):
+            if ev.token_ids and not first:
+                first.append(1)
+                ttfts.append(time.perf_counter() - start)
             if ev.finish_reason is not None:
                 done.append(time.perf_counter())
                 if pending:
@@ -112,6 +125,7 @@ def main() -> int:
 
     def run(label):
         done.clear()
+        ttfts.clear()
         for _ in range(min(args.concurrency, len(pending))):
             submit()
         steps = 0
@@ -120,8 +134,10 @@ def main() -> int:
             sched.step()
             steps += 1
         wall = time.perf_counter() - t
+        ttft = sorted(ttfts)
         print(f"[{label}] {len(done)} requests, {steps} steps, {wall:.2f}s, "
-              f"{len(done) * args.max_tokens / wall:.0f} tok/s, decode steps {sched.stats.decode_steps}")
+              f"{len(done) * args.max_tokens / wall:.0f} tok/s, decode steps {sched.stats.decode_steps}, "
+              f"engine TTFT p50 {ttft[len(ttft) // 2] * 1000:.0f} ms max {ttft[-1] * 1000:.0f} ms")
 
     pending[:] = prepared[: max(2, args.concurrency // 4)]
     run("warmup")
