@@ -4,7 +4,8 @@
 Workload W1 by default: one distinct 448x448 image per request (data URI) + ~330 prompt
 tokens of text, 128 output tokens, temperature 0, streamed with include_usage, 2*c requests
 per concurrency level. Prints and records output tok/s, req/s, TTFT p50/p99, ITL p50,
-E2E p50/p99 and /health p99 (sampled every 100 ms during each level).
+E2E p50/p99 and /health p99 (sampled every 100 ms during each level, from a process of its
+own, so that the load generator's busy event loop does not delay the probe).
 
     python scripts/bench.py --url http://127.0.0.1:8000 --concurrency 1,8 --out bench.json
     python scripts/bench.py --url http://A --label vlmserve --peer-url http://B --peer-label mlx-vlm \\
@@ -18,6 +19,7 @@ import asyncio
 import base64
 import io
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -102,9 +104,11 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, image: st
     return res
 
 
-async def sample_health(url: str, stop: asyncio.Event, period: float = 0.1) -> list[float]:
+async def sample_health(url: str, stop, ready, period: float = 0.1) -> list[float]:
     samples = []
     async with httpx.AsyncClient(timeout=10) as client:
+        await client.get(f"{url}/health")  # connect before the level starts
+        ready.set()
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
@@ -114,6 +118,32 @@ async def sample_health(url: str, stop: asyncio.Event, period: float = 0.1) -> l
                 samples.append(float("inf"))
             await asyncio.sleep(max(0.0, period - (time.perf_counter() - t0)))
     return samples
+
+
+def _health_process(url: str, stop, ready, out) -> None:
+    out.send(asyncio.run(sample_health(url, stop, ready)))
+
+
+class HealthProbe:
+    """/health latency sampled from a separate process for the duration of a level."""
+
+    def __init__(self, url: str):
+        ctx = multiprocessing.get_context("spawn")
+        self.stop, self.ready = ctx.Event(), ctx.Event()
+        self.recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_health_process, args=(url, self.stop, self.ready, send), daemon=True)
+
+    async def start(self) -> "HealthProbe":
+        self.proc.start()
+        if not await asyncio.to_thread(self.ready.wait, 60):
+            raise RuntimeError("the /health probe process did not start")
+        return self
+
+    async def finish(self) -> list[float]:
+        self.stop.set()
+        samples = await asyncio.to_thread(self.recv.recv)
+        self.proc.join(timeout=10)
+        return samples
 
 
 def gpu_memory_mib() -> float | None:
@@ -189,7 +219,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     limits = httpx.Limits(max_connections=concurrency + 4)
     stop = asyncio.Event()
     before = await scrape_profile(url)
-    health = asyncio.create_task(sample_health(url, stop))
+    health = await HealthProbe(url).start()
     gpu = asyncio.create_task(gpu_peak(stop))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         async def worker():
@@ -201,7 +231,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     stop.set()
-    health_s = await health
+    health_s = await health.finish()
     peak = await gpu
     profile = profile_delta(before, await scrape_profile(url))
     ok = [r for r in results if r.ok]
