@@ -65,6 +65,8 @@ def main() -> int:
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk)
     p.add_argument("--probe-shapes", action="store_true", help="time prefill at new vs seen prompt lengths")
+    p.add_argument("--sync-phases", action="store_true",
+                   help="synchronize after each phase, so its time includes the device work it queued")
     args = p.parse_args()
 
     path = Path(args.model)
@@ -90,7 +92,10 @@ def main() -> int:
     warmed = sched.batches.warm(args.concurrency, min(vlm.info.context_length, 2 * args.prefill_chunk))
     print(f"warmed {warmed} decode shapes in {time.perf_counter() - t0:.1f}s")
     timers: dict[str, list[float]] = defaultdict(list)
-    for name in ("_admit", "_prefill", "_decode", "_launch", "_resolve"):
+    phases = ["_admit", "_prefill", "_decode", "_launch", "_resolve"]
+    if args.sync_phases:  # nested: _prefill holds _embed_upcoming, _embed, _prefill_group, _prefill_one, _join
+        phases += ["_embed_upcoming", "_embed", "_prefill_group", "_prefill_one", "_join"]
+    for name in phases:
         real = getattr(sched, name)
 
         def timed(*a, _real=real, _name=name, **k):
@@ -98,6 +103,8 @@ def main() -> int:
             try:
                 return _real(*a, **k)
             finally:
+                if args.sync_phases:
+                    mx.synchronize()
                 timers[_name].append(time.perf_counter() - t)
 
         setattr(sched, name, timed)
