@@ -56,6 +56,35 @@ def probe_shapes(vlm, pre) -> None:
               f"{(time.perf_counter() - t1) * 1000:.1f} ms")
 
 
+def probe_embed(vlm, prepared) -> None:
+    """Where batched embedding of a burst's requests goes, each part synchronized."""
+    from vlmserve.engine.model import _device_inputs
+
+    tower = vlm.model.vision_tower
+    for _ in range(2):
+        marks = [time.perf_counter()]
+        inputs = [_device_inputs(p) for p in prepared]
+        mx.eval(inputs)
+        marks.append(time.perf_counter())
+        pixels = mx.concatenate([i["pixel_values"] for i in inputs]).astype(tower.patch_embed.proj.weight.dtype)
+        grid = mx.concatenate([i["image_grid_thw"] for i in inputs])
+        mx.eval(pixels, grid)
+        marks.append(time.perf_counter())
+        features = tower(pixels, grid, output_hidden_states=False)
+        mx.eval(features)
+        marks.append(time.perf_counter())
+        per = mx.split(features, [k * (features.shape[0] // len(prepared)) for k in range(1, len(prepared))])
+        states = [vlm.embed_prompt(p, f, i) for p, f, i in zip(prepared, per, inputs)]
+        mx.eval([s.embeds for s in states])
+        marks.append(time.perf_counter())
+        states = vlm.embed_prompts(prepared)
+        mx.eval([s.embeds for s in states])
+        marks.append(time.perf_counter())
+    names = ("to device", "concat+cast", "tower", "embed_prompt x n", "embed_prompts (all)")
+    print(f"embed {len(prepared)} requests: " + ", ".join(
+        f"{n} {(b - a) * 1000:.1f} ms" for n, a, b in zip(names, marks, marks[1:])), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -65,6 +94,7 @@ def main() -> int:
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk)
     p.add_argument("--probe-shapes", action="store_true", help="time prefill at new vs seen prompt lengths")
+    p.add_argument("--probe-embed", type=int, default=0, help="time the parts of embedding N requests at once")
     p.add_argument("--sync-phases", action="store_true",
                    help="synchronize after each phase, so its time includes the device work it queued")
     args = p.parse_args()
@@ -84,6 +114,9 @@ def main() -> int:
 
     if args.probe_shapes:
         probe_shapes(vlm, pre)
+    if args.probe_embed:
+        probe_embed(vlm, prepared[: args.probe_embed])
+        probe_embed(vlm, prepared[: max(1, args.probe_embed // 4)])
     cfg = ServerConfig()
     sched = MLLMScheduler(vlm, codec, max_num_seqs=args.concurrency, prefill_chunk=args.prefill_chunk,
                           prefill_budget=cfg.prefill_token_budget, prefill_bucket=cfg.prefill_bucket,
