@@ -246,3 +246,34 @@ def test_compiled_decode_matches_eager():
     finally:
         compiled.stop()
         eager.stop()
+
+
+def test_running_rows_get_their_tokens_before_a_prefill_step(qwen_server, monkeypatch):
+    """A step that prefills holds the worker for vision + prefill: the running rows' tokens from
+    the previous decode step are read and handed to the event loop before that work, not after."""
+    sched = qwen_server.engine.scheduler
+    engine = qwen_server.engine
+    real = sched._prefill
+    seen = []
+
+    def watched():
+        if sched.prefilling and sched.running:  # a prefill while other rows decode
+            seen.append((sched._inflight is None, not engine._outbox))
+        return real()
+
+    monkeypatch.setattr(sched, "_prefill", watched)
+    long_body = chat_body(qwen_server.model_id, "Tell a long story.", max_tokens=120, temperature=0,
+                          ignore_eos=True)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            tasks = [asyncio.create_task(_post(c, long_body)) for _ in range(3)]
+            while sched.stats.decode_steps == 0 or engine.num_running < 3:
+                await asyncio.sleep(0.005)
+            for i in range(3):
+                await _post(c, _body(qwen_server, f"Quick question {i}", [images()[i]]))
+            await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    assert seen, "no prefill happened while rows were decoding"
+    assert all(resolved and flushed for resolved, flushed in seen), seen

@@ -63,6 +63,7 @@ class Engine:
             or (self.config.compile_decode == "auto" and mx.default_device() == mx.gpu),
             hooks=self.hooks,
         )
+        self.scheduler.flush_events = self._flush
         self.worker.scheduler = self.scheduler
 
     @property

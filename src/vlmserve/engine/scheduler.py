@@ -90,6 +90,7 @@ class MLLMScheduler:
         self.stats = SchedulerStats()
         self._json_factory = None
         self._inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
+        self.flush_events: Callable[[], None] = lambda: None  # hands emitted events over now (the engine's)
 
     # ---- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -113,6 +114,13 @@ class MLLMScheduler:
             self.waiting.append(self.inbox.popleft())
         self._drop_cancelled()
         self._admit()
+        if self._inflight is not None and self.prefilling:
+            # Prefill holds this thread for a while (vision, embeddings, forward): hand out the
+            # previous decode step's tokens first, not after it (the first tokens of the group
+            # admitted one step earlier would otherwise wait for this step's group).
+            prev, self._inflight = self._inflight, None
+            self._resolve(prev)
+            self.flush_events()
         self._prefill()
         self._decode()
         if not self.has_work():
