@@ -172,7 +172,9 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 _PROFILE = ("decode_step_seconds", "prefill_seconds", "vision_encode_seconds", "batch_size",
-            "request_queue_time_seconds", "preprocess_seconds", "time_to_first_token_seconds")
+            "request_queue_time_seconds", "preprocess_seconds", "time_to_first_token_seconds",
+            "event_loop_lag_seconds")
+_LAG_LIMIT = "0.02"  # also count event-loop wake-ups later than this (the /health target)
 
 
 async def scrape_profile(url: str) -> dict[str, tuple[float, float]]:
@@ -191,6 +193,9 @@ async def scrape_profile(url: str) -> dict[str, tuple[float, float]]:
                 total = sum(x.value for x in fam.samples if x.name.endswith("_sum"))
                 count = sum(x.value for x in fam.samples if x.name.endswith("_count"))
                 out[name] = (total, count)
+                if name == "event_loop_lag_seconds":
+                    within = sum(x.value for x in fam.samples if x.labels.get("le") == _LAG_LIMIT)
+                    out["event_loop_lag_over_20ms"] = (count - within, count)
         return out
     except Exception:  # noqa: BLE001 - profiling is best effort
         return {}
@@ -202,7 +207,9 @@ def profile_delta(before: dict, after: dict) -> dict:
     for name, (total, count) in after.items():
         t0, c0 = before.get(name, (0.0, 0.0))
         n = count - c0
-        if n > 0:
+        if name.endswith("_over_20ms"):  # a count, not a mean
+            out[name] = int(total - t0)
+        elif n > 0:
             scale = 1 if name == "batch_size" else 1000
             out[name.replace("_seconds", "_ms_mean")] = round((total - t0) / n * scale, 3)
             out[name.replace("_seconds", "") + "_n"] = int(n)

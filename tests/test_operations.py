@@ -60,6 +60,7 @@ def test_metrics_parse_and_move(qwen_server):
             assert r.status_code == 200, r.text
             usages.append(r.json()["usage"])
         assert c.post("/v1/chat/completions", json=chat_body("no-such-model", "hi")).status_code == 404
+    time.sleep(0.15)  # the event-loop watcher observes every 50 ms
     after = _scrape(qwen_server)
     assert _delta(after, before, "vlmserve:request_success_total{finished_reason=length}") == 3
     assert _delta(after, before, "vlmserve:request_failure_total{reason=model_not_found}") == 1
@@ -75,6 +76,7 @@ def test_metrics_parse_and_move(qwen_server):
     assert _delta(after, before, "vlmserve:vision_encode_seconds_count") == 1
     assert _delta(after, before, "vlmserve:decode_step_seconds_count") > 0
     assert _delta(after, before, "vlmserve:batch_size_count") > 0
+    assert _delta(after, before, "vlmserve:event_loop_lag_seconds_count") > 0
     assert _delta(after, before, "vlmserve:prefix_cache_queries_total") == 2
     assert _delta(after, before, "vlmserve:prefix_cache_hits_total") >= 1
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0

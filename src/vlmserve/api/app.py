@@ -338,6 +338,14 @@ class ServerState:
             m.kv_cache_tokens.set(sum(s.cache_len for s in list(sched.running)))
 
 
+async def watch_event_loop(histogram, period: float = 0.05) -> None:
+    """Observe how late the loop wakes a timer: what every request (and /health) waits on top."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(period)
+        histogram.observe(max(0.0, time.perf_counter() - t0 - period))
+
+
 def create_app(config: ServerConfig) -> Starlette:
     state = ServerState(config)
 
@@ -352,9 +360,11 @@ def create_app(config: ServerConfig) -> Starlette:
                 with contextlib.suppress(Exception):
                     await state.engine.stop()
                 raise
+        watcher = asyncio.create_task(watch_event_loop(state.metrics.loop_lag))
         try:
             yield
         finally:
+            watcher.cancel()
             await state.stop()
 
     middleware = []

@@ -43,13 +43,18 @@ def decode_base64_payload(payload: str, policy: MediaPolicy) -> bytes:
     max_chars = 4 * (-(-policy.max_image_bytes // 3))
     if len(payload) > 2 * max_chars + 4096:  # generous room for line breaks before stripping
         raise image_error(f"image exceeds {policy.max_image_bytes} bytes")
-    compact = _WHITESPACE.sub("", payload)
-    if len(compact) > max_chars:
-        raise image_error(f"image exceeds {policy.max_image_bytes} bytes")
-    try:
-        data = base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise image_error("image data is not valid base64") from exc
+    try:  # the common case has no line breaks: decode as is (a regex pass costs ~1 ms per 100 KB, under the GIL)
+        if len(payload) > max_chars:
+            raise binascii.Error
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        compact = _WHITESPACE.sub("", payload)
+        if len(compact) > max_chars:
+            raise image_error(f"image exceeds {policy.max_image_bytes} bytes") from None
+        try:
+            data = base64.b64decode(compact, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise image_error("image data is not valid base64") from exc
     if not data:
         raise image_error("image data is empty")
     if len(data) > policy.max_image_bytes:
