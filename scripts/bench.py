@@ -234,9 +234,10 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
                 img = queue.get_nowait()
                 results.append(await one_request(client, url, model, img, prompt, args.max_tokens, args.image_first))
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        client_cpu = (time.process_time() - cpu0) / wall if wall else 0.0
     stop.set()
     health_s = await health.finish()
     peak = await gpu
@@ -256,6 +257,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         "e2e_p50_s": pct([r.e2e for r in ok], 50), "e2e_p99_s": pct([r.e2e for r in ok], 99),
         "health_p99_s": pct(health_s, 99), "health_samples": len(health_s),
         "gpu_mem_peak_mib": peak,
+        "client_cpu": client_cpu,  # this load generator's CPU use / wall time: near 1.0, it is the bottleneck
         "server_profile": profile,
     }
 
@@ -279,7 +281,7 @@ async def bench_server(url: str, label: str, model: str | None, args) -> dict:
         print(f"[{label}] c={c:<3} ok={level['ok']}/{n} out={level['output_tok_s']:.1f} tok/s "
               f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
               f"ITL p50={fmt(level['itl_p50_s'])} E2E p50={fmt(level['e2e_p50_s'])} p99={fmt(level['e2e_p99_s'])} "
-              f"health p99={fmt(level['health_p99_s'])}"
+              f"health p99={fmt(level['health_p99_s'])} client cpu={level['client_cpu']:.0%}"
               + (f" errors={level['errors']}" if level["errors"] else "")
               + (f"\n    profile {level['server_profile']}" if level["server_profile"] else ""), flush=True)
     return {"label": label, "url": url, "model": model, "levels": levels}

@@ -40,7 +40,7 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries_total", "Prefix cache lookups (text-only requests)")
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix cache lookups that reused KV")
         self.image_fetch_failures = counter("image_fetch_failures_total", "Images that could not be fetched or decoded")
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token")
+        self.ttft = hist("time_to_first_token_seconds", "Request arrival to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between tokens of one request")
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token")
         self.queue_time = hist("request_queue_time_seconds", "Time waiting for admission")

@@ -247,10 +247,14 @@ class ServerState:
             raise
         return await future
 
-    async def generate(self, request_id, prepared, sampling):
-        """Engine events for one choice, with latency metrics and one log line per request."""
+    async def generate(self, request_id, prepared, sampling, arrival: float | None = None):
+        """Engine events for one choice, with latency metrics and one log line per request.
+
+        Latencies count from `arrival` (perf_counter when the request came in, as in vLLM's
+        metrics), so TTFT and E2E include reading the body and CPU preprocessing."""
         m = self.metrics
-        start = last = time.perf_counter()
+        start = arrival if arrival is not None else time.perf_counter()
+        last = start
         ttft = None
         final = None
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -65,6 +66,7 @@ def model_names(server) -> set[str]:
 
 
 async def _chat_completions(request: Request) -> Response:
+    arrival = time.perf_counter()
     server = _state(request)
     try:
         server.check_accepting()
@@ -87,7 +89,7 @@ async def _chat_completions(request: Request) -> Response:
         sampling = chat.sampling
         if chat.n > 1 and sampling.seed is not None:
             sampling = replace(sampling, seed=oai.choice_seed(sampling.seed, i))
-        streams.append(server.generate(f"{request_id}-{i}", prepared, sampling))
+        streams.append(server.generate(f"{request_id}-{i}", prepared, sampling, arrival))
 
     if chat.stream:
         return StreamingResponse(
