@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import RunningServer, chat_body, data_uri, free_port, images, MODELS
+from conftest import MODELS, RunningServer, chat_body, data_uri, free_port, images, start_server
 
 KEY = "sk-vlmserve-test-5f1c0b9a"
 
@@ -354,3 +354,13 @@ def test_ready_while_loading_then_worker_death():
         gate.set()
         server.stop()
         assert not server.thread.is_alive()
+
+
+def test_warmup_images_take_the_clients_path():
+    """Warm-up images are PNG data URIs decoded like a client's, so the first real request does
+    not pay the media path's first use."""
+    server = start_server("qwen2_vl", warmup_image_sizes=(32, 48))
+    try:
+        assert len(server.state.preprocessor.images) == 2  # decoded (and cached) by the media path
+    finally:
+        server.stop()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gc
+import io
 import logging
 import threading
 import time
@@ -109,17 +111,22 @@ class ServerState:
 
         A text and an image generation (at each --warmup-image-sizes), then one prefill per
         prompt-length bucket up to a chunk: on CUDA a shape seen for the first time costs a
-        kernel compile (tens of ms for a prompt length, ~0.6 s for an image size).
+        kernel compile (tens of ms for a prompt length, ~0.6 s for an image size). The images
+        go in as PNG data URIs through the same fetch/decode/process path as a client's, so
+        the first real request does not pay that path's first use (decoder plugins, caches).
         """
         loop = asyncio.get_running_loop()
-        jobs = [("warmup-text", [("text", "Hello")], [])]
+        jobs = [("warmup-text", [("text", "Hello")])]
         for size in self.config.warmup_image_sizes:
-            image = Image.new("RGB", (size, size), (127, 127, 127))
-            jobs.append((f"warmup-image-{size}", [("image", ImageRef("warmup", "warmup")), ("text", "Hi")], [image]))
+            buf = io.BytesIO()
+            Image.new("RGB", (size, size), (127, 127, 127)).save(buf, format="PNG")
+            uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            jobs.append((f"warmup-image-{size}", [("image", ImageRef(uri, "warmup")), ("text", "Hi")]))
         prepared_jobs = []
-        for name, parts, images in jobs:
-            prompt = self.preprocessor.render([ChatMessage("user", parts)])
-            prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode, prompt, images)
+        for name, parts in jobs:
+            chat = ChatRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=2, temperature=0))
+            images = await self.preprocessor.fetch_images(chat)
+            prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode_chat, chat, images)
             prepared_jobs.append((name, prepared))
         bucket = self.config.prefill_bucket
         if bucket > 0:
