@@ -364,3 +364,24 @@ def test_warmup_images_take_the_clients_path():
         assert len(server.state.preprocessor.images) == 2  # decoded (and cached) by the media path
     finally:
         server.stop()
+
+
+def test_warmup_prefills_every_length_bucket_in_full(monkeypatch):
+    """Each prompt-length bucket is compiled as a whole prefill: the warm-up prompts share a
+    prefix, and a prefix-cache hit would otherwise leave the longer buckets uncompiled."""
+    from vlmserve.engine.model import VLM
+
+    padded = []
+    real = VLM.prefill_batch
+
+    def recording(self, states, lengths, bucket=1):
+        padded.append(-(-max(lengths) // bucket) * bucket)
+        return real(self, states, lengths, bucket)
+
+    monkeypatch.setattr(VLM, "prefill_batch", recording)
+    server = start_server("qwen2_vl", prefill_chunk=256, prefill_bucket=64, warmup_image_sizes=())
+    try:
+        assert {64, 128, 192, 256} <= set(padded)
+        assert server.engine.scheduler.prefix_cache.size_tokens == 0  # warm-up leaves nothing behind
+    finally:
+        server.stop()

@@ -135,9 +135,13 @@ class ServerState:
                 ids = np.full(length + 1, filler, dtype=np.int32)
                 prepared_jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=ids)))
         for name, prepared in prepared_jobs:  # one at a time: each must be its own shape
+            # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
+            # shape this job is here to compile.
+            await self.engine.run_on_worker(self._forget_prefixes)
             async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")
+        await self.engine.run_on_worker(self._forget_prefixes)
         # The compiled decode step: every slot-count bucket up to --max-num-seqs, at the KV
         # capacities prompts up to two prefill chunks use (longer ones trace once, when they come).
         t0 = time.perf_counter()
@@ -145,6 +149,10 @@ class ServerState:
         traced = await self.engine.run_on_worker(self.engine.scheduler.batches.warm, self.config.max_num_seqs, capacity)
         if traced:
             log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
+
+    def _forget_prefixes(self) -> None:  # worker thread: the cache holds MLX arrays
+        if self.engine.scheduler.prefix_cache is not None:
+            self.engine.scheduler.prefix_cache.clear()
 
     @property
     def in_flight(self) -> int:
