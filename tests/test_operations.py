@@ -114,17 +114,17 @@ def test_health_and_ready_fast_while_16_streams_decode(qwen_server):
             time.sleep(0.005)
         assert qwen_server.engine.num_running == 16
         while not done.is_set() and len(lat["/ready"]) < 150:
+            decoding = qwen_server.engine.num_running > 0  # only samples taken mid-decode count
             for path in lat:
                 t0 = time.perf_counter()
                 r = c.get(path)
-                lat[path].append(time.perf_counter() - t0)
+                if decoding:
+                    lat[path].append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.text
             time.sleep(0.005)
-        decoding_at_end = qwen_server.engine.num_running
     t.join(120)
     assert len(counts) == 16
     assert len(lat["/ready"]) >= 30, "the streams finished before enough samples"
-    assert decoding_at_end > 0
     for path, values in lat.items():
         p99 = _p99(values)
         print(f"{path}: n={len(values)} p50={sorted(values)[len(values) // 2] * 1000:.1f} ms "
