@@ -49,7 +49,7 @@ class Metrics:
         self.prefill = hist("prefill_seconds", "Time of one prefill chunk")
         self.decode_step = hist("decode_step_seconds", "Time of one batched decode step", _STEP)
         self.batch_size = hist("batch_size", "Rows in a decode step", _BATCH)
-        self.loop_lag = hist("event_loop_lag_seconds", "How late the event loop woke a 50 ms timer", _LATENCY)
+        self.loop_lag = hist("event_loop_lag_seconds", "How late the event loop woke a 50 ms timer")
 
     def fail(self, reason: str) -> None:
         self.failure.labels(self.model_name, reason).inc()

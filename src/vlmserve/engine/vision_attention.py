@@ -73,11 +73,10 @@ def install(tower: nn.Module) -> int:
     swapped = 0
     for block in getattr(tower, "blocks", []):
         attn = getattr(block, "attn", None)
-        base = type(attn)
-        if base in _CLASSES.values():
+        if attn is None or not hasattr(attn, "qkv") or type(attn) in _CLASSES.values():
             continue
-        module = sys.modules.get(base.__module__)
-        if attn is None or not hasattr(module, "apply_rotary_pos_emb_vision") or not hasattr(attn, "qkv"):
+        base = type(attn)
+        if not hasattr(sys.modules.get(base.__module__), "apply_rotary_pos_emb_vision"):
             continue
         if base not in _CLASSES:
             _CLASSES[base] = _make_class(base)
