@@ -57,7 +57,7 @@ def probe_shapes(vlm, pre) -> None:
 
 
 def probe_embed(vlm, prepared) -> None:
-    """Where batched embedding of a burst's requests goes, each part synchronized."""
+    """Where batched embedding of a burst's requests goes, each part synchronized (equal image sizes, as in W1)."""
     from vlmserve.engine.model import _device_inputs
 
     tower = vlm.model.vision_tower
