@@ -277,3 +277,52 @@ def test_running_rows_get_their_tokens_before_a_prefill_step(qwen_server, monkey
     asyncio.run(scenario())
     assert seen, "no prefill happened while rows were decoding"
     assert all(resolved and flushed for resolved, flushed in seen), seen
+
+
+def test_a_request_whose_output_cannot_be_decoded_ends_alone(qwen_server, monkeypatch):
+    """An exception while accepting one row's token (here: its detokenizer) ends that request
+    with an error; the worker and the other rows go on."""
+    codec = qwen_server.engine.scheduler.tokenizer
+    real = codec.new_detokenizer
+    made = []
+
+    class Broken:
+        def __init__(self, inner):
+            self.inner, self.seen = inner, 0
+
+        def add_token(self, token):
+            self.seen += 1
+            if self.seen == 3:
+                raise KeyError(token)
+            self.inner.add_token(token)
+
+        def finalize(self):
+            self.inner.finalize()
+
+        @property
+        def last_segment(self):
+            return self.inner.last_segment
+
+    def new_detokenizer():
+        detok = real()
+        made.append(1)
+        return Broken(detok) if len(made) == 1 else detok
+
+    good = [_body(qwen_server, f"healthy {i}", [images()[i % 3]]) for i in range(3)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            alone = [await _post(c, b) for b in good]
+            made.clear()
+            monkeypatch.setattr(codec, "new_detokenizer", new_detokenizer)
+            first = asyncio.create_task(c.post("/v1/chat/completions", json=_body(qwen_server, "broken", [images()[0]])))
+            while not made:  # admitted first, so it gets the broken detokenizer
+                await asyncio.sleep(0.002)
+            results = await asyncio.gather(first, *(c.post("/v1/chat/completions", json=b) for b in good))
+            return alone, results
+
+    alone, results = asyncio.run(run())
+    assert results[0].status_code == 500 and "decoding the output failed" in results[0].json()["error"]["message"]
+    assert [r.json()["choices"][0]["message"]["content"] for r in results[1:]] == \
+        [r["choices"][0]["message"]["content"] for r in alone]
+    assert qwen_server.engine.worker.healthy

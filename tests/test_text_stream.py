@@ -81,7 +81,7 @@ def _byte_level_detokenizers():
     tok = Tok()
     tok.vocab = vocab
     theirs = BPEStreamingDetokenizer(tok)
-    return raw, theirs, ByteLevelStream(theirs)
+    return raw, theirs, ByteLevelStream(theirs, lambda token: f"<{token}>")
 
 
 @pytest.mark.parametrize("ids", [
@@ -129,3 +129,12 @@ def test_byte_level_tokenizers_stream_eagerly():
     assert isinstance(codec.new_detokenizer(), ByteLevelStream)
     codec._detokenizer = NaiveStreamingDetokenizer(codec.hf)  # other kinds keep mlx_vlm's own
     assert isinstance(codec.new_detokenizer(), NaiveStreamingDetokenizer)
+
+
+def test_byte_level_stream_decodes_unmapped_ids_with_the_tokenizer():
+    raw, theirs, ours = _byte_level_detokenizers()
+    theirs.tokenmap.append("\u4e00")  # an added token outside the byte alphabet
+    ours.reset()
+    for token in (0, len(raw), len(raw) + 5):  # mapped, unmappable, past the vocabulary
+        ours.add_token(token)
+    assert ours.last_segment == f"He<{len(raw)}><{len(raw) + 5}>"

@@ -381,8 +381,13 @@ class MLLMScheduler:
         if self.hooks:
             self.hooks.on_decode_step(time.perf_counter() - t0, len(live))
         for i, seq in live:
-            if not seq.finished:  # finished or cancelled rows were computed once more; drop that
+            if seq.finished:  # finished or cancelled rows were computed once more; drop that
+                continue
+            try:
                 self._accept(seq, ids[i], lp[i] if lp is not None and seq.req.sampling.logprobs else None)
+            except Exception as exc:  # e.g. a token its detokenizer cannot map: that request ends, the rest go on
+                log.exception("request %s failed on token %d", seq.req.request_id, ids[i])
+                self._finish(seq, FinishReason.ERROR, error=f"decoding the output failed: {type(exc).__name__}")
         self._remove_rows([s for _, s in live if s.finished and s in self.running])
 
     # ---- per-token bookkeeping -------------------------------------------------------

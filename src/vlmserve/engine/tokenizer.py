@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import copy
 from pathlib import Path
+from typing import Callable
 
 from mlx_vlm.tokenizer_utils import BPEStreamingDetokenizer, load_tokenizer
 
@@ -24,10 +25,11 @@ class ByteLevelStream:
     end is dropped. (mlx_vlm decodes the last word with errors="ignore", so an invalid byte
     inside it is dropped there and U+FFFD here.)"""
 
-    def __init__(self, model: BPEStreamingDetokenizer):
+    def __init__(self, model: BPEStreamingDetokenizer, fallback: Callable[[int], str]):
         self._tokenmap = model.tokenmap
         self._byte_decoder = model._byte_decoder
         self._trim_space = model.trim_space
+        self._fallback = fallback  # the HF tokenizer's decode of one id
         self.reset()
 
     def reset(self) -> None:
@@ -35,8 +37,19 @@ class ByteLevelStream:
         self.text = ""
         self.offset = 0
 
+    def _bytes(self, token: int) -> bytes:
+        # Ids past the tokenizer's vocabulary (models pad their embedding) or added tokens outside
+        # the byte alphabet: mlx_vlm's detokenizer raises on those; decode them with the tokenizer.
+        try:
+            value = self._tokenmap[token]
+            if value is not None:
+                return bytes(self._byte_decoder[c] for c in value)
+        except (IndexError, KeyError):
+            pass
+        return self._fallback(token).encode()
+
     def add_token(self, token: int) -> None:
-        piece = self._decoder.decode(bytes(self._byte_decoder[c] for c in self._tokenmap[token]))
+        piece = self._decoder.decode(self._bytes(token))
         if not self.text and self._trim_space and piece.startswith(" "):
             piece = piece[1:]
         self.text += piece
@@ -62,7 +75,7 @@ class TextCodec:
 
     def new_detokenizer(self):
         if isinstance(self._detokenizer, BPEStreamingDetokenizer):
-            return ByteLevelStream(self._detokenizer)
+            return ByteLevelStream(self._detokenizer, self.token_text)
         detokenizer = copy.copy(self._detokenizer)
         detokenizer.reset()
         return detokenizer
