@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
+from vlmserve.engine import vision_attention
 from vlmserve.engine.model import VLM
 from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
 
@@ -43,13 +44,11 @@ def probe_vision(vlm, n: int) -> None:
     allpix, allthw = mx.concatenate(pix), mx.concatenate([thw] * n)
     _, each, _ = _timed(lambda: [tower(x, thw, output_hidden_states=False) for x in pix])
     launch, many, batched = _timed(lambda: tower(allpix, allthw, output_hidden_states=False))
-    attns = [b.attn for b in tower.blocks]
-    swapped = [type(a) for a in attns]
-    for a, cls in zip(attns, swapped):
-        a.__class__ = cls.__mro__[1] if cls.__name__.startswith("Segment") else cls
-    launch0, many0, ref = _timed(lambda: tower(allpix, allthw, output_hidden_states=False))
-    for a, cls in zip(attns, swapped):
-        a.__class__ = cls
+    if vision_attention.uninstall(tower):
+        launch0, many0, ref = _timed(lambda: tower(allpix, allthw, output_hidden_states=False))
+        vision_attention.install(tower)
+    else:  # a tower VLM leaves as mlx_vlm made it
+        launch0, many0, ref = launch, many, batched
     diff = mx.abs(batched.astype(mx.float32) - ref.astype(mx.float32)).max().item()
     print(f"vision x{n}: one call per image {each:.1f} ms; one call, mlx_vlm attention {many0:.1f} ms "
           f"(launch {launch0:.1f}); one call, run-batched attention {many:.1f} ms (launch {launch:.1f}); "

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import start_server
+from vlmserve.engine import vision_attention
 from vlmserve.engine.vision_attention import segment_runs
 
 # Equal sizes (batched together), an odd size between them, and a two-frame grid.
@@ -37,8 +38,7 @@ def test_batched_segments_equal_per_segment_attention(grid_server):
         dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
         pixels = mx.random.normal((sum(t * h * w for t, h, w in GRIDS), dim), key=mx.random.key(0))
         grid = mx.array(GRIDS)
-        attns = [block.attn for block in tower.blocks]
-        installed = [type(a) for a in attns]
+        names = [type(block.attn).__name__ for block in tower.blocks]
         original_sdpa = mx.fast.scaled_dot_product_attention
         calls = []
 
@@ -50,15 +50,13 @@ def test_batched_segments_equal_per_segment_attention(grid_server):
         try:
             batched = np.array(tower(pixels, grid, output_hidden_states=False).astype(mx.float32))
             n_batched = len(calls)
-            for a, cls in zip(attns, installed):
-                a.__class__ = cls.__mro__[1]  # mlx_vlm's own class
+            vision_attention.uninstall(tower)  # mlx_vlm's own attention
             reference = np.array(tower(pixels, grid, output_hidden_states=False).astype(mx.float32))
             n_reference = len(calls) - n_batched
         finally:
             mx.fast.scaled_dot_product_attention = original_sdpa
-            for a, cls in zip(attns, installed):
-                a.__class__ = cls
-        return [c.__name__ for c in installed], batched, reference, n_batched, n_reference
+            vision_attention.install(tower)
+        return names, batched, reference, n_batched, n_reference
 
     names, batched, reference, n_batched, n_reference = grid_server.on_worker(compare)
     assert all(n.startswith("Segment") for n in names)

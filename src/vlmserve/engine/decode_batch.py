@@ -130,13 +130,11 @@ class DecodeBatches:
         request pays a trace (~0.1 s each on CUDA once kernels are built). Returns shapes traced."""
         if not self.compiled:
             return 0
-        layers, (heads, dim_k, dim_v), dtype = self.vlm.kv_layout()
         slot_counts = buckets_up_to(max_slots, SlotBatch.SLOT_BUCKETS)
         capacities = buckets_up_to(max_capacity, SlotBatch.CAPACITY_BUCKETS)
         for n in slot_counts:
             zeros = mx.zeros((n,), dtype=mx.int32)
             for cap in capacities:
-                kv = [mx.zeros((n, heads, cap, dim_k), dtype) for _ in range(layers)]
-                kv += [mx.zeros((n, heads, cap, dim_v), dtype) for _ in range(layers)]
+                kv = SlotBatch(*self.vlm.kv_layout(), slots=n, capacity=cap).arrays()
                 mx.eval(self.step(zeros, zeros if self.vlm.uses_mrope else None, zeros, *kv))
         return len(slot_counts) * len(capacities)

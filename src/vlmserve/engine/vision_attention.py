@@ -83,3 +83,14 @@ def install(tower: nn.Module) -> int:
         attn.__class__ = _CLASSES[base]
         swapped += 1
     return swapped
+
+
+def uninstall(tower: nn.Module) -> int:
+    """Give the tower back mlx_vlm's own attention modules (for comparisons); returns how many."""
+    swapped = 0
+    for block in getattr(tower, "blocks", []):
+        attn = getattr(block, "attn", None)
+        if type(attn) in _CLASSES.values():
+            attn.__class__ = type(attn).__mro__[1]
+            swapped += 1
+    return swapped
