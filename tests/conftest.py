@@ -79,6 +79,31 @@ class RunningServer:
         return self.config.model_id
 
 
+def on_own_thread(fn):
+    """Run fn on a fresh thread that owns all its MLX calls (the thread guard counts it as a worker)."""
+    result: dict = {}
+
+    def target():
+        from vlmserve.engine.thread_guard import GUARD
+
+        ident = threading.get_ident()
+        GUARD.owners.add(ident)
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = e
+        finally:
+            GUARD.owners.discard(ident)
+
+    t = threading.Thread(target=target, name="test-mlx")
+    t.start()
+    t.join(300)
+    assert not t.is_alive(), "MLX work on its own thread hung"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def start_server(model: str, **overrides) -> RunningServer:
     from vlmserve.config import ServerConfig
 

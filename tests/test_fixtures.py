@@ -10,10 +10,11 @@ import hashlib
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+
+from conftest import on_own_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -59,36 +60,6 @@ def test_regenerate_is_byte_identical(tmp_path):
         sorted(set(committed) ^ set(rebuilt)))
     differ = [k for k in committed if committed[k] != rebuilt[k]]
     assert not differ, f"rebuilt fixtures differ: {differ}"
-
-
-def _on_own_thread(fn):
-    """Run fn on a fresh thread that owns all its MLX calls (load + generate)."""
-    result: dict = {}
-
-    def target():
-        guard = None
-        try:
-            from vlmserve.engine.thread_guard import GUARD as guard  # noqa: N811
-        except Exception:  # vlmserve not importable: nothing to register with
-            guard = None
-        ident = threading.get_ident()
-        if guard is not None:
-            guard.owners.add(ident)
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            result["error"] = e
-        finally:
-            if guard is not None:
-                guard.owners.discard(ident)
-
-    t = threading.Thread(target=target, name="fixture-mlx")
-    t.start()
-    t.join(300)
-    assert not t.is_alive(), "fixture generation hung"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 class _DropPadding:
@@ -149,7 +120,7 @@ def test_fixture_generates(name):
                                    decoded=processor.tokenizer.decode(ids))
         return out
 
-    out = _on_own_thread(work)
+    out = on_own_thread(work)
     for max_tokens in (32, 7):
         o = out[max_tokens]
         assert o["gen"].generation_tokens == max_tokens
@@ -182,4 +153,4 @@ def test_fixture_image_token_counts(name):
             counts[fname] = int((inputs["input_ids"] == image_id).sum().item())
         return counts
 
-    assert _on_own_thread(work) == IMAGE_TOKENS[name]
+    assert on_own_thread(work) == IMAGE_TOKENS[name]

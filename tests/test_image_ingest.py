@@ -434,7 +434,9 @@ def test_health_is_fast_while_a_slow_fetch_is_in_flight(loop, images):
     in_flight = thread.is_alive()
     thread.join(10)
     assert in_flight, "the slow fetch ended before /health was sampled"
-    assert max(samples) < 0.05, samples
+    # A loop blocked by the fetch would answer only after it timed out (TIMEOUT s); the margin
+    # leaves room for a busy 2-core CI machine.
+    assert max(samples) < 0.2 * TIMEOUT, samples
     assert_error(result["resp"], "invalid_image_url")
     assert result["elapsed"] < TIMEOUT + 1.5
 

@@ -19,7 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import vision_attention
+from . import fused_projections, vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class VLM:
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
         if self.config.get("model_type") in _GRID_TOWERS:
             vision_attention.install(self.model.vision_tower)
+        fused_projections.install(self.language_model)
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
