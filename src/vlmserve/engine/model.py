@@ -19,7 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import fused_projections, vision_attention
+from . import fused_projections, rope_rotation, vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class VLM:
         if self.config.get("model_type") in _GRID_TOWERS:
             vision_attention.install(self.model.vision_tower)
         fused_projections.install(self.language_model)
+        rope_rotation.install()
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(

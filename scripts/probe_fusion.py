@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Count the primitives of one compiled decode step and time it, with and without the rewrites
+that cut kernels (engine/fused_projections.py, engine/rope_rotation.py); check the logits agree.
+
+    python scripts/probe_fusion.py MODEL --batch 32 --capacity 512 --steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_vlm.utils import load_model
+
+from vlmserve.engine import rope_rotation
+from vlmserve.engine.model import VLM
+from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
+
+
+def primitives(outputs) -> collections.Counter:
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        labels = re.findall(r'label ="([^"]+)"', f.read())
+    return collections.Counter(lab.split()[0] for lab in labels if not lab[0].isdigit())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--capacity", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64)
+    a = p.parse_args()
+    vlm = VLM(Path(a.model))  # fused projections + gather rotate_half, as the server runs
+    plain = load_model(Path(a.model), lazy=False)
+    B = a.batch
+    mx.random.seed(0)
+    kv0 = SlotBatch(*vlm.kv_layout(), slots=B, capacity=a.capacity)
+    kv0.keys = [mx.random.normal(k.shape).astype(k.dtype) for k in kv0.keys]
+    kv0.values = [mx.random.normal(v.shape).astype(v.dtype) for v in kv0.values]
+    tokens = mx.random.randint(0, min(1000, vlm.info.vocab_size), (B,)).astype(mx.int32)
+    lengths = mx.full((B,), a.capacity // 2, dtype=mx.int32)
+    positions = lengths + 7 if vlm.uses_mrope else None
+    mx.eval(kv0.arrays(), tokens)
+
+    def with_model(model, rope: bool):
+        def decode(*args):
+            (rope_rotation.install if rope else rope_rotation.uninstall)()  # while tracing
+            vlm.model, vlm.language_model = model, model.language_model
+            return VLM.decode(vlm, *args)
+        return make_decode_step(decode, True)
+
+    served = vlm.model
+    variants = [("mlx_vlm modules", with_model(plain, False)),
+                ("+ fused projections", with_model(served, False)),
+                ("+ gather rotate_half", with_model(served, True))]
+    ref = None
+    for name, step in variants:
+        out = step(tokens, positions, lengths, *kv0.arrays())
+        counts = primitives(out)
+        mx.eval(out)
+        logits = out[0].astype(mx.float32)
+        ref = logits if ref is None else ref
+        diff = mx.abs(logits - ref).max().item()
+        kv, tok, launch = kv0.arrays(), tokens, 0.0
+        for i in range(a.steps + 3):  # pipelined like the server: launch N+1 before waiting on N
+            if i == 3:
+                mx.eval(tok)
+                t0, launch = time.perf_counter(), 0.0
+            t = time.perf_counter()
+            o = step(tok, None if positions is None else positions + i, lengths + i, *kv)
+            tok, kv = mx.argmax(o[0], -1).astype(mx.int32), list(o[1:])
+            mx.async_eval(tok, kv)
+            launch += time.perf_counter() - t
+        mx.eval(tok)
+        ms = (time.perf_counter() - t0) * 1000 / a.steps
+        print(f"{name:>22}: {sum(counts.values()):5d} primitives, {ms:6.2f} ms/step "
+              f"({B / ms * 1000:6.0f} tok/s), host {launch * 1000 / a.steps:5.2f} ms/step, "
+              f"max|dlogit| vs mlx_vlm {diff:.3g}", flush=True)
+        print("   ", dict(counts.most_common()), flush=True)
+    rope_rotation.install()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
