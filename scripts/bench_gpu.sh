@@ -6,7 +6,7 @@
 # GPU command 2:     bash .gpu-b/device-setup.sh b && bash scripts/bench_gpu.sh
 # Results (w1.json, w1.png, server logs) land in $OUT (default /root/bench).
 set -euo pipefail
-export PYTHONPATH=/root/site:$PWD/src
+export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller
 MODEL=${MODEL:-/root/models/qwen2-vl-2b-bf16}
 OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
