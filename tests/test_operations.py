@@ -385,3 +385,23 @@ def test_warmup_prefills_every_length_bucket_in_full(monkeypatch):
         assert server.engine.scheduler.prefix_cache.size_tokens == 0  # warm-up leaves nothing behind
     finally:
         server.stop()
+
+
+def test_serve_sets_the_gil_switch_interval_from_its_flag():
+    import argparse
+    import sys
+
+    from vlmserve.cli import add_serve_arguments, config_from_args, set_process_settings
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    before = sys.getswitchinterval()
+    try:
+        set_process_settings(config_from_args(parser.parse_args([])))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        set_process_settings(config_from_args(parser.parse_args(["--gil-switch-interval-ms", "2"])))
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        set_process_settings(config_from_args(parser.parse_args(["--gil-switch-interval-ms", "0"])))
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # 0 leaves the interpreter's setting
+    finally:
+        sys.setswitchinterval(before)

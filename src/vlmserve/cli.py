@@ -54,6 +54,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGTERM/SIGINT")
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="/health turns 503 when the worker's heartbeat is older than this")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=d.gil_switch_interval_ms,
+                   help="CPython GIL switch interval for this process (CPython's default is 5)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--warmup-image-sizes", type=lambda v: tuple(int(x) for x in _csv(v)), default=d.warmup_image_sizes,
@@ -123,9 +125,16 @@ def _make_server(app, config: ServerConfig):
     return server
 
 
+def set_process_settings(config: ServerConfig) -> None:
+    """Settings of the whole interpreter: only for a process that `vlmserve serve` owns."""
+    if config.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+
+
 def serve(config: ServerConfig) -> int:
     from .api.app import create_app
 
+    set_process_settings(config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     server = _make_server(app, config)

@@ -53,6 +53,10 @@ class ServerConfig:
     drain_timeout: float = 30.0
     stall_timeout: float = 60.0
     log_level: str = "info"
+    # CPython's GIL switch interval for the `vlmserve serve` process. After each launch the MLX
+    # thread waits for the GIL; with CPython's 5 ms default a busy preprocessing or event-loop
+    # thread can hold every decode step up by that much (docs/operations.md).
+    gil_switch_interval_ms: float = 0.5
     # Bind before the model is loaded: /health 200 and /ready 503 ("loading") until warm.
     # The CLI turns this on; in-process servers (tests) keep the blocking lifespan.
     listen_while_loading: bool = False
