@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 from vlmserve.engine.model import VLM
 from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
+
+from probe_fusion import time_steps  # scripts/ is on sys.path when this script runs
 
 
 def main() -> int:
@@ -31,20 +32,11 @@ def main() -> int:
     tokens = mx.zeros((a.batch,), dtype=mx.int32)
     lengths = mx.full((a.batch,), 256, dtype=mx.int32)
 
+    positions = lengths if vlm.uses_mrope else None
+
     def run(n: int) -> tuple[float, float]:
-        kv, tok, inside = kv0.arrays(), tokens, 0.0
-        for i in range(n + 3):
-            if i == 3:
-                mx.eval(tok)
-                t0, inside = time.perf_counter(), 0.0
-            pos = lengths + i if vlm.uses_mrope else None
-            o = step(tok, pos, lengths + i, *kv)
-            tok, kv = mx.argmax(o[0], -1).astype(mx.int32), list(o[1:])
-            t = time.perf_counter()
-            mx.async_eval(tok, kv)
-            inside += time.perf_counter() - t
-        mx.eval(tok)
-        return (time.perf_counter() - t0) * 1000 / n, inside * 1000 / n
+        ms, _, inside = time_steps(step, kv0, tokens, lengths, positions, n)
+        return ms, inside
 
     def burn(stop: threading.Event) -> None:
         while not stop.is_set():
