@@ -103,7 +103,7 @@ def main() -> int:
     t0 = time.perf_counter()
     vlm = VLM(path)
     codec = TextCodec(path)
-    pre = Preprocessor(load_processor(path), vlm.info.context_length, ServerConfig())
+    pre = Preprocessor(load_processor(path), vlm.info.context_length, ServerConfig(), pixel_dtype=vlm.info.pixel_dtype)
     print(f"load {time.perf_counter() - t0:.2f}s")
     prompt = pre.render([ChatMessage("user", [("image", ImageRef("x", "x")), ("text", make_prompt(40))])])
     prepared = []

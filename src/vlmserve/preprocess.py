@@ -51,10 +51,18 @@ def cap_pixels(image: Image.Image, max_pixels: int | None) -> Image.Image:
     return image.resize(size, Image.Resampling.BICUBIC)
 
 
+def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 rounded to nearest even (as MLX casts), as uint16 bit patterns."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
 class Preprocessor:
-    def __init__(self, processor, context_length: int, config: ServerConfig):
+    def __init__(self, processor, context_length: int, config: ServerConfig, pixel_dtype: str | None = None):
         self.config = config
         self.context_length = context_length
+        self.pixel_dtype = pixel_dtype  # ModelInfo.pixel_dtype: ship pixel_values already cast
         self.processor = processor
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         call = getattr(processor, "process", processor)
@@ -119,7 +127,16 @@ class Preprocessor:
                 code="context_length_exceeded", param="messages",
             )
         inputs = {k: np.asarray(v) for k, v in enc.items() if k not in ("input_ids", "attention_mask") and v is not None}
-        return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images))
+        bf16 = frozenset()
+        pixels = inputs.get("pixel_values")
+        if pixels is not None and pixels.dtype == np.float32:
+            # The cast happens here, on a pool thread, instead of on the MLX thread; the worker
+            # copies half the bytes. Same rounding as the model's own astype, so same values.
+            if self.pixel_dtype == "bfloat16":
+                inputs["pixel_values"], bf16 = to_bfloat16_bits(pixels), frozenset({"pixel_values"})
+            elif self.pixel_dtype == "float16":
+                inputs["pixel_values"] = pixels.astype(np.float16)
+        return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images), bfloat16_inputs=bf16)
 
     def _add_special_tokens(self, prompt: str) -> bool:
         """Add BOS only when the chat template did not already put it there."""

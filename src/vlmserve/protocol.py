@@ -26,6 +26,9 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     image_token_id: int | None
+    # The dtype the model casts pixel_values to before any arithmetic ("bfloat16", "float16"),
+    # where it does: preprocessing may then ship them in it (half the bytes to copy). None: as is.
+    pixel_dtype: str | None = None
 
 
 @dataclass
@@ -84,6 +87,8 @@ class PreparedRequest:
     prompt_ids: np.ndarray  # int32, shape (L,)
     model_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # pixel_values, image_grid_thw, ...
     num_images: int = 0
+    # Names in model_inputs that hold bfloat16 bit patterns as uint16 (NumPy has no bfloat16).
+    bfloat16_inputs: frozenset[str] = frozenset()
 
     @property
     def has_pixels(self) -> bool:

@@ -77,7 +77,8 @@ class ServerState:
             await self.engine.start()
             loop = asyncio.get_running_loop()
             processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
-            self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config)
+            self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config,
+                                             pixel_dtype=self.engine.info.pixel_dtype)
             if self.config.warmup:
                 await self.warmup()
         finally:

@@ -19,7 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import fused_projections, rope_rotation, vision_attention
+from . import fused_projections, qwen_embedding, rope_rotation, vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ _GRID_TOWERS = {"qwen2_vl", "qwen2_5_vl"}
 
 
 def _device_inputs(prepared: PreparedRequest) -> dict[str, mx.array]:
-    return {k: mx.array(v) for k, v in prepared.model_inputs.items()}
+    return {k: mx.array(v).view(mx.bfloat16) if k in prepared.bfloat16_inputs else mx.array(v)
+            for k, v in prepared.model_inputs.items()}
 
 
 def resolve_model_path(model: str) -> Path:
@@ -102,6 +103,10 @@ class VLM:
         rope_rotation.install()
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
+        pixel_dtype = None
+        if self.config.get("model_type") in _GRID_TOWERS:  # get_input_embeddings casts pixels first
+            dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+            pixel_dtype = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype)
         self.info = ModelInfo(
             path=str(model_path),
             model_type=self.config.get("model_type", "unknown"),
@@ -110,25 +115,52 @@ class VLM:
             eos_token_ids=tuple(eos),
             image_token_id=getattr(self.model.config, "image_token_id", None)
             or getattr(self.model.config, "image_token_index", None),
+            pixel_dtype=pixel_dtype,
         )
 
     # ---- prompt ---------------------------------------------------------------
     def embed_prompts(self, prepared: list[PreparedRequest]) -> list[PromptState]:
-        """Embed several prompts; where the family allows, all their images share one vision-tower
-        call (one launch sequence and one set of the tower's host syncs instead of one per image)."""
+        """Embed several prompts. For Qwen-VL families all their images share one vision-tower call
+        (one launch sequence instead of one per image), and image prompts are embedded from
+        host-side indices (`qwen_embedding`), so the worker never waits on a device read here."""
         with_images = [p for p in prepared if p.has_pixels]
-        if len(with_images) < 2 or self.info.model_type not in _GRID_TOWERS:
+        if not with_images or self.info.model_type not in _GRID_TOWERS:
             return [self.embed_prompt(p) for p in prepared]
         tower = self.model.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
         inputs = {id(p): _device_inputs(p) for p in with_images}  # one host->device copy per request
         pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
-        grids = [np.asarray(p.model_inputs["image_grid_thw"]).reshape(-1, 3) for p in with_images]
-        features = tower(pixels, mx.array(np.concatenate(grids)), output_hidden_states=False)
+        grids = {id(p): np.asarray(p.model_inputs["image_grid_thw"]).reshape(-1, 3) for p in with_images}
+        grid = np.concatenate(list(grids.values()))
+        if self.info.model_type == "qwen2_vl":
+            features = qwen_embedding.qwen2_vl_tower(tower, pixels, grid)
+        else:
+            features = tower(pixels, mx.array(grid), output_hidden_states=False)
         merge = self.model.config.vision_config.spatial_merge_size ** 2
-        rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids])[:-1]
-        per_request = dict(zip(map(id, with_images), mx.split(features, rows.tolist())))
-        return [self.embed_prompt(p, per_request.get(id(p)), inputs.get(id(p))) for p in prepared]
+        rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]
+        per_request = dict(zip(grids, mx.split(features, rows.tolist())))
+        return [self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs[id(p)])
+                if id(p) in per_request else self.embed_prompt(p) for p in prepared]
+
+    def _embed_image_prompt(self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray,
+                            inputs: dict[str, mx.array]) -> PromptState:
+        ids = prepared.prompt_ids.astype(np.int32)
+        cfg = self.language_model.config  # what mlx_vlm's get_rope_index reads
+        found = qwen_embedding.mrope_positions(
+            ids, grid, image_token=cfg.image_token_id, video_token=cfg.video_token_id,
+            vision_start=cfg.vision_start_token_id, merge=cfg.vision_config.spatial_merge_size)
+        if found is None:  # a prompt outside the image path: mlx_vlm's own code, with these features
+            return self.embed_prompt(prepared, features, inputs)
+        positions, rope_delta = found
+        input_ids = mx.array(ids)[None]
+        embeds = self.language_model.model.embed_tokens(input_ids)
+        return PromptState(
+            input_ids=input_ids,
+            embeds=qwen_embedding.merge_image_features(embeds, features, ids, self.model.config.image_token_id),
+            position_ids=mx.array(positions)[:, None, :],
+            rope_delta=rope_delta,
+            cache=vlm_cache.make_prompt_cache(self.language_model),
+        )
 
     def embed_prompt(self, prepared: PreparedRequest, image_features: mx.array | None = None,
                      inputs: dict[str, mx.array] | None = None) -> PromptState:
