@@ -194,19 +194,21 @@ def test_disconnect_and_cancel_free_rows(qwen_server):
 def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
     vlm = qwen_server.engine.scheduler.vlm
     tokenizer = qwen_server.engine.tokenizer.hf
-    real = vlm.embed_prompt
 
-    def embed(prepared):
-        if "POISON" in tokenizer.decode(prepared.prompt_ids.tolist()):
-            raise RuntimeError("injected failure")
-        return real(prepared)
+    def poisoned(real):  # each request's own embedding step: mlx_vlm's, or the Qwen host-index one
+        def embed(prepared, *args):
+            if "POISON" in tokenizer.decode(prepared.prompt_ids.tolist()):
+                raise RuntimeError("injected failure")
+            return real(prepared, *args)
+        return embed
 
     good = [_body(qwen_server, f"healthy {i}", [images()[i % 3]]) for i in range(4)]
 
     async def run():
         async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
             alone = [await _post(c, b) for b in good]
-            monkeypatch.setattr(vlm, "embed_prompt", embed)
+            monkeypatch.setattr(vlm, "embed_prompt", poisoned(vlm.embed_prompt))
+            monkeypatch.setattr(vlm, "_embed_image_prompt", poisoned(vlm._embed_image_prompt))
             bad = c.post("/v1/chat/completions", json=_body(qwen_server, "POISON pill", [images()[0]]))
             results = await asyncio.gather(bad, *(_post(c, b) for b in good))
             return alone, results

@@ -244,7 +244,7 @@ class MLLMScheduler:
         """Vision encoder + embeddings (once per request), and the prefix cache for text-only prompts."""
         if seq.prompt is None:
             t0 = time.perf_counter()
-            self._embedded(seq, self.vlm.embed_prompt(seq.req.prepared), time.perf_counter() - t0)
+            self._embedded(seq, self.vlm.embed_prompts([seq.req.prepared])[0], time.perf_counter() - t0)
 
     def _embedded(self, seq: Sequence, prompt: PromptState, seconds: float) -> None:
         prepared = seq.req.prepared
