@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from ..protocol import EngineError, FinishReason, TokenEvent, new_request_id
 from . import openai as oai
+from . import sse
 from .errors import APIError, error_body, error_response
 from .streams import merge, wait_disconnect
 
@@ -149,39 +150,36 @@ async def _collect(streams, n: int, want_logprobs: bool):
     return choices, oai.usage_dict(prompt, completion, cached)
 
 
-def _sse_line(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 async def _sse(request_id, model, created, chat, streams):
-    extra = {"usage": None} if chat.include_usage else {}
+    lines = sse.ChunkLines(request_id, model, created, chat.include_usage)
     for i in range(chat.n):
-        first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield _sse_line({**oai.chunk(request_id, model, created, [first]), **extra})
+        yield lines.choice(i, {"role": "assistant", "content": ""})
     prompt = cached = completion = 0
     try:
         async for i, event in merge(streams):
+            if event.finish_reason is None and not event.logprobs:
+                if event.text:  # the common chunk: pre-rendered, see sse.py
+                    yield lines.content(i, event.text)
+                continue
             if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 failure = _failure(event)
-                yield _sse_line(error_body(failure.status, failure.message, failure.code))
+                yield sse.line(error_body(failure.status, failure.message, failure.code))
                 return
-            if event.text or event.logprobs or event.finish_reason is not None:
-                choice = {"index": i, "delta": {"content": event.text} if event.text else {},
-                          "logprobs": oai.logprobs_dict(event.logprobs) if event.logprobs else None,
-                          "finish_reason": oai.finish_reason_str(event.finish_reason)}
-                yield _sse_line({**oai.chunk(request_id, model, created, [choice]), **extra})
+            yield lines.choice(i, {"content": event.text} if event.text else {},
+                               oai.logprobs_dict(event.logprobs) if event.logprobs else None,
+                               oai.finish_reason_str(event.finish_reason))
             if event.finish_reason is not None:
                 prompt, cached = event.prompt_tokens, event.cached_tokens
                 completion += event.completion_tokens
     except EngineError as exc:
-        yield _sse_line(error_body(exc.status, exc.message, exc.code, exc.param))
+        yield sse.line(error_body(exc.status, exc.message, exc.code, exc.param))
         return
     except Exception:  # noqa: BLE001 - the headers are gone: report it as the stream's one error event
         log.exception("stream failed")
-        yield _sse_line(error_body(500, "internal server error", "internal_error"))
+        yield sse.line(error_body(500, "internal server error", "internal_error"))
         return
     if chat.include_usage:
-        yield _sse_line(oai.chunk(request_id, model, created, [], oai.usage_dict(prompt, completion, cached)))
+        yield lines.chunk([], oai.usage_dict(prompt, completion, cached))
     yield "data: [DONE]\n\n"
 
 
