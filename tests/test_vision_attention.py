@@ -62,3 +62,28 @@ def test_batched_segments_equal_per_segment_attention(grid_server):
     assert all(n.startswith("Segment") for n in names)
     np.testing.assert_allclose(batched, reference, rtol=1e-5, atol=1e-6)
     assert 0 < n_batched < n_reference
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rotate_qk_equals_mlx_vlm_rotation_of_q_and_k(grid_server, dtype):
+    """One rotation for q and k (a CUDA kernel on that backend) is bit-identical to mlx_vlm's
+    apply_rotary_pos_emb_vision on each of them."""
+    import sys
+
+    attn = grid_server.engine.scheduler.vlm.model.vision_tower.blocks[0].attn
+    rotary = sys.modules[type(attn).__mro__[1].__module__].apply_rotary_pos_emb_vision
+
+    def compare():
+        import mlx.core as mx
+
+        seq, heads, dim = 300, 3, 16
+        qkv = (mx.random.normal((seq, 3, heads, dim), key=mx.random.key(4)) * 4).astype(getattr(mx, dtype))
+        freqs = mx.random.uniform(0, 40, (seq, dim // 2), key=mx.random.key(5))
+        ours = vision_attention.rotate_qk(qkv, freqs, rotary)
+        q = rotary(qkv[None, :, 0], freqs)[0]
+        k = rotary(qkv[None, :, 1], freqs)[0]
+        return np.array(ours.astype(mx.float32)), np.array(mx.stack([q, k], axis=1).astype(mx.float32))
+
+    ours, ref = grid_server.on_worker(compare)
+    assert ours.shape == ref.shape == (300, 2, 3, 16)
+    np.testing.assert_array_equal(ours, ref)

@@ -5,7 +5,8 @@ of every attention window) at `cu_seqlens` and launch one attention kernel per s
 every block. With the images of many requests in one call, that is thousands of small
 launches, and on the GPU the tower becomes bound by launching them. Segments of equal
 length (images of one size; Qwen2.5-VL's full windows) are stacked on the batch axis
-instead, so each run of them costs one kernel. The arithmetic per segment is unchanged.
+instead, so each run of them costs one kernel. q and k are rotated in one pass (one CUDA
+kernel on that backend). The arithmetic per element is unchanged.
 
 The swap is per module instance (its class is replaced by a subclass), so only the model
 the server loaded changes, never another copy of mlx_vlm's classes in the process.
@@ -35,18 +36,63 @@ def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
 
 
 def segment_attention(q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float) -> mx.array:
-    """Attention within each segment of q, k, v (1, H, S, D); segments are given by `bounds`."""
-    _, heads, _, dim = q.shape
+    """Attention within each segment of q, k, v (S, H, D); segments are given by `bounds`."""
+    _, heads, dim = q.shape
     outs = []
     for start, count, length in segment_runs(bounds):
         end = start + count * length
 
-        def stack(t: mx.array) -> mx.array:  # (1, H, n*L, D) -> (n, H, L, D)
-            return t[0, :, start:end].reshape(heads, count, length, dim).transpose(1, 0, 2, 3)
+        def stack(t: mx.array) -> mx.array:  # (n*L, H, D) -> (n, H, L, D)
+            return t[start:end].reshape(count, length, heads, dim).transpose(0, 2, 1, 3)
 
         out = mx.fast.scaled_dot_product_attention(stack(q), stack(k), stack(v), scale=scale, mask=None)
-        outs.append(out.transpose(1, 0, 2, 3).reshape(1, heads, count * length, dim))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        outs.append(out.transpose(0, 2, 1, 3).reshape(count * length, heads, dim))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+# mlx_vlm's apply_rotary_pos_emb_vision as one CUDA kernel over q and k: out = x*cos + rotate_half(x)*sin
+# in float32, rounded once to x's dtype. The eager form is six full passes over q and k, and
+# on CUDA the tower spent about half its attention time there. The products and the sum are
+# rounded explicitly (no fused multiply-add), so the result is bit-identical to the eager ops.
+_ROTATE_QK_SOURCE = """
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n[0]) return;
+    const unsigned int half = D / 2;
+    size_t row = i / (2 * HD);                 // position: q and k of one row are 2*HD apart in out
+    size_t src = row * (3 * HD) + i % (2 * HD);  // the same element in qkv (S, 3, H, D)
+    unsigned int d = i % D;
+    float c = cos_t[row * half + d % half];
+    float s = sin_t[row * half + d % half];
+    float x = static_cast<float>(qkv[src]);
+    float other = d < half ? -static_cast<float>(qkv[src + half]) : static_cast<float>(qkv[src - half]);
+    out[i] = static_cast<T>(__fadd_rn(__fmul_rn(x, c), __fmul_rn(other, s)));
+"""
+_rotate_qk_kernel = None
+
+
+def _cuda_rotation_available(qkv: mx.array, freqs: mx.array) -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return (freqs.dtype == mx.float32 and cuda is not None and cuda.is_available()
+            and mx.default_device() == mx.gpu and hasattr(mx.fast, "cuda_kernel"))
+
+
+def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
+    """q and k of qkv (S, 3, H, D) rotated as mlx_vlm's `rotary` (apply_rotary_pos_emb_vision) does: (S, 2, H, D)."""
+    seq, _, heads, dim = qkv.shape
+    if not _cuda_rotation_available(qkv, freqs):
+        # One call for q and k together: (S, 2H, D) rows share a position, as q's and k's heads do.
+        return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
+    global _rotate_qk_kernel
+    if _rotate_qk_kernel is None:
+        _rotate_qk_kernel = mx.fast.cuda_kernel(name="vlmserve_rotate_qk", input_names=["qkv", "cos_t", "sin_t", "n"],
+                                                output_names=["out"], source=_ROTATE_QK_SOURCE)
+    total = seq * 2 * heads * dim
+    return _rotate_qk_kernel(
+        inputs=[qkv, mx.cos(freqs), mx.sin(freqs), mx.array([total], dtype=mx.int64)],
+        template=[("T", qkv.dtype), ("D", dim), ("HD", heads * dim)],
+        grid=(total, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(seq, 2, heads, dim)], output_dtypes=[qkv.dtype],
+    )[0]
 
 
 def _make_class(base: type) -> type:
@@ -54,13 +100,10 @@ def _make_class(base: type) -> type:
 
     def __call__(self, x: mx.array, cu_seqlens: mx.array, rotary_pos_emb: mx.array = None) -> mx.array:
         seq_length = x.shape[0]
-        qkv = self.qkv(x).reshape(seq_length, 3, self.num_heads, -1).transpose(1, 0, 2, 3)
-        q, k, v = mx.split(qkv, 3)
-        q = rotary(mx.expand_dims(q, 0), rotary_pos_emb)[0].transpose(0, 2, 1, 3)
-        k = rotary(mx.expand_dims(k, 0), rotary_pos_emb)[0].transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
-        out = segment_attention(q, k, v, cu_seqlens.tolist(), self.scale)
-        return self.proj(out.transpose(0, 2, 1, 3).reshape(seq_length, -1))
+        qkv = self.qkv(x).reshape(seq_length, 3, self.num_heads, -1)
+        qk = rotate_qk(qkv, rotary_pos_emb, rotary)
+        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens.tolist(), self.scale)
+        return self.proj(out.reshape(seq_length, -1))
 
     return type(f"Segment{base.__name__}", (base,), {"__call__": __call__})
 
