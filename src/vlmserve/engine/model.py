@@ -19,7 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import fused_projections, qwen_embedding, rope_rotation, vision_attention
+from . import decode_attention, fused_projections, qwen_embedding, rope_rotation, vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class VLM:
             vision_attention.install(self.model.vision_tower)
         fused_projections.install(self.language_model)
         rope_rotation.install()
+        decode_attention.install()
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         pixel_dtype = None

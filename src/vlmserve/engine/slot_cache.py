@@ -26,12 +26,19 @@ class SlotLayerCache:
 
     _offset = 0  # mlx_vlm's cache_position_offset reads this instead of syncing on `offset`
 
-    def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, lengths: mx.array, step: dict | None = None):
         self.keys = keys
         self.values = values
         self.offset = lengths  # (S,) tokens already in each slot
+        self.step = {} if step is None else step  # shared by one step's layers: how its mask was made
+
+    @property
+    def plain_mask(self) -> bool:
+        """The step's mask (made once, from one layer's cache) is `position < length`, no window."""
+        return self.step.get("window", 0) == 0
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any):
+        self.step["window"] = window_size or 0
         cap = self.keys.shape[2]
         pos = mx.arange(cap)[None, None, None, :]
         end = (self.offset + n)[:, None, None, None]
@@ -117,7 +124,8 @@ def make_decode_step(decode: Callable, compiled: bool) -> Callable:
 
     def step(tokens, positions, lengths, *kv):
         n = len(kv) // 2
-        caches = [SlotLayerCache(kv[i], kv[n + i], lengths) for i in range(n)]
+        shared: dict = {}
+        caches = [SlotLayerCache(kv[i], kv[n + i], lengths, shared) for i in range(n)]
         logits = decode(tokens, caches, positions)
         return (logits, *[c.keys for c in caches], *[c.values for c in caches])
 
