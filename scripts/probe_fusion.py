@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Count the primitives of one compiled decode step and time it, with and without the rewrites
-that cut kernels (engine/fused_projections.py, engine/rope_rotation.py); check the logits agree.
+that cut kernels (engine/fused_projections.py, engine/rope_rotation.py, and on CUDA
+engine/decode_attention.py); check the logits agree (the attention kernel agrees to rounding only).
 
     python scripts/probe_fusion.py MODEL --batch 32 --capacity 512 --steps 64
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_vlm.utils import load_model
 
-from vlmserve.engine import rope_rotation
+from vlmserve.engine import decode_attention, rope_rotation
 from vlmserve.engine.model import VLM
 from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
 
@@ -69,9 +70,10 @@ def main() -> int:
     positions = lengths + 7 if vlm.uses_mrope else None
     mx.eval(kv0.arrays(), tokens)
 
-    def with_model(model, rope: bool):
+    def with_model(model, rope: bool, attention: bool = False):
         def decode(*args):
             (rope_rotation.install if rope else rope_rotation.uninstall)()  # while tracing
+            (decode_attention.install if attention else decode_attention.uninstall)()
             vlm.model, vlm.language_model = model, model.language_model
             return VLM.decode(vlm, *args)
         return make_decode_step(decode, True)
@@ -79,7 +81,8 @@ def main() -> int:
     served = vlm.model
     variants = [("mlx_vlm modules", with_model(plain, False)),
                 ("+ fused projections", with_model(served, False)),
-                ("+ gather rotate_half", with_model(served, True))]
+                ("+ gather rotate_half", with_model(served, True)),
+                ("+ decode attention kernel", with_model(served, True, True))]
     ref = None
     for name, step in variants:
         out = step(tokens, positions, lengths, *kv0.arrays())
@@ -89,11 +92,12 @@ def main() -> int:
         ref = logits if ref is None else ref
         diff = mx.abs(logits - ref).max().item()
         ms, launch, _ = time_steps(step, kv0, tokens, lengths, positions, a.steps)
-        print(f"{name:>22}: {sum(counts.values()):5d} primitives, {ms:6.2f} ms/step "
+        print(f"{name:>26}: {sum(counts.values()):5d} primitives, {ms:6.2f} ms/step "
               f"({B / ms * 1000:6.0f} tok/s), host {launch:5.2f} ms/step, "
               f"max|dlogit| vs mlx_vlm {diff:.3g}", flush=True)
         print("   ", dict(counts.most_common()), flush=True)
     rope_rotation.install()
+    decode_attention.install()
     return 0
 
 
