@@ -55,3 +55,19 @@ def test_kernel_matches_float32_attention(qwen_server, dtype, atol):
     if result is None:
         pytest.skip("the kernel runs on CUDA only")
     np.testing.assert_allclose(result[0], result[1], atol=atol)
+
+
+def test_kernel_only_for_shapes_it_serves(qwen_server):
+    """Other shapes keep mlx_vlm's path on every backend."""
+    def check():
+        import mlx.core as mx
+
+        def serves(q_shape, k_shape, dtype=mx.bfloat16):
+            return decode_attention.serves(mx.zeros(q_shape, dtype), mx.zeros(k_shape, dtype))
+
+        return [serves((2, 12, 1, 128), (2, 2, 64, 128)),  # the Qwen2-VL-2B decode step
+                serves((2, 12, 4, 128), (2, 2, 64, 128)),  # a prefill chunk, not one token
+                serves((2, 12, 1, 80), (2, 2, 64, 80)),  # head dim not a multiple of 32
+                serves((2, 64, 1, 256), (2, 1, 64, 256))]  # 64 query heads per KV head: too much shared memory
+
+    assert qwen_server.on_worker(check) == [True, False, False, False]

@@ -20,6 +20,7 @@ from mlx_vlm.models import base
 from .slot_cache import SlotLayerCache
 
 WARPS = 4
+_SHARED_BYTES = 48 * 1024  # static shared memory a CUDA block may declare
 _ORIGINAL = base.scaled_dot_product_attention
 
 _SOURCE = """
@@ -73,11 +74,19 @@ _kernel = None
 
 
 def available(queries: mx.array, keys: mx.array) -> bool:
-    """Whether the kernel serves this call: CUDA, one query per row, a head dim of 32k."""
+    """Whether the kernel serves this call: on CUDA, for a shape it takes."""
     cuda = getattr(mx, "cuda", None)
     return (cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-            and hasattr(mx.fast, "cuda_kernel") and queries.shape[2] == 1 and queries.shape[-1] % 32 == 0
-            and queries.shape[1] % keys.shape[1] == 0 and queries.dtype == keys.dtype)
+            and hasattr(mx.fast, "cuda_kernel") and serves(queries, keys))
+
+
+def serves(queries: mx.array, keys: mx.array) -> bool:
+    """One query per row, a head dim of 32k, and the query heads of one KV head fit the block's
+    shared memory."""
+    dim, q_heads, kv_heads = queries.shape[-1], queries.shape[1], keys.shape[1]
+    if queries.shape[2] != 1 or dim % 32 or q_heads % kv_heads or queries.dtype != keys.dtype:
+        return False
+    return WARPS * (q_heads // kv_heads) * (dim + 2) * 4 <= _SHARED_BYTES  # the block's partial results
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, scale: float) -> mx.array:
