@@ -17,6 +17,7 @@ import sys
 import mlx.core as mx
 from mlx_vlm.models import base
 
+from . import cuda_kernels
 from .slot_cache import SlotLayerCache
 
 WARPS = 4
@@ -75,9 +76,7 @@ _kernel = None
 
 def available(queries: mx.array, keys: mx.array) -> bool:
     """Whether the kernel serves this call: on CUDA, for a shape it takes."""
-    cuda = getattr(mx, "cuda", None)
-    return (cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-            and hasattr(mx.fast, "cuda_kernel") and serves(queries, keys))
+    return cuda_kernels.enabled() and serves(queries, keys)
 
 
 def serves(queries: mx.array, keys: mx.array) -> bool:

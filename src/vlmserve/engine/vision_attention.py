@@ -19,6 +19,8 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import cuda_kernels
+
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
     """Cumulative bounds [0, a, b, ...] -> (start, count, length) runs of equal-length segments."""
@@ -70,16 +72,14 @@ _ROTATE_QK_SOURCE = """
 _rotate_qk_kernel = None
 
 
-def _cuda_rotation_available(qkv: mx.array, freqs: mx.array) -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return (freqs.dtype == mx.float32 and cuda is not None and cuda.is_available()
-            and mx.default_device() == mx.gpu and hasattr(mx.fast, "cuda_kernel"))
+def _cuda_rotation_available(freqs: mx.array) -> bool:
+    return freqs.dtype == mx.float32 and cuda_kernels.enabled()
 
 
 def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
     """q and k of qkv (S, 3, H, D) rotated as mlx_vlm's `rotary` (apply_rotary_pos_emb_vision) does: (S, 2, H, D)."""
     seq, _, heads, dim = qkv.shape
-    if not _cuda_rotation_available(qkv, freqs):
+    if not _cuda_rotation_available(freqs):
         # One call for q and k together: (S, 2H, D) rows share a position, as q's and k's heads do.
         return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
     global _rotate_qk_kernel
