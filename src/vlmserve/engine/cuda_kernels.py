@@ -6,6 +6,7 @@ sets VLMSERVE_CUDA_KERNELS=0; then, and on every other backend, mlx_vlm's ops ru
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
@@ -15,3 +16,9 @@ def enabled() -> bool:
     cuda = getattr(mx, "cuda", None)
     return (os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0" and cuda is not None
             and cuda.is_available() and mx.default_device() == mx.gpu and hasattr(mx.fast, "cuda_kernel"))
+
+
+@functools.cache
+def kernel(name: str, input_names: tuple[str, ...], source: str):
+    """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread)."""
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=["out"], source=source)

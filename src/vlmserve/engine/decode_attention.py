@@ -12,12 +12,11 @@ composed path to bf16 rounding (not bit for bit); other backends keep mlx_vlm's 
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 from mlx_vlm.models import base
 
 from . import cuda_kernels
+from .rebind import rebind_in_mlx_vlm
 from .slot_cache import SlotLayerCache
 
 WARPS = 4
@@ -71,9 +70,6 @@ _SOURCE = """
     }
 """
 
-_kernel = None
-
-
 def available(queries: mx.array, keys: mx.array) -> bool:
     """Whether the kernel serves this call: on CUDA, for a shape it takes."""
     return cuda_kernels.enabled() and serves(queries, keys)
@@ -90,14 +86,10 @@ def serves(queries: mx.array, keys: mx.array) -> bool:
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, scale: float) -> mx.array:
     """queries (B, Hq, 1, D); keys, values (B, Hkv, capacity, D); row b attends to its first lengths[b] positions."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="vlmserve_decode_attention",
-                                      input_names=["q", "k", "v", "lengths", "scale"],
-                                      output_names=["out"], source=_SOURCE)
     batch, q_heads, _, dim = queries.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
-    return _kernel(
+    kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths", "scale"), _SOURCE)
+    return kernel(
         inputs=[queries, keys, values, lengths.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("D", dim), ("NREP", q_heads // kv_heads), ("HKV", kv_heads),
                   ("CAP", capacity), ("NW", WARPS)],
@@ -116,16 +108,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
 
 def install() -> int:
     """Rebind mlx_vlm's attention entry point in its model modules; returns the modules changed."""
-    changed = 0
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_vlm.models") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
-            changed += 1
-    return changed
+    return rebind_in_mlx_vlm("scaled_dot_product_attention", _ORIGINAL, scaled_dot_product_attention)
 
 
 def uninstall() -> None:
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_vlm.models") and getattr(module, "scaled_dot_product_attention", None) \
-                is scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _ORIGINAL
+    rebind_in_mlx_vlm("scaled_dot_product_attention", scaled_dot_product_attention, _ORIGINAL)

@@ -14,11 +14,11 @@ mlx_vlm model module that holds the original.
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import rope_utils
+
+from .rebind import rebind_in_mlx_vlm
 
 _ORIGINAL = rope_utils.rotate_half
 _TABLES: dict[tuple[int, mx.Dtype], tuple[mx.array, mx.array]] = {}
@@ -39,21 +39,10 @@ def rotate_half(x: mx.array) -> mx.array:
     return mx.take(x, perm, axis=-1) * sign
 
 
-def _modules():
-    return [m for name, m in list(sys.modules.items()) if name.startswith("mlx_vlm.models") and m is not None]
-
-
 def install() -> int:
     """Rebind mlx_vlm's rotate_half to this one (on the MLX thread); returns the modules changed."""
-    changed = 0
-    for module in _modules():
-        if getattr(module, "rotate_half", None) is _ORIGINAL:
-            module.rotate_half = rotate_half
-            changed += 1
-    return changed
+    return rebind_in_mlx_vlm("rotate_half", _ORIGINAL, rotate_half)
 
 
 def uninstall() -> None:
-    for module in _modules():
-        if getattr(module, "rotate_half", None) is rotate_half:
-            module.rotate_half = _ORIGINAL
+    rebind_in_mlx_vlm("rotate_half", rotate_half, _ORIGINAL)

@@ -69,25 +69,17 @@ _ROTATE_QK_SOURCE = """
     float other = d < half ? -static_cast<float>(qkv[src + half]) : static_cast<float>(qkv[src - half]);
     out[i] = static_cast<T>(__fadd_rn(__fmul_rn(x, c), __fmul_rn(other, s)));
 """
-_rotate_qk_kernel = None
-
-
-def _cuda_rotation_available(freqs: mx.array) -> bool:
-    return freqs.dtype == mx.float32 and cuda_kernels.enabled()
 
 
 def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
     """q and k of qkv (S, 3, H, D) rotated as mlx_vlm's `rotary` (apply_rotary_pos_emb_vision) does: (S, 2, H, D)."""
     seq, _, heads, dim = qkv.shape
-    if not _cuda_rotation_available(freqs):
+    if freqs.dtype != mx.float32 or not cuda_kernels.enabled():
         # One call for q and k together: (S, 2H, D) rows share a position, as q's and k's heads do.
         return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
-    global _rotate_qk_kernel
-    if _rotate_qk_kernel is None:
-        _rotate_qk_kernel = mx.fast.cuda_kernel(name="vlmserve_rotate_qk", input_names=["qkv", "cos_t", "sin_t", "n"],
-                                                output_names=["out"], source=_ROTATE_QK_SOURCE)
+    kernel = cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t", "n"), _ROTATE_QK_SOURCE)
     total = seq * 2 * heads * dim
-    return _rotate_qk_kernel(
+    return kernel(
         inputs=[qkv, mx.cos(freqs), mx.sin(freqs), mx.array([total], dtype=mx.int64)],
         template=[("T", qkv.dtype), ("D", dim), ("HD", heads * dim)],
         grid=(total, 1, 1), threadgroup=(256, 1, 1),
