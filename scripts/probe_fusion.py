@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Count the primitives of one compiled decode step and time it, with and without the rewrites
 that cut kernels (engine/fused_projections.py, engine/rope_rotation.py, and on CUDA
-engine/decode_attention.py); check the logits agree (the attention kernel agrees to rounding only).
+engine/decode_attention.py and engine/qwen_decode.py); check the logits agree (the attention
+kernel agrees to rounding only).
 
     python scripts/probe_fusion.py MODEL --batch 32 --capacity 512 --steps 64
 """
@@ -70,11 +71,14 @@ def main() -> int:
     positions = lengths + 7 if vlm.uses_mrope else None
     mx.eval(kv0.arrays(), tokens)
 
-    def with_model(model, rope: bool, attention: bool = False):
+    fast = vlm.fast_decode
+
+    def with_model(model, rope: bool, attention: bool = False, qwen_step: bool = False):
         def decode(*args):
             (rope_rotation.install if rope else rope_rotation.uninstall)()  # while tracing
             (decode_attention.install if attention else decode_attention.uninstall)()
             vlm.model, vlm.language_model = model, model.language_model
+            vlm.fast_decode = qwen_step and fast
             return VLM.decode(vlm, *args)
         return make_decode_step(decode, True)
 
@@ -82,7 +86,8 @@ def main() -> int:
     variants = [("mlx_vlm modules", with_model(plain, False)),
                 ("+ fused projections", with_model(served, False)),
                 ("+ gather rotate_half", with_model(served, True)),
-                ("+ decode attention kernel", with_model(served, True, True))]
+                ("+ decode attention kernel", with_model(served, True, True)),
+                ("+ qwen decode step", with_model(served, True, True, True))]
     ref = None
     for name, step in variants:
         out = step(tokens, positions, lengths, *kv0.arrays())
@@ -98,6 +103,7 @@ def main() -> int:
         print("   ", dict(counts.most_common()), flush=True)
     rope_rotation.install()
     decode_attention.install()
+    vlm.fast_decode = fast
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Whether vlmserve's own CUDA kernels (vision q/k rotation, decode attention) run.
+"""Whether vlmserve's own CUDA kernels (vision q/k rotation, decode attention,
+the Qwen decode step's q/k/v split) run.
 
 They do on MLX's CUDA backend when the GPU is the default device, unless the environment
 sets VLMSERVE_CUDA_KERNELS=0; then, and on every other backend, mlx_vlm's ops run instead.
@@ -19,6 +20,7 @@ def enabled() -> bool:
 
 
 @functools.cache
-def kernel(name: str, input_names: tuple[str, ...], source: str):
+def kernel(name: str, input_names: tuple[str, ...], source: str, output_names: tuple[str, ...] = ("out",)):
     """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread)."""
-    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=["out"], source=source)
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                               source=source)

@@ -76,16 +76,23 @@ def available(queries: mx.array, keys: mx.array) -> bool:
 
 
 def serves(queries: mx.array, keys: mx.array) -> bool:
-    """One query per row, a head dim of 32k, and the query heads of one KV head fit the block's
-    shared memory."""
-    dim, q_heads, kv_heads = queries.shape[-1], queries.shape[1], keys.shape[1]
-    if queries.shape[2] != 1 or dim % 32 or q_heads % kv_heads or queries.dtype != keys.dtype:
+    """One query per row, of the cache's dtype, and heads the kernel takes (`serves_heads`)."""
+    if queries.shape[2] != 1 or queries.dtype != keys.dtype:
+        return False
+    return serves_heads(queries.shape[1], keys.shape[1], queries.shape[-1])
+
+
+def serves_heads(q_heads: int, kv_heads: int, dim: int) -> bool:
+    """A head dim of 32k, and the query heads of one KV head fit the block's shared memory."""
+    if dim % 32 or q_heads % kv_heads:
         return False
     return WARPS * (q_heads // kv_heads) * (dim + 2) * 4 <= _SHARED_BYTES  # the block's partial results
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, scale: float) -> mx.array:
-    """queries (B, Hq, 1, D); keys, values (B, Hkv, capacity, D); row b attends to its first lengths[b] positions."""
+def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, scale: float,
+           out_shape: tuple[int, ...] | None = None) -> mx.array:
+    """queries (B, Hq, 1, D); keys, values (B, Hkv, capacity, D); row b attends to its first lengths[b]
+    positions. The output is (B, Hq, 1, D), or the same memory as `out_shape` (e.g. (B, 1, Hq*D))."""
     batch, q_heads, _, dim = queries.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths", "scale"), _SOURCE)
@@ -94,7 +101,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.arra
         template=[("T", queries.dtype), ("D", dim), ("NREP", q_heads // kv_heads), ("HKV", kv_heads),
                   ("CAP", capacity), ("NW", WARPS)],
         grid=(batch * kv_heads * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+        output_shapes=[out_shape or queries.shape], output_dtypes=[queries.dtype],
     )[0]
 
 

@@ -19,7 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import decode_attention, fused_projections, qwen_embedding, rope_rotation, vision_attention
+from . import decode_attention, fused_projections, qwen_decode, qwen_embedding, rope_rotation, vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class VLM:
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
+        self.fast_decode = qwen_decode.supports(self.language_model)
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         pixel_dtype = None
@@ -258,5 +259,7 @@ class VLM:
         if positions is not None:
             pos = positions.reshape(1, -1, 1)
             kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
+            if self.fast_decode and qwen_decode.applies(batch_cache, positions):
+                return qwen_decode.forward(self.language_model, tokens, batch_cache, kwargs["position_ids"])
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]

@@ -50,10 +50,16 @@ class SlotLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if keys.shape[2] != 1:
             raise ValueError("SlotLayerCache takes one token per row (decode only)")
-        idx = self.offset[:, None, None, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        self.keys = mx.put_along_axis(self.keys, self._index(keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, self._index(values.shape), values, axis=2)
         return self.keys, self.values
+
+    def _index(self, shape: tuple[int, ...]) -> mx.array:
+        """Each row's write position broadcast to `shape`: made once per step, not per layer."""
+        key = ("index", shape)
+        if key not in self.step:
+            self.step[key] = mx.broadcast_to(self.offset[:, None, None, None], shape)
+        return self.step[key]
 
 
 def round_up(n: int, buckets: tuple[int, ...]) -> int:
