@@ -96,8 +96,8 @@ def main() -> int:
         logits = out[0].astype(mx.float32)
         ref = logits if ref is None else ref
         diff = mx.abs(logits - ref).max().item()
-        ms, launch, _ = time_steps(step, kv0, tokens, lengths, positions, a.steps)
-        print(f"{name:>26}: {sum(counts.values()):5d} primitives, {ms:6.2f} ms/step "
+        ms, launch, inside = time_steps(step, kv0, tokens, lengths, positions, a.steps)
+        print(f"{name:>26}: {sum(counts.values()):5d} primitives, {ms:6.2f} ms/step (eval {inside:4.2f}) "
               f"({B / ms * 1000:6.0f} tok/s), host {launch:5.2f} ms/step, "
               f"max|dlogit| vs mlx_vlm {diff:.3g}", flush=True)
         print("   ", dict(counts.most_common()), flush=True)

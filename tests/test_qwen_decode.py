@@ -90,7 +90,7 @@ def test_step_equals_mlx_vlm(name, fused, tied, dtype):
     for ref, got in zip(reference[0] + reference[1], composed[0] + composed[1]):
         np.testing.assert_array_equal(got, ref)
     if kernels is not None:  # CUDA: the attention's softmax is online, in float32: close, not equal
-        tol = 1e-4 if dtype == "float32" else 5e-2
+        tol = 1e-2 if dtype == "float32" else 5e-2  # CUDA float32 matmuls run in TF32
         for ref, got in zip(reference[0] + reference[1], kernels[0] + kernels[1]):
             np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
 

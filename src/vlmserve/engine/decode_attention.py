@@ -19,8 +19,9 @@ from . import cuda_kernels
 from .rebind import rebind_in_mlx_vlm
 from .slot_cache import SlotLayerCache
 
-WARPS = 4
+WARPS = 16  # per block; each walks every WARPS-th cached position
 _SHARED_BYTES = 48 * 1024  # static shared memory a CUDA block may declare
+_REGISTER_FLOATS = 64  # per lane for the queries and accumulators of one KV head's query heads
 _ORIGINAL = base.scaled_dot_product_attention
 
 _SOURCE = """
@@ -51,22 +52,25 @@ _SOURCE = """
             m[r] = mn;
         }
     }
-    __shared__ float sm[NW][NREP], sl[NW][NREP], sacc[NW][NREP][D];
-    for (int r = 0; r < NREP; ++r) {
-        if (lane == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
-        for (int e = 0; e < E; ++e) sacc[warp][r][lane * E + e] = acc[r][e];
+    // Combine the warps' partial softmaxes, one query head at a time (small shared memory).
+    __shared__ float sm[NW][NREP], sl[NW][NREP], sacc[NW][D];
+    if (lane == 0) {
+        for (int r = 0; r < NREP; ++r) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < NREP * D; i += blockDim.x) {
-        const int r = i / D, d = i % D;
-        float mx_ = -INFINITY;
-        for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, sm[w][r]);
-        float num = 0.f, den = 0.f;
-        for (int w = 0; w < NW; ++w) {
-            const float f = sm[w][r] == -INFINITY ? 0.f : __expf(sm[w][r] - mx_);
-            num += sacc[w][r][d] * f; den += sl[w][r] * f;
+    for (int r = 0; r < NREP; ++r) {
+        for (int e = 0; e < E; ++e) sacc[warp][lane * E + e] = acc[r][e];
+        __syncthreads();
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float mx_ = -INFINITY;
+            for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, sm[w][r]);
+            float num = 0.f, den = 0.f;
+            for (int w = 0; w < NW; ++w) {
+                const float f = sm[w][r] == -INFINITY ? 0.f : __expf(sm[w][r] - mx_);
+                num += sacc[w][d] * f; den += sl[w][r] * f;
+            }
+            out[q0 + r * D + d] = static_cast<T>(num / den);
         }
-        out[q0 + i] = static_cast<T>(num / den);
+        __syncthreads();
     }
 """
 
@@ -83,10 +87,11 @@ def serves(queries: mx.array, keys: mx.array) -> bool:
 
 
 def serves_heads(q_heads: int, kv_heads: int, dim: int) -> bool:
-    """A head dim of 32k, and the query heads of one KV head fit the block's shared memory."""
+    """A head dim of 32k, and the query heads of one KV head fit a lane's registers."""
     if dim % 32 or q_heads % kv_heads:
         return False
-    return WARPS * (q_heads // kv_heads) * (dim + 2) * 4 <= _SHARED_BYTES  # the block's partial results
+    rep = q_heads // kv_heads
+    return rep * dim // 32 <= _REGISTER_FLOATS and WARPS * (dim + 2 * rep) * 4 <= _SHARED_BYTES
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, scale: float,
