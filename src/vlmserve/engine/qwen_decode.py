@@ -9,23 +9,18 @@ reads the same weights in the same order and takes:
   - one kernel that splits q/k/v into heads and rotates q and k, with each product and the
     sum rounded to the activation dtype as mlx_vlm's eager ops round them;
   - the cache write (engine/slot_cache.py) and the one-query attention kernel
-    (engine/decode_attention.py), whose output is already laid out for o_proj;
-  - every matmul (q/k/v, o_proj, gate/up, down, logits) as a tensor-core kernel for few rows
-    (engine/skinny_gemm.py) instead of a cuBLAS call, whose host cost per call is ~5x a kernel's.
-The cos/sin tables come from the model's own rotary module, once per step; norms, the MLP's
-activation and the embeddings are the model's modules. Off CUDA, and for any other model,
-mlx_vlm's forward runs.
+    (engine/decode_attention.py), whose output is already laid out for o_proj.
+The cos/sin tables come from the model's own rotary module, once per step; norms, MLP and
+logits are the model's modules. Off CUDA, and for any other model, mlx_vlm's forward runs.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_vlm.models.activations import swiglu
-from mlx_vlm.models.mlp import SwiGLUMLP
 from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
 
-from . import cuda_kernels, decode_attention, skinny_gemm
+from . import cuda_kernels, decode_attention
 from .fused_projections import FusedPart
 from .slot_cache import SlotLayerCache
 
@@ -76,30 +71,10 @@ def applies(caches: list, positions: mx.array | None) -> bool:
     return positions is not None and isinstance(caches[0], SlotLayerCache) and cuda_kernels.enabled()
 
 
-def _fused(part: nn.Module, size: int) -> nn.Module | None:
-    """The fused layer of the group `part` leads (fused_projections), or None."""
-    if isinstance(part, FusedPart) and part._group.size == size and part._index == 0:
-        return part._group.fused
-    return None
-
-
-def _linear(layer: nn.Module, x: mx.array, kernels: bool) -> mx.array:
-    return skinny_gemm.linear(layer, x) if kernels else layer(x)
-
-
-def _qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
-    fused = _fused(attn.q_proj, 3)
-    if fused is not None:
-        return _linear(fused, x, kernels)
-    return mx.concatenate([_linear(p, x, kernels) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], axis=-1)
-
-
-def _mlp(mlp: nn.Module, x: mx.array, kernels: bool) -> mx.array:
-    fused = _fused(mlp.gate_proj, 2) if type(mlp) is SwiGLUMLP else None
-    if fused is None or not kernels:
-        return mlp(x)
-    gate, up = mx.split(_linear(fused, x, kernels), 2, axis=-1)
-    return _linear(mlp.down_proj, swiglu(gate, up), kernels)
+def _qkv(attn: nn.Module, x: mx.array) -> mx.array:
+    if isinstance(attn.q_proj, FusedPart) and attn.q_proj._group.size == 3:
+        return attn.q_proj._group.fused(x)
+    return mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
 
 
 def rope_split(qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int,
@@ -136,8 +111,8 @@ def forward(language_model: nn.Module, tokens: mx.array, caches: list[SlotLayerC
     batch = tokens.shape[0]
     for layer, cache in zip(model.layers, caches):
         attn = layer.self_attn
-        q, k, v = rope_split(_qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads,
-                             attn.n_kv_heads, kernels)
+        q, k, v = rope_split(_qkv(attn, layer.input_layernorm(h)), cos, sin, attn.n_heads, attn.n_kv_heads,
+                             kernels)
         keys, values = cache.update_and_fetch(k, v)
         if kernels:
             out = decode_attention.attend(q, keys, values, lengths, attn.scale,
@@ -145,13 +120,11 @@ def forward(language_model: nn.Module, tokens: mx.array, caches: list[SlotLayerC
         else:
             out = decode_attention._ORIGINAL(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
-        h = h + _linear(attn.o_proj, out, kernels)
-        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
+        h = h + attn.o_proj(out)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
     h = model.norm(h)
-    if not language_model.args.tie_word_embeddings:
-        logits = _linear(language_model.lm_head, h, kernels)
-    elif kernels and skinny_gemm.serves(h, model.embed_tokens.weight):
-        logits = skinny_gemm.matmul_t(h, model.embed_tokens.weight)
-    else:
+    if language_model.args.tie_word_embeddings:
         logits = model.embed_tokens.as_linear(h)
+    else:
+        logits = language_model.lm_head(h)
     return logits[:, -1, :]
