@@ -16,6 +16,8 @@ logits are the model's modules. Off CUDA, and for any other model, mlx_vlm's for
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
@@ -118,7 +120,9 @@ def forward(language_model: nn.Module, tokens: mx.array, caches: list[SlotLayerC
             out = decode_attention.attend(q, keys, values, lengths, attn.scale,
                                           out_shape=(batch, 1, attn.n_heads * attn.head_dim))
         else:
-            out = decode_attention._ORIGINAL(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
+            # The attention function the model's module calls (rebound or not), as its layer would.
+            sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
+            out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
         h = h + attn.o_proj(out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
