@@ -259,7 +259,7 @@ class VLM:
         if positions is not None:
             pos = positions.reshape(1, -1, 1)
             kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
-            if self.fast_decode and qwen_decode.applies(batch_cache, positions):
+            if self.fast_decode and qwen_decode.applies(batch_cache):
                 return qwen_decode.forward(self.language_model, tokens, batch_cache, kwargs["position_ids"])
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]

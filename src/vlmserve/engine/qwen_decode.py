@@ -68,9 +68,9 @@ def supports(language_model: nn.Module) -> bool:
     return decode_attention.serves_heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
 
 
-def applies(caches: list, positions: mx.array | None) -> bool:
-    """Per step: kernels on, M-RoPE positions given, and the slot cache."""
-    return positions is not None and isinstance(caches[0], SlotLayerCache) and cuda_kernels.enabled()
+def applies(caches: list) -> bool:
+    """Per step (with M-RoPE positions given): kernels on, and the slot cache."""
+    return isinstance(caches[0], SlotLayerCache) and cuda_kernels.enabled()
 
 
 def _qkv(attn: nn.Module, x: mx.array) -> mx.array:

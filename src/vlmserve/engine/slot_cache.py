@@ -30,7 +30,7 @@ class SlotLayerCache:
         self.keys = keys
         self.values = values
         self.offset = lengths  # (S,) tokens already in each slot
-        self.step = {} if step is None else step  # shared by one step's layers: how its mask was made
+        self.step = {} if step is None else step  # shared by one step's layers: its mask kind, write index
 
     @property
     def plain_mask(self) -> bool:
