@@ -133,3 +133,47 @@ def test_rope_split_kernel_is_bit_identical(dtype):
         pytest.skip("the kernel runs on CUDA only")
     for ours, ref in result:
         np.testing.assert_array_equal(ours, ref)
+
+
+def test_server_step_routes_through_forward(monkeypatch):
+    """VLM.decode (the scheduler's step) hands a Qwen slot-cache step to qwen_decode.forward with
+    the positions mlx_vlm would get, and the logits match mlx_vlm's step. The kernels are
+    swapped for the composed ops so this runs on any backend."""
+    from vlmserve.engine import qwen_decode
+
+    calls = []
+    original = qwen_decode.forward
+
+    def composed(lm, tokens, caches, position_ids, kernels=True):
+        calls.append(tuple(position_ids.shape))
+        return original(lm, tokens, caches, position_ids, kernels=False)
+
+    monkeypatch.setattr(qwen_decode, "forward", composed)
+    monkeypatch.setattr(qwen_decode, "applies", lambda caches: True)
+
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.model import VLM
+        from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
+
+        vlm = VLM(MODELS / "qwen2_vl")
+        kv = SlotBatch(*vlm.kv_layout(), slots=4, capacity=64)
+        kv.keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(k.dtype) for i, k in enumerate(kv.keys)]
+        kv.values = [mx.random.normal(v.shape, key=mx.random.key(50 + i)).astype(v.dtype)
+                     for i, v in enumerate(kv.values)]
+        tokens = mx.array([3, 17, 101, 0], dtype=mx.int32)
+        lengths = mx.array([5, 40, 1, 0], dtype=mx.int32)
+        positions = lengths + mx.array([0, 12, -1, 0], dtype=mx.int32)
+        step = make_decode_step(vlm.decode, compiled=False)
+        out = {}
+        for fast in (False, True):
+            vlm.fast_decode = fast
+            logits, *new_kv = step(tokens, positions, lengths, *kv.arrays())
+            out[fast] = [np.array(logits)] + [np.array(a) for a in new_kv]
+        return out
+
+    out = on_own_thread(work)
+    assert calls == [(3, 4, 1)]  # one call, for the fast step only
+    for ref, got in zip(out[False], out[True]):
+        np.testing.assert_array_equal(got, ref)
