@@ -97,18 +97,18 @@ class VLM:
         self.language_model = self.model.language_model
         # M-RoPE families (Qwen2-VL...) take explicit (3, B, L) positions; decode passes them per row.
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
+        pixel_dtype = None
         if self.config.get("model_type") in _GRID_TOWERS:
             vision_attention.install(self.model.vision_tower)
+            # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast
+            dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+            pixel_dtype = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype)
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
         self.fast_decode = qwen_decode.supports(self.language_model)
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
-        pixel_dtype = None
-        if self.config.get("model_type") in _GRID_TOWERS:  # get_input_embeddings casts pixels first
-            dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-            pixel_dtype = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype)
         self.info = ModelInfo(
             path=str(model_path),
             model_type=self.config.get("model_type", "unknown"),
