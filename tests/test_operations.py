@@ -405,3 +405,14 @@ def test_serve_sets_the_gil_switch_interval_from_its_flag():
         assert sys.getswitchinterval() == pytest.approx(0.002)  # 0 leaves the interpreter's setting
     finally:
         sys.setswitchinterval(before)
+
+
+def test_mlx_cache_limit_flag_reaches_the_config():
+    import argparse
+
+    from vlmserve.cli import add_serve_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert config_from_args(parser.parse_args([])).mlx_cache_limit_gb == 8.0
+    assert config_from_args(parser.parse_args(["--mlx-cache-limit-gb", "2.5"])).mlx_cache_limit_gb == 2.5
