@@ -387,32 +387,34 @@ def test_warmup_prefills_every_length_bucket_in_full(monkeypatch):
         server.stop()
 
 
-def test_serve_sets_the_gil_switch_interval_from_its_flag():
-    import argparse
-    import sys
-
-    from vlmserve.cli import add_serve_arguments, config_from_args, set_process_settings
-
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    before = sys.getswitchinterval()
-    try:
-        set_process_settings(config_from_args(parser.parse_args([])))
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        set_process_settings(config_from_args(parser.parse_args(["--gil-switch-interval-ms", "2"])))
-        assert sys.getswitchinterval() == pytest.approx(0.002)
-        set_process_settings(config_from_args(parser.parse_args(["--gil-switch-interval-ms", "0"])))
-        assert sys.getswitchinterval() == pytest.approx(0.002)  # 0 leaves the interpreter's setting
-    finally:
-        sys.setswitchinterval(before)
-
-
-def test_mlx_cache_limit_flag_reaches_the_config():
+def _serve_config(*flags: str):
+    """ServerConfig from `vlmserve serve` flags, as the CLI parses them."""
     import argparse
 
     from vlmserve.cli import add_serve_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    assert config_from_args(parser.parse_args([])).mlx_cache_limit_gb == 8.0
-    assert config_from_args(parser.parse_args(["--mlx-cache-limit-gb", "2.5"])).mlx_cache_limit_gb == 2.5
+    return config_from_args(parser.parse_args(list(flags)))
+
+
+def test_serve_sets_the_gil_switch_interval_from_its_flag():
+    import sys
+
+    from vlmserve.cli import set_process_settings
+
+    before = sys.getswitchinterval()
+    try:
+        set_process_settings(_serve_config())
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        set_process_settings(_serve_config("--gil-switch-interval-ms", "2"))
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        set_process_settings(_serve_config("--gil-switch-interval-ms", "0"))
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # 0 leaves the interpreter's setting
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_mlx_cache_limit_flag_reaches_the_config():
+    assert _serve_config().mlx_cache_limit_gb == 8.0
+    assert _serve_config("--mlx-cache-limit-gb", "2.5").mlx_cache_limit_gb == 2.5
