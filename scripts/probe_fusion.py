@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Count the primitives of one compiled decode step and time it, with and without the rewrites
 that cut kernels (engine/fused_projections.py, engine/rope_rotation.py, and on CUDA
-engine/decode_attention.py and engine/qwen_decode.py); check the logits agree (the attention
+engine/decode_attention.py, engine/qwen_decode.py and engine/few_row_matmul.py); check the logits agree (the attention
 kernel agrees to rounding only).
 
     python scripts/probe_fusion.py MODEL --batch 32 --capacity 512 --steps 64
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import tempfile
 import time
@@ -73,10 +74,11 @@ def main() -> int:
 
     fast = vlm.fast_decode
 
-    def with_model(model, rope: bool, attention: bool = False, qwen_step: bool = False):
+    def with_model(model, rope: bool, attention: bool = False, qwen_step: bool = False, matmul: bool = False):
         def decode(*args):
             (rope_rotation.install if rope else rope_rotation.uninstall)()  # while tracing
             (decode_attention.install if attention else decode_attention.uninstall)()
+            os.environ["VLMSERVE_FEW_ROW_MATMUL"] = "1" if matmul else "0"
             vlm.model, vlm.language_model = model, model.language_model
             vlm.fast_decode = qwen_step and fast
             return VLM.decode(vlm, *args)
@@ -87,7 +89,8 @@ def main() -> int:
                 ("+ fused projections", with_model(served, False)),
                 ("+ gather rotate_half", with_model(served, True)),
                 ("+ decode attention kernel", with_model(served, True, True)),
-                ("+ qwen decode step", with_model(served, True, True, True))]
+                ("+ qwen decode step", with_model(served, True, True, True)),
+                ("+ few-row matmul kernel", with_model(served, True, True, True, True))]
     ref = None
     for name, step in variants:
         out = step(tokens, positions, lengths, *kv0.arrays())
@@ -104,6 +107,7 @@ def main() -> int:
     rope_rotation.install()
     decode_attention.install()
     vlm.fast_decode = fast
+    os.environ.pop("VLMSERVE_FEW_ROW_MATMUL")
     return 0
 
 

@@ -20,9 +20,10 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_vlm.models.mlp import SwiGLUMLP, swiglu
 from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
 
-from . import cuda_kernels, decode_attention
+from . import cuda_kernels, decode_attention, few_row_matmul
 from .fused_projections import FusedPart
 from .slot_cache import SlotLayerCache
 
@@ -73,10 +74,29 @@ def applies(caches: list) -> bool:
     return isinstance(caches[0], SlotLayerCache) and cuda_kernels.enabled()
 
 
-def _qkv(attn: nn.Module, x: mx.array) -> mx.array:
-    if isinstance(attn.q_proj, FusedPart) and attn.q_proj._group.size == 3:
-        return attn.q_proj._group.fused(x)
+def _linear(layer: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    return few_row_matmul.linear(layer, x) if kernels else layer(x)
+
+
+def _fused(part: nn.Module, size: int) -> nn.Module | None:
+    """The fused layer behind a group's first projection (fused_projections), if it has `size` members."""
+    return part._group.fused if isinstance(part, FusedPart) and part._group.size == size else None
+
+
+def _qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    fused = _fused(attn.q_proj, 3)
+    if fused is not None:
+        return _linear(fused, x, kernels)
     return mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
+
+
+def _mlp(mlp: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul."""
+    fused = _fused(mlp.gate_proj, 2)
+    if fused is None or type(mlp) is not SwiGLUMLP:
+        return mlp(x)
+    gate, up = mx.split(_linear(fused, x, kernels), [mlp.gate_proj._stop], axis=-1)
+    return _linear(mlp.down_proj, swiglu(gate, up), kernels)
 
 
 def rope_split(qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int,
@@ -113,8 +133,8 @@ def forward(language_model: nn.Module, tokens: mx.array, caches: list[SlotLayerC
     batch = tokens.shape[0]
     for layer, cache in zip(model.layers, caches):
         attn = layer.self_attn
-        q, k, v = rope_split(_qkv(attn, layer.input_layernorm(h)), cos, sin, attn.n_heads, attn.n_kv_heads,
-                             kernels)
+        q, k, v = rope_split(_qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads,
+                             attn.n_kv_heads, kernels)
         keys, values = cache.update_and_fetch(k, v)
         if kernels:
             out = decode_attention.attend(q, keys, values, lengths, attn.scale,
@@ -124,11 +144,13 @@ def forward(language_model: nn.Module, tokens: mx.array, caches: list[SlotLayerC
             sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
-        h = h + attn.o_proj(out)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + _linear(attn.o_proj, out, kernels)
+        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
     h = model.norm(h)
-    if language_model.args.tie_word_embeddings:
-        logits = model.embed_tokens.as_linear(h)
+    if not language_model.args.tie_word_embeddings:
+        logits = _linear(language_model.lm_head, h, kernels)
+    elif kernels and few_row_matmul.serves(h, model.embed_tokens.weight):
+        logits = few_row_matmul.matmul(h, model.embed_tokens.weight)
     else:
-        logits = language_model.lm_head(h)
+        logits = model.embed_tokens.as_linear(h)
     return logits[:, -1, :]
