@@ -31,6 +31,7 @@ MIN_ROWS, MAX_ROWS = 2, 32
 _MMA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16"}
 
 _SOURCE = """
+    const int M = dims[0], N = dims[1];              // at run time: one build serves layers of this K
     constexpr int KC = K / 32;                       // chunks of 32 inputs
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;           // mma fragment row group, column pair
@@ -155,14 +156,16 @@ def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     layer shape of a Qwen2-VL-2B decode step, one call at a time as a step runs them
     (docs/benchmarks.md, session 8): wide layers want several feature tiles per warp (X is read
     fewer times), deep ones many warps per block, narrow ones all their loads in flight at once."""
-    mt = -(-m // 8)
-    wide, deep = n >= 8192, k >= 4096
-    if mt > 4:
+    if m > MAX_ROWS:
         return None
+    mt = 1 if m <= 8 else 4  # two tile counts only: each build costs the server's start ~2 s of JIT
+    wide, deep = n >= 8192, k >= 4096
     if wide:
         f = next(f for f in (4, 2, 1) if n % (16 * f) == 0)
         return mt, f, 4, 1
-    return (mt, 1, 32, 1) if deep else (mt, 1, 8, 8)
+    # Deep layers: 16 warps, not the 32 that timed 20% faster, so a build never asks more than
+    # 128 registers a thread (a 1024-thread block gets 64; past that the launch fails).
+    return (mt, 1, 16, 1) if deep else (mt, 1, 8, 8)
 
 
 def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
@@ -174,12 +177,12 @@ def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     name = f"vlmserve_few_row_mm_{mma}{'_bias' if bias is not None else ''}"
     source = _SOURCE.replace("{mma}", mma)
     source = source.replace("{bias}", "v += static_cast<float>(bias[n]);" if bias is not None else "")
-    inputs = ("x", "w", "bias") if bias is not None else ("x", "w")
+    inputs = ("x", "w", "bias", "dims") if bias is not None else ("x", "w", "dims")
     kernel = cuda_kernels.kernel(name, inputs, source, output_names=("y",))
+    dims = mx.array([m, n], dtype=mx.int32)  # a constant of the compiled step
     return kernel(
-        inputs=[x, weight] + ([bias] if bias is not None else []),
-        template=[("T", weight.dtype), ("M", m), ("N", n), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps),
-                  ("U", u)],
+        inputs=[x, weight] + ([bias] if bias is not None else []) + [dims],
+        template=[("T", weight.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u)],
         grid=(n // (16 * f) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[x.shape[:-1] + (n,)], output_dtypes=[weight.dtype],
     )[0]
