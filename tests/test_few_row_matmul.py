@@ -47,7 +47,6 @@ def test_launch_shapes_fit_every_served_shape():
                 mt, f, warps, u = _launch_shape(m, n, k)
                 assert mt * 8 >= m and n % (16 * f) == 0 and u >= 1
                 assert max(1, warps // 2) * f * mt * 4 * 32 * 4 <= 48 * 1024
-    assert _launch_shape(MAX_ROWS + 1, 2048, 1536) is None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -2,9 +2,9 @@
 
 On CUDA a compiled decode step is bound by the host's cost per primitive, and MLX's
 matmul is the dearest one to launch: each call builds cuBLASLt descriptors, asks for a
-heuristic and is captured into the step's graph, ~14 µs of host time against ~2.5 µs for
-a custom kernel, whatever the size (session 6, docs/benchmarks.md). A step has ~4 matmuls
-per layer. This kernel computes Y = X @ W^T (+ bias) for 2 to 32 rows with tensor-core
+heuristic and is captured into the step's graph, whatever the size: 14-22 µs of host time
+against 7 µs for this kernel on the hosts measured (docs/benchmarks.md, sessions 6 and 8).
+A step has ~4 matmuls per layer. This kernel computes Y = X @ W^T (+ bias) for 2 to 32 rows with tensor-core
 `mma.sync` (bf16 / fp16 in, float32 accumulation): each warp streams 16·F rows of W
 straight from memory, 16 bytes per lane, for every WARPS-th chunk of 32 inputs, and the
 block's warps then add their partial sums in a fixed order (deterministic).
@@ -136,7 +136,7 @@ _SOURCE = """
 def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
     """On CUDA with the kernels on (and VLMSERVE_FEW_ROW_MATMUL not 0): a bf16/fp16 weight (N, K)
     with N % 16 == 0 and K % 32 == 0, an input of the same dtype whose rows (all axes but the
-    last) number MIN_ROWS to MAX_ROWS, where the kernel beats cuBLAS (`_launch_shape`)."""
+    last) number MIN_ROWS to MAX_ROWS."""
     if os.environ.get("VLMSERVE_FEW_ROW_MATMUL", "1") == "0" or not cuda_kernels.enabled():
         return False
     if weight.ndim != 2 or weight.dtype not in _MMA_TYPES:
@@ -146,18 +146,15 @@ def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
         return False
     if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
         return False
-    m = math.prod(x.shape[:-1])
-    return MIN_ROWS <= m <= MAX_ROWS and _launch_shape(m, n, k) is not None
+    return MIN_ROWS <= math.prod(x.shape[:-1]) <= MAX_ROWS
 
 
-def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
-    """(MT, F, WARPS, U): 8-row tiles, 16-feature tiles per warp, warps splitting K, chunks in
-    flight; None where cuBLAS is faster. Chosen by the kernel's own time on the H100 for each
-    layer shape of a Qwen2-VL-2B decode step, one call at a time as a step runs them
+def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(MT, F, WARPS, U) for m <= MAX_ROWS rows: 8-row tiles, 16-feature tiles per warp, warps
+    splitting K, chunks in flight. Chosen by the kernel's own time on the H100 for each layer
+    shape of a Qwen2-VL-2B decode step, one call at a time as a step runs them
     (docs/benchmarks.md, session 8): wide layers want several feature tiles per warp (X is read
     fewer times), deep ones many warps per block, narrow ones all their loads in flight at once."""
-    if m > MAX_ROWS:
-        return None
     mt = 1 if m <= 8 else 4  # two tile counts only: each build costs the server's start ~2 s of JIT
     wide, deep = n >= 8192, k >= 4096
     if wide:
