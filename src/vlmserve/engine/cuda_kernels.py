@@ -1,5 +1,5 @@
 """Whether vlmserve's own CUDA kernels (vision q/k rotation, decode attention,
-the Qwen decode step's q/k/v split) run.
+the Qwen decode step's q/k/v split and its few-row matmuls) run.
 
 They do on MLX's CUDA backend when the GPU is the default device, unless the environment
 sets VLMSERVE_CUDA_KERNELS=0; then, and on every other backend, mlx_vlm's ops run instead.

@@ -17,6 +17,7 @@ float32 summation order (not bit for bit). Other backends, dtypes and shapes kee
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -165,17 +166,22 @@ def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return (mt, 1, 16, 1) if deep else (mt, 1, 8, 8)
 
 
+@functools.cache
+def _kernel(mma: str, with_bias: bool):
+    """The kernel for one mma input type, with or without bias (its source formatted once)."""
+    source = _SOURCE.replace("{mma}", mma)
+    source = source.replace("{bias}", "v += static_cast<float>(bias[n]);" if with_bias else "")
+    inputs = ("x", "w", "bias", "dims") if with_bias else ("x", "w", "dims")
+    return cuda_kernels.kernel(f"vlmserve_few_row_mm_{mma}{'_bias' if with_bias else ''}", inputs, source,
+                               output_names=("y",))
+
+
 def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """x (..., K) @ weight.T (+ bias) for a weight (N, K) and input `serves` accepts."""
     n, k = weight.shape
     m = math.prod(x.shape[:-1])
     mt, f, warps, u = _launch_shape(m, n, k)
-    mma = _MMA_TYPES[weight.dtype]
-    name = f"vlmserve_few_row_mm_{mma}{'_bias' if bias is not None else ''}"
-    source = _SOURCE.replace("{mma}", mma)
-    source = source.replace("{bias}", "v += static_cast<float>(bias[n]);" if bias is not None else "")
-    inputs = ("x", "w", "bias", "dims") if bias is not None else ("x", "w", "dims")
-    kernel = cuda_kernels.kernel(name, inputs, source, output_names=("y",))
+    kernel = _kernel(_MMA_TYPES[weight.dtype], bias is not None)
     dims = mx.array([m, n], dtype=mx.int32)  # a constant of the compiled step
     return kernel(
         inputs=[x, weight] + ([bias] if bias is not None else []) + [dims],
