@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 
@@ -216,7 +217,9 @@ def test_request_log_never_has_image_bytes_or_key(keyed_server, caplog):
     time.sleep(0.1)
     text = caplog.text + "".join(str(rec.args) for rec in caplog.records)
     lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request id=")]
-    assert any("image_count=1" in line and "status=length" in line and "ttft_ms=" in line for line in lines), lines
+    # A random model may stop early on another backend's numerics: either ending is logged the same.
+    assert any("image_count=1" in line and re.search(r"status=(length|stop) ", line) and "ttft_ms=" in line
+               for line in lines), lines
     assert KEY not in text and KEY[:-1] not in text
     for i in range(0, len(payload) - 32, 32):  # no 32-char window of the image's base64
         assert payload[i:i + 32] not in text

@@ -14,6 +14,8 @@ from call to call; other backends keep mlx_vlm's path.
 
 from __future__ import annotations
 
+import struct
+
 import mlx.core as mx
 from mlx_vlm.models import base
 
@@ -36,7 +38,7 @@ _SOURCE = """
     const unsigned group_mask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (grp * G));
     const int bh = blockIdx.x / GROUPS;             // row * HKV + kv head
     const int len = lengths[bh / HKV];
-    const float sc = scale[0];
+    const float sc = __int_as_float(SCALE_BITS);   // a template constant: see few_row_matmul
     const size_t q0 = ((size_t)bh * NREP + (blockIdx.x % GROUPS) * HB) * D;  // this block's first query head
     const T* kb = k + (size_t)bh * CAP * D + sub * E;
     const T* vb = v + (size_t)bh * CAP * D + sub * E;
@@ -157,6 +159,11 @@ def _fits(g: int, hb: int, nw: int, dim: int) -> bool:
     return 2 * hb * e + 4 * e + 40 <= registers and nw * hb * (dim + 2) * 4 <= _SHARED_BYTES
 
 
+def float32_bits(value: float) -> int:
+    """The bits of `value` as a float32, as a signed int: a float template constant."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 def available(queries: mx.array, keys: mx.array) -> bool:
     """Whether the kernel serves this call: on CUDA, for a shape it takes."""
     return cuda_kernels.enabled() and serves(queries, keys)
@@ -185,11 +192,11 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.arra
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     rep = q_heads // kv_heads
     g, hb, nw = launch_shape(rep, dim)
-    kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths", "scale"), _SOURCE)
+    kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths"), _SOURCE)
     return kernel(
-        inputs=[queries, keys, values, lengths.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+        inputs=[queries, keys, values, lengths.astype(mx.int32)],
         template=[("T", queries.dtype), ("D", dim), ("NREP", rep), ("HKV", kv_heads), ("CAP", capacity),
-                  ("G", g), ("HB", hb), ("NW", nw)],
+                  ("G", g), ("HB", hb), ("NW", nw), ("SCALE_BITS", float32_bits(scale))],
         grid=(batch * kv_heads * (rep // hb) * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1),
         output_shapes=[out_shape or queries.shape], output_dtypes=[queries.dtype],
     )[0]

@@ -32,7 +32,11 @@ MIN_ROWS, MAX_ROWS = 2, 32
 _MMA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16"}
 
 _SOURCE = """
-    const int M = dims[0], N = dims[1];              // at run time: one build serves layers of this K
+    // Rows and width from the launch itself, not from an array: MLX keeps arrays of a few bytes in
+    // host-shared (managed) memory, and a kernel that reads one waits on it (docs/benchmarks.md, session 9).
+    int M = 1;
+    for (int i = 0; i < x_ndim - 1; ++i) M *= x_shape[i];
+    const int N = gridDim.x * 16 * F;                // one build serves every M and N of this K
     constexpr int KC = K / 32;                       // chunks of 32 inputs
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;           // mma fragment row group, column pair
@@ -171,7 +175,7 @@ def _kernel(mma: str, with_bias: bool):
     """The kernel for one mma input type, with or without bias (its source formatted once)."""
     source = _SOURCE.replace("{mma}", mma)
     source = source.replace("{bias}", "v += static_cast<float>(bias[n]);" if with_bias else "")
-    inputs = ("x", "w", "bias", "dims") if with_bias else ("x", "w", "dims")
+    inputs = ("x", "w", "bias") if with_bias else ("x", "w")
     return cuda_kernels.kernel(f"vlmserve_few_row_mm_{mma}{'_bias' if with_bias else ''}", inputs, source,
                                output_names=("y",))
 
@@ -182,9 +186,8 @@ def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     m = math.prod(x.shape[:-1])
     mt, f, warps, u = _launch_shape(m, n, k)
     kernel = _kernel(_MMA_TYPES[weight.dtype], bias is not None)
-    dims = mx.array([m, n], dtype=mx.int32)  # a constant of the compiled step
     return kernel(
-        inputs=[x, weight] + ([bias] if bias is not None else []) + [dims],
+        inputs=[x, weight] + ([bias] if bias is not None else []),
         template=[("T", weight.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u)],
         grid=(n // (16 * f) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[x.shape[:-1] + (n,)], output_dtypes=[weight.dtype],

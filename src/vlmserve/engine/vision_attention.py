@@ -58,7 +58,7 @@ def segment_attention(q: mx.array, k: mx.array, v: mx.array, bounds: list[int], 
 # rounded explicitly (no fused multiply-add), so the result is bit-identical to the eager ops.
 _ROTATE_QK_SOURCE = """
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n[0]) return;
+    if (i >= (size_t)qkv_shape[0] * 2 * HD) return;  // the size from the launch, not a tiny array (managed memory)
     const unsigned int half = D / 2;
     size_t row = i / (2 * HD);                 // position: q and k of one row are 2*HD apart in out
     size_t src = row * (3 * HD) + i % (2 * HD);  // the same element in qkv (S, 3, H, D)
@@ -77,10 +77,10 @@ def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
     if freqs.dtype != mx.float32 or not cuda_kernels.enabled():
         # One call for q and k together: (S, 2H, D) rows share a position, as q's and k's heads do.
         return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
-    kernel = cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t", "n"), _ROTATE_QK_SOURCE)
+    kernel = cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t"), _ROTATE_QK_SOURCE)
     total = seq * 2 * heads * dim
     return kernel(
-        inputs=[qkv, mx.cos(freqs), mx.sin(freqs), mx.array([total], dtype=mx.int64)],
+        inputs=[qkv, mx.cos(freqs), mx.sin(freqs)],
         template=[("T", qkv.dtype), ("D", dim), ("HD", heads * dim)],
         grid=(total, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(seq, 2, heads, dim)], output_dtypes=[qkv.dtype],
