@@ -44,28 +44,22 @@ _SOURCE = """
     const T* vb = v + (size_t)bh * CAP * D + sub * E;
     // E elements of one cached row as floats, in the widest loads their size allows (the
     // cache rows are whole arrays: D * sizeof(T) bytes apart from an aligned start).
-    auto load = [](const T* src, float* dst) {
-        constexpr int BYTES = E * sizeof(T);
-        if (BYTES % 16 == 0) {
+    auto load_as = [](const T* src, float* dst, auto chunk) {  // in pieces of chunk's type
+        using V = decltype(chunk);
+        constexpr int PER = sizeof(V) / sizeof(T);
+        #pragma unroll
+        for (int i = 0; i < E / PER; ++i) {
+            const V raw = __ldg(reinterpret_cast<const V*>(src) + i);
+            const T* t = reinterpret_cast<const T*>(&raw);
             #pragma unroll
-            for (int i = 0; i < BYTES / 16; ++i) {
-                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + i);
-                const T* t = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int j = 0; j < 16 / (int)sizeof(T); ++j) dst[i * (16 / sizeof(T)) + j] = static_cast<float>(t[j]);
-            }
-        } else if (BYTES % 8 == 0) {
-            #pragma unroll
-            for (int i = 0; i < BYTES / 8; ++i) {
-                const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src) + i);
-                const T* t = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int j = 0; j < 8 / (int)sizeof(T); ++j) dst[i * (8 / sizeof(T)) + j] = static_cast<float>(t[j]);
-            }
-        } else {
-            #pragma unroll
-            for (int e = 0; e < E; ++e) dst[e] = static_cast<float>(src[e]);
+            for (int j = 0; j < PER; ++j) dst[i * PER + j] = static_cast<float>(t[j]);
         }
+    };
+    auto load = [&](const T* src, float* dst) {
+        constexpr int BYTES = E * sizeof(T);
+        if (BYTES % 16 == 0) load_as(src, dst, uint4{});
+        else if (BYTES % 8 == 0) load_as(src, dst, uint2{});
+        else load_as(src, dst, T{});
     };
     float qr[HB][E], m[HB], l[HB], acc[HB][E];
     #pragma unroll
