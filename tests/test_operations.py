@@ -421,3 +421,38 @@ def test_serve_sets_the_gil_switch_interval_from_its_flag():
 def test_mlx_cache_limit_flag_reaches_the_config():
     assert _serve_config().mlx_cache_limit_gb == 8.0
     assert _serve_config("--mlx-cache-limit-gb", "2.5").mlx_cache_limit_gb == 2.5
+
+
+_FIRST_REQUEST_IMPORTS = """
+import sys
+from conftest import IMAGES, chat_body, data_uri, start_server
+server = start_server("qwen2_vl", warmup_image_sizes=(48,))
+try:
+    with server.client() as c:
+        with c.stream("GET", "/v1/models") as r:  # the client's own streaming code, imported now
+            r.read()
+        before = set(sys.modules)
+        body = chat_body(server.model_id, "Describe.", [data_uri(IMAGES / "small_64x48.png")],
+                         max_tokens=3, stream=True, stream_options={"include_usage": True})
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        print(sorted(set(sys.modules) - before))
+finally:
+    server.stop()
+"""
+
+
+def test_first_request_after_warmup_imports_nothing():
+    """The first real request imports no module: warm-up went down the same path (a lazy import
+    runs on the event loop, where it stalls every stream and /health; anyio's backend took
+    30-50 ms there on the H100). Its own process, so other tests' imports cannot hide one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_REQUEST_IMPORTS], cwd=Path(__file__).parent,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -12,11 +12,14 @@ import threading
 import time
 from typing import Callable
 
+import httpx
 import numpy as np
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
@@ -31,6 +34,18 @@ from .routes import method_not_allowed, not_found, routes
 log = logging.getLogger("vlmserve")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+async def _warm_streaming_response() -> None:
+    """Stream one response through a throwaway Starlette app, in-process.
+
+    Starlette runs a streamed response in an anyio task group, and anyio imports its asyncio
+    backend on first use: 30-50 ms on the event loop of the first real request (its TTFT, and
+    any /health probe beside it), seen on the H100. Warm-up's own jobs never touch HTTP.
+    """
+    app = Starlette(routes=[Route("/", lambda request: StreamingResponse(iter([b"warm"])))])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warmup") as client:
+        await client.get("/")
 
 
 class ServerState:
@@ -116,6 +131,7 @@ class ServerState:
         go in as PNG data URIs through the same fetch/decode/process path as a client's, so
         the first real request does not pay that path's first use (decoder plugins, caches).
         """
+        await _warm_streaming_response()
         loop = asyncio.get_running_loop()
         jobs = [("warmup-text", [("text", "Hello")])]
         for size in self.config.warmup_image_sizes:
