@@ -10,7 +10,8 @@ import pytest
 from conftest import images, start_server
 from vlmserve.engine import qwen_embedding
 from vlmserve.media import MediaPolicy, decode_image
-from vlmserve.preprocess import Preprocessor, to_bfloat16_bits
+from vlmserve.preprocess import Preprocessor
+from vlmserve.qwen_patches import to_bfloat16_bits
 from vlmserve.protocol import ChatMessage, ImageRef
 
 GRIDS = [(1, 16, 16), (1, 8, 12), (1, 16, 16), (2, 4, 4)]

@@ -1,0 +1,72 @@
+"""The fast Qwen-VL pixel path gives the processor's bits, cast as the model casts them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import MODELS
+from vlmserve.engine.processor import load_processor
+from vlmserve.qwen_patches import QwenImages, cast_pixels, fast_qwen_images
+
+
+@pytest.fixture(scope="module")
+def image_processor():
+    return load_processor(MODELS / "qwen2_vl").image_processor
+
+
+def _image(rng, h, w, mode):
+    if mode == "L":
+        return Image.fromarray(rng.integers(0, 256, (h, w), dtype=np.uint8), "L")
+    channels = 4 if mode == "RGBA" else 3
+    return Image.fromarray(rng.integers(0, 256, (h, w, channels), dtype=np.uint8), mode)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", None])
+def test_same_bits_as_the_processor(image_processor, dtype):
+    fast = fast_qwen_images(image_processor, dtype)
+    assert isinstance(fast, QwenImages)
+    rng = np.random.default_rng(7)
+    # Sizes the processor keeps, shrinks (fixture max 224x224) and grows; RGBA and grey too;
+    # several images in one call (concatenated in order).
+    cases = [[_image(rng, 56, 84, "RGB")], [_image(rng, 300, 410, "RGB")], [_image(rng, 20, 33, "RGB")],
+             [_image(rng, 131, 77, "RGBA")], [_image(rng, 90, 90, "L")],
+             [_image(rng, 56, 56, "RGB"), _image(rng, 170, 99, "RGB"), _image(rng, 28, 140, "RGB")]]
+    for images in cases:
+        want = image_processor(images=images)
+        got = fast(images=images)
+        np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
+        expected = cast_pixels(np.asarray(want["pixel_values"]), dtype)
+        assert got["pixel_values"].dtype == expected.dtype
+        np.testing.assert_array_equal(got["pixel_values"], expected)
+
+
+def test_other_inputs_take_the_processors_path(image_processor):
+    """Arrays or processor options are the processor's business; the pixels still come cast."""
+    fast = fast_qwen_images(image_processor, "bfloat16")
+    array = np.random.default_rng(1).integers(0, 256, (3, 56, 56), dtype=np.uint8)
+    want = image_processor(images=[array])
+    got = fast(images=[array])
+    np.testing.assert_array_equal(got["pixel_values"], cast_pixels(np.asarray(want["pixel_values"]), "bfloat16"))
+    assert fast.merge_size == image_processor.merge_size  # the rest reads through
+
+
+def test_a_processor_that_differs_keeps_its_own_path(image_processor, monkeypatch):
+    original = type(image_processor).__call__
+
+    def shifted(self, *args, **kwargs):  # what a changed mlx_vlm could do: other values
+        out = original(self, *args, **kwargs)
+        out["pixel_values"] = out["pixel_values"] + 1e-3
+        return out
+
+    monkeypatch.setattr(type(image_processor), "__call__", shifted)
+    assert fast_qwen_images(image_processor, "bfloat16") is None
+
+
+def test_only_mlx_vlm_qwen_processors_are_taken():
+    class Other:
+        pass
+
+    assert fast_qwen_images(Other(), "bfloat16") is None
+    assert fast_qwen_images(None, "bfloat16") is None
