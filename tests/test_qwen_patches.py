@@ -70,3 +70,10 @@ def test_only_mlx_vlm_qwen_processors_are_taken():
 
     assert fast_qwen_images(Other(), "bfloat16") is None
     assert fast_qwen_images(None, "bfloat16") is None
+
+
+def test_a_wrapped_processor_is_rewrapped_for_another_dtype(image_processor):
+    """Two servers sharing one processor object each get their own model's dtype."""
+    bf16 = fast_qwen_images(image_processor, "bfloat16")
+    fp16 = fast_qwen_images(bf16, "float16")
+    assert fp16.inner is image_processor and fp16.table.dtype == np.float16

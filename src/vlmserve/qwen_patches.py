@@ -97,6 +97,8 @@ class QwenImages:
 
 def fast_qwen_images(image_processor, pixel_dtype: str | None):
     """A QwenImages over mlx_vlm's Qwen-VL image processor when it gives the same bits, else None."""
+    if isinstance(image_processor, QwenImages):  # a processor shared by two servers: re-wrap for this dtype
+        image_processor = image_processor.inner
     if type(image_processor).__module__.split(".")[0] != "mlx_vlm" or not all(
             hasattr(image_processor, a) for a in ("_resolved_size", "_process_one", "temporal_patch_size",
                                                   "merge_size", "patch_size", "image_mean", "image_std")):
