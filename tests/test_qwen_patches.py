@@ -8,6 +8,7 @@ from PIL import Image
 
 from conftest import MODELS
 from vlmserve.engine.processor import load_processor
+from vlmserve.protocol import ChatMessage
 from vlmserve.qwen_patches import QwenImages, cast_pixels, fast_qwen_images
 
 
@@ -77,3 +78,18 @@ def test_a_wrapped_processor_is_rewrapped_for_another_dtype(image_processor):
     bf16 = fast_qwen_images(image_processor, "bfloat16")
     fp16 = fast_qwen_images(bf16, "float16")
     assert fp16.inner is image_processor and fp16.table.dtype == np.float16
+
+
+def test_preprocessors_sharing_a_processor_keep_their_own_dtypes():
+    from vlmserve.config import ServerConfig
+    from vlmserve.preprocess import Preprocessor
+
+    processor = load_processor(MODELS / "qwen2_vl")
+    plain = Preprocessor(processor, 4096, ServerConfig(), pixel_dtype=None)
+    halves = Preprocessor(plain.processor, 4096, ServerConfig(), pixel_dtype="float16")
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (56, 56, 3), dtype=np.uint8))
+    prompt = plain.render([ChatMessage("user", [("image", None), ("text", "hi")])])
+    assert plain.encode(prompt, [image]).model_inputs["pixel_values"].dtype == np.float32
+    assert halves.encode(prompt, [image]).model_inputs["pixel_values"].dtype == np.float16
+    plain.close()
+    halves.close()

@@ -7,6 +7,7 @@ them into mx.arrays. Nothing here runs on the event loop or on the MLX thread.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -57,10 +58,11 @@ class Preprocessor:
         self.config = config
         self.context_length = context_length
         self.pixel_dtype = pixel_dtype  # ModelInfo.pixel_dtype: ship pixel_values already cast
-        self.processor = processor
         fast = fast_qwen_images(getattr(processor, "image_processor", None), pixel_dtype)
-        if fast is not None:  # same bits in far fewer passes (qwen_patches.py)
+        if fast is not None:  # same bits in far fewer passes (qwen_patches.py); on a copy, as
+            processor = copy.copy(processor)  # the processor may serve another dtype elsewhere
             processor.image_processor = fast
+        self.processor = processor
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         call = getattr(processor, "process", processor)
         self._takes_special_tokens_flag = "add_special_tokens" in inspect.signature(call).parameters
