@@ -60,7 +60,7 @@ class QwenImages:
         if inner.do_normalize:  # the processor's own float32 expression, per channel
             table = (table - np.array(inner.image_mean, dtype=np.float32)[:, None]) \
                 / np.array(inner.image_std, dtype=np.float32)[:, None]
-        self.table = np.ascontiguousarray(cast_pixels(table.astype(np.float32), pixel_dtype))
+        self.table = cast_pixels(table, pixel_dtype)  # float32 throughout, as in the processor
 
     def __getattr__(self, name):  # merge_size, patch_size, ... as the processor has them
         return getattr(self.inner, name)
