@@ -240,7 +240,9 @@ def test_flood_beyond_max_waiting(keyed_server):
     assert set(statuses) <= {200, 429}, statuses
     rejected = [r for r in results if r.status_code == 429]
     accepted = [r for r in results if r.status_code == 200]
-    assert rejected and len(accepted) >= 6, statuses  # 2 running + 4 waiting at least
+    # At least the 4 waiting places; more when some were already running before the flood's
+    # last requests came (timing: 4 when all 24 arrive before any reaches the engine).
+    assert rejected and len(accepted) >= 4, statuses
     for r in rejected:
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "queue_full"
@@ -416,6 +418,19 @@ def test_serve_sets_the_gil_switch_interval_from_its_flag():
         assert sys.getswitchinterval() == pytest.approx(0.002)  # 0 leaves the interpreter's setting
     finally:
         sys.setswitchinterval(before)
+
+
+def test_serve_runs_the_event_loop_its_flag_names():
+    """asyncio's loop by default (uvloop holds the GIL through socket writes); uvloop on request."""
+    from types import SimpleNamespace
+
+    from vlmserve.cli import _make_server
+
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(on_fatal=None)))
+    assert _make_server(app, _serve_config()).config.loop == "asyncio"
+    assert _make_server(app, _serve_config("--event-loop", "uvloop")).config.loop == "uvloop"
+    with pytest.raises(SystemExit):
+        _serve_config("--event-loop", "trio")
 
 
 def test_mlx_cache_limit_flag_reaches_the_config():
