@@ -58,6 +58,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="/health turns 503 when the worker's heartbeat is older than this")
     p.add_argument("--gil-switch-interval-ms", type=float, default=d.gil_switch_interval_ms,
                    help="CPython GIL switch interval for this process (CPython's default is 5)")
+    p.add_argument("--event-loop", default=d.event_loop, choices=["asyncio", "uvloop"],
+                   help="uvicorn's event loop (asyncio's measured faster under load: docs/operations.md)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--warmup-image-sizes", type=lambda v: tuple(int(x) for x in _csv(v)), default=d.warmup_image_sizes,
@@ -123,6 +125,7 @@ def _make_server(app, config: ServerConfig):
 
     state.on_fatal = fatal
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                   loop=config.event_loop,
                                    timeout_graceful_shutdown=max(1, int(config.graceful_shutdown_extra))))
     return server
 

@@ -57,6 +57,10 @@ class ServerConfig:
     # thread waits for the GIL; with CPython's 5 ms default a busy preprocessing or event-loop
     # thread can hold every decode step up by that much (docs/operations.md).
     gil_switch_interval_ms: float = 0.5
+    # uvicorn's event loop. asyncio's, not uvloop: uvloop writes to sockets while holding the
+    # GIL, and at 32-64 streams that held each decode step's Python back (W1 on the H100:
+    # +4-8% tok/s at c=32, +16% at c=64; docs/benchmarks.md, session 11).
+    event_loop: str = "asyncio"
     # Bind before the model is loaded: /health 200 and /ready 503 ("loading") until warm.
     # The CLI turns this on; in-process servers (tests) keep the blocking lifespan.
     listen_while_loading: bool = False

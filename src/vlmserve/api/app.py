@@ -27,6 +27,7 @@ from ..engine.processor import load_processor
 from ..metrics import Metrics, SchedulerHooks
 from ..preprocess import Preprocessor
 from ..protocol import ChatMessage, ChatRequest, EngineError, FinishReason, ImageRef, PreparedRequest, SamplingParams
+from . import openai as oai
 from .auth import APIKeyMiddleware, BodySizeMiddleware
 from .errors import APIError
 from .routes import method_not_allowed, not_found, routes
@@ -62,6 +63,9 @@ class ServerState:
         self.draining = False  # stop admitting; /ready 503
         self.closed = False  # drain over: anything still arriving gets an error
         self.created = int(time.time())
+        # Once, not per request: deriving them stats the model path (the event loop's time).
+        self._model_id = config.model_id
+        self._model_names = frozenset({self._model_id} | oai.model_aliases(config))
         # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
         # Counted in choices (`n`) against max_waiting and in requests against max_pending_preprocess.
         self._pending_lock = threading.Lock()
@@ -74,11 +78,12 @@ class ServerState:
     # ---- identity ----------------------------------------------------------------
     @property
     def model_id(self) -> str:
-        return self.config.model_id
+        return self._model_id
 
     @property
-    def model_names(self) -> set[str]:
-        return {self.config.model_id}
+    def model_names(self) -> frozenset[str]:
+        """Names a request may use (the served name and its aliases)."""
+        return self._model_names
 
     @property
     def context_length(self) -> int:

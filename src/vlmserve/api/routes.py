@@ -62,17 +62,13 @@ async def chat_completions(request: Request) -> Response:
         return error_response(APIError(500, "internal server error", code="internal_error"))
 
 
-def model_names(server) -> set[str]:
-    return set(server.model_names) | oai.model_aliases(server.config)
-
-
 async def _chat_completions(request: Request) -> Response:
     arrival = time.perf_counter()
     server = _state(request)
     try:
         server.check_accepting()
         body = await _read_json(request, server.config.max_body_bytes)
-        chat = oai.parse_chat_request(body, server.config, model_names(server), server.context_length)
+        chat = oai.parse_chat_request(body, server.config, server.model_names, server.context_length)
         prepared = await server.prepare(chat)  # 429 past --max-waiting; times the CPU pool
     except APIError as exc:
         server.count_failure(exc)
