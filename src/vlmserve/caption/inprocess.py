@@ -39,7 +39,7 @@ def in_process_server(model: str, max_num_seqs: int | None = None, api_key: str 
     config = ServerConfig(**{k: v for k, v in wanted.items() if k in names and v is not None})
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           loop=config.event_loop, timeout_graceful_shutdown=5))
     errors: list[BaseException] = []
 
     def serve() -> None:
