@@ -65,7 +65,7 @@ class ServerState:
         self.created = int(time.time())
         # Once, not per request: deriving them stats the model path (the event loop's time).
         self._model_id = config.model_id
-        self._model_names = frozenset({self._model_id} | oai.model_aliases(config))
+        self._model_names = frozenset(oai.model_aliases(config))  # the served name is one of them
         # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
         # Counted in choices (`n`) against max_waiting and in requests against max_pending_preprocess.
         self._pending_lock = threading.Lock()
