@@ -71,6 +71,7 @@ class QwenImages:
             out = dict(self.inner(images=images, **kwargs))
             out["pixel_values"] = cast_pixels(np.asarray(out["pixel_values"]), self.pixel_dtype)
             return out
+        ps, tps, ms = self.inner.patch_size, self.inner.temporal_patch_size, self.inner.merge_size
         frames, grids = [], []
         for image in flat:
             rgb = image if image.mode == "RGB" else image.convert("RGB")
@@ -78,8 +79,7 @@ class QwenImages:
             if (h, w) != (rgb.height, rgb.width):
                 rgb = rgb.resize((w, h), resample=Image.BICUBIC)
             frames.append(np.asarray(rgb))
-            grids.append([1, h // self.inner.patch_size, w // self.inner.patch_size])
-        ps, tps, ms = self.inner.patch_size, self.inner.temporal_patch_size, self.inner.merge_size
+            grids.append([1, h // ps, w // ps])
         rows = sum(g[1] * g[2] for g in grids)
         out = np.empty((rows, 3, tps, ps, ps), dtype=self.table.dtype)
         start = 0
