@@ -36,6 +36,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
+    p.add_argument("--preprocess-processes", type=int, default=d.preprocess_processes,
+                   help="preprocess in this many spawned processes instead of threads (0: threads)")
     p.add_argument("--max-pending-preprocess", type=int, default=d.max_pending_preprocess,
                    help="requests queued for or inside the CPU pool before 429")
     p.add_argument("--image-fetch-timeout", type=float, default=d.image_fetch_timeout)

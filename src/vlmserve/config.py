@@ -33,6 +33,9 @@ class ServerConfig:
     # CPU preprocessing
     preprocess_workers: int = max(2, min(8, os.cpu_count() or 2))
     max_pending_preprocess: int = 64
+    # >0: preprocessing runs in this many spawned processes instead of the thread pool, so its
+    # GIL-held work leaves the serving process (preprocess_processes.py).
+    preprocess_processes: int = 0
 
     # Images
     image_fetch_timeout: float = 10.0

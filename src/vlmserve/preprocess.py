@@ -7,8 +7,10 @@ them into mx.arrays. Nothing here runs on the event loop or on the MLX thread.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import inspect
+import io
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,7 +20,7 @@ from PIL import Image
 
 from .config import ServerConfig
 from .media import ImageCache, MediaError, MediaPolicy, load_image_bytes
-from .protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest
+from .protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest, SamplingParams
 from .qwen_patches import cast_pixels, fast_qwen_images
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,19 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = [{"type": "text", "text": p} if kind == "text" else {"type": "image"} for kind, p in msg.parts]
         out.append({"role": role, "content": content})
     return out
+
+
+def warmup_chats(image_sizes) -> list[tuple[str, ChatRequest]]:
+    """Warm-up's requests: a text one and one per square image size, as PNG data URIs, so they
+    take the same fetch/decode/process path as a client's."""
+    jobs = [("warmup-text", [("text", "Hello")])]
+    for size in image_sizes:
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), (127, 127, 127)).save(buf, format="PNG")
+        uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        jobs.append((f"warmup-image-{size}", [("image", ImageRef(uri, "warmup")), ("text", "Hi")]))
+    return [(name, ChatRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=2, temperature=0)))
+            for name, parts in jobs]
 
 
 def cap_pixels(image: Image.Image, max_pixels: int | None) -> Image.Image:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import gc
-import io
 import logging
 import threading
 import time
@@ -14,7 +12,6 @@ from typing import Callable
 
 import httpx
 import numpy as np
-from PIL import Image
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -25,8 +22,9 @@ from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..engine.processor import load_processor
 from ..metrics import Metrics, SchedulerHooks
-from ..preprocess import Preprocessor
-from ..protocol import ChatMessage, ChatRequest, EngineError, FinishReason, ImageRef, PreparedRequest, SamplingParams
+from ..preprocess import Preprocessor, warmup_chats
+from ..preprocess_processes import PreprocessProcesses
+from ..protocol import ChatRequest, EngineError, FinishReason, PreparedRequest, SamplingParams
 from . import openai as oai
 from .auth import APIKeyMiddleware, BodySizeMiddleware
 from .errors import APIError
@@ -57,6 +55,7 @@ class ServerState:
         self.metrics = Metrics(config.model_id)
         self.engine = Engine(config, hooks=SchedulerHooks(self.metrics))
         self.preprocessor: Preprocessor | None = None
+        self.preprocess_processes: PreprocessProcesses | None = None  # --preprocess-processes
         self.ready = False
         self.loading = True
         self.load_error: str | None = None
@@ -99,6 +98,11 @@ class ServerState:
             processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
             self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config,
                                              pixel_dtype=self.engine.info.pixel_dtype)
+            if self.config.preprocess_processes > 0:
+                self.preprocess_processes = PreprocessProcesses(
+                    self.engine.model_path, self.engine.info.context_length, self.config,
+                    self.engine.info.pixel_dtype)
+                await self.preprocess_processes.start()
             if self.config.warmup:
                 await self.warmup()
         finally:
@@ -138,15 +142,8 @@ class ServerState:
         """
         await _warm_streaming_response()
         loop = asyncio.get_running_loop()
-        jobs = [("warmup-text", [("text", "Hello")])]
-        for size in self.config.warmup_image_sizes:
-            buf = io.BytesIO()
-            Image.new("RGB", (size, size), (127, 127, 127)).save(buf, format="PNG")
-            uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-            jobs.append((f"warmup-image-{size}", [("image", ImageRef(uri, "warmup")), ("text", "Hi")]))
         prepared_jobs = []
-        for name, parts in jobs:
-            chat = ChatRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=2, temperature=0))
+        for name, chat in warmup_chats(self.config.warmup_image_sizes):
             images = await self.preprocessor.fetch_images(chat)
             prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode_chat, chat, images)
             prepared_jobs.append((name, prepared))
@@ -215,6 +212,8 @@ class ServerState:
         await self.engine.stop()
         if self.preprocessor is not None:
             self.preprocessor.close()
+        if self.preprocess_processes is not None:
+            self.preprocess_processes.close()
 
     # ---- admission -------------------------------------------------------------------
     def check_accepting(self) -> None:
@@ -264,6 +263,8 @@ class ServerState:
             self.metrics.preprocess.observe(time.perf_counter() - t0)
             self._release(chat.n)
 
+        if self.preprocess_processes is not None:
+            return await self.preprocess_processes.prepare(chat, on_done=done)
         try:
             images = await self.preprocessor.fetch_images(chat)
         except BaseException:
