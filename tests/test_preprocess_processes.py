@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from conftest import chat_body, data_uri, images, start_server
+from conftest import chat_body, data_uri, images, run, start_server
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +73,12 @@ def test_a_killed_process_fails_its_request_and_a_new_pool_serves_the_next(proce
     again = _ask(process_server, body)
     assert again.status_code == 200, again.text
     assert process_server.state.pending_requests == 0  # every reservation was released
+
+
+def test_a_process_that_cannot_load_the_processor_fails_the_start_with_a_reason(tmp_path):
+    from vlmserve.config import ServerConfig
+    from vlmserve.preprocess_processes import PreprocessProcesses
+
+    pool = PreprocessProcesses(tmp_path / "no-model-here", 4096, ServerConfig(preprocess_processes=1), None)
+    with pytest.raises(RuntimeError, match="preprocessing process failed to start"):
+        run(pool.start())

@@ -63,7 +63,11 @@ class PreprocessProcesses:
 
     async def start(self) -> None:
         """Start every process now (the pool would start them on demand, on requests' time)."""
-        await asyncio.gather(*(asyncio.wrap_future(self._pool.submit(_started)) for _ in range(self.processes)))
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(self._pool.submit(_started)) for _ in range(self.processes)))
+        except BrokenProcessPool:
+            self.close()
+            raise RuntimeError("a preprocessing process failed to start (its traceback is above)") from None
 
     async def prepare(self, chat: ChatRequest, on_done=None) -> PreparedRequest:
         """One request's preprocessing; on_done runs when its job ends, even if this await is cancelled."""
