@@ -17,6 +17,7 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Callable
 
 from .config import ServerConfig
 from .protocol import ChatRequest, EngineError, PreparedRequest
@@ -69,18 +70,16 @@ class PreprocessProcesses:
             self.close()
             raise RuntimeError("a preprocessing process failed to start (its traceback is above)") from None
 
-    async def prepare(self, chat: ChatRequest, on_done=None) -> PreparedRequest:
+    async def prepare(self, chat: ChatRequest, on_done: Callable[[], None]) -> PreparedRequest:
         """One request's preprocessing; on_done runs when its job ends, even if this await is cancelled."""
         pool = self._pool
         try:
             try:
                 future = pool.submit(_prepare, chat)
             except BaseException:
-                if on_done is not None:
-                    on_done()
+                on_done()
                 raise
-            if on_done is not None:
-                future.add_done_callback(lambda _: on_done())
+            future.add_done_callback(lambda _: on_done())
             return await asyncio.wrap_future(future)
         except BrokenProcessPool:
             # A process died (killed, out of memory) and took the pool's queue with it: answer
