@@ -15,6 +15,7 @@ from conftest import chat_body, data_uri, images, run, start_server
 @pytest.fixture(scope="module")
 def process_server():
     server = start_server("qwen2_vl", preprocess_processes=2)
+    server.state.in_process_preprocess_limit = 0  # every request to the processes (these tests are about them)
     yield server
     server.stop()
 
@@ -34,6 +35,31 @@ def test_processes_answer_as_the_thread_pool_does(process_server, qwen_server):
     assert by_processes.json()["usage"] == by_threads.json()["usage"]
     assert by_processes.json()["usage"]["prompt_tokens"] > 20  # the images' tokens are in it
     assert by_processes.json()["choices"][0]["message"] == by_threads.json()["choices"][0]["message"]
+
+
+def _jobs(server, pool: str) -> float:
+    return server.state.metrics.registry.get_sample_value(
+        "vlmserve:preprocess_requests_total", {"model_name": server.model_id, "pool": pool}) or 0.0
+
+
+def test_a_lone_request_stays_on_the_threads_and_a_burst_overflows_to_the_processes(process_server):
+    state = process_server.state
+    state.in_process_preprocess_limit = 1
+    try:
+        before = _jobs(process_server, "threads"), _jobs(process_server, "processes")
+        body = chat_body(process_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+        for _ in range(2):  # one at a time: each finds the thread pool idle
+            assert _ask(process_server, body).status_code == 200
+        assert (_jobs(process_server, "threads"), _jobs(process_server, "processes")) == (before[0] + 2, before[1])
+        # While one request holds the thread pool's share, the next ones go to the processes.
+        assert [state._reserve(1) for _ in range(3)] == [True, False, False]
+        state._release(1, True)
+        assert state._reserve(1) is True  # the share is free again
+        for in_process in (True, False, False):
+            state._release(1, in_process)
+        assert state.pending_requests == state.pending_choices == state._in_process_jobs == 0
+    finally:
+        state.in_process_preprocess_limit = 0
 
 
 def test_a_bad_image_is_reported_from_the_process_as_a_400(process_server):

@@ -40,6 +40,8 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries_total", "Prefix cache lookups (text-only requests)")
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix cache lookups that reused KV")
         self.image_fetch_failures = counter("image_fetch_failures_total", "Images that could not be fetched or decoded")
+        self.preprocess_jobs = counter("preprocess_requests_total",
+                                       "Requests preprocessed, by pool (threads, or --preprocess-processes)", ["pool"])
         self.ttft = hist("time_to_first_token_seconds", "Request arrival to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between tokens of one request")
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token")

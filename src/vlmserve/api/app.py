@@ -50,6 +50,11 @@ async def _warm_streaming_response() -> None:
 class ServerState:
     """Everything a route needs, in one object on app.state.server."""
 
+    # With --preprocess-processes, this many requests at a time still preprocess on the thread
+    # pool, the rest go to the processes: alone, a request pays no pickling (c=1 TTFT), and one
+    # thread's GIL share is small; a burst is what the processes are for.
+    in_process_preprocess_limit = 1
+
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics(config.model_id)
@@ -70,6 +75,7 @@ class ServerState:
         self._pending_lock = threading.Lock()
         self.pending_choices = 0
         self.pending_requests = 0
+        self._in_process_jobs = 0  # of those, preprocessing on this process's thread pool
         self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -235,7 +241,8 @@ class ServerState:
         if self.engine.num_waiting + self.pending_choices + n > self.config.max_waiting:
             raise self._queue_full()
 
-    def _reserve(self, n: int) -> None:
+    def _reserve(self, n: int) -> bool:
+        """Count the request as pending; True when it is to preprocess on the thread pool."""
         # Runs on the event loop with no await between check and increment: a burst cannot
         # all pass the check before any of it is counted.
         with self._pending_lock:
@@ -244,11 +251,17 @@ class ServerState:
                 raise self._queue_full()
             self.pending_choices += n
             self.pending_requests += 1
+            in_process = (self.preprocess_processes is None
+                          or self._in_process_jobs < self.in_process_preprocess_limit)
+            self._in_process_jobs += in_process
+        self.metrics.preprocess_jobs.labels(self.metrics.model_name, "threads" if in_process else "processes").inc()
+        return in_process
 
-    def _release(self, n: int) -> None:
+    def _release(self, n: int, in_process: bool) -> None:  # when the pool job ends (any thread)
         with self._pending_lock:
             self.pending_choices -= n
             self.pending_requests -= 1
+            self._in_process_jobs -= in_process
 
     async def prepare(self, chat: ChatRequest) -> PreparedRequest:
         """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing.
@@ -256,15 +269,18 @@ class ServerState:
         The reservation is released when the pool job ends, not when this await is cancelled,
         so a client that leaves cannot make room while its work still occupies the pool.
         """
-        self._reserve(chat.n)
+        in_process = self._reserve(chat.n)
         t0 = time.perf_counter()
 
         def done() -> None:
             self.metrics.preprocess.observe(time.perf_counter() - t0)
-            self._release(chat.n)
+            self._release(chat.n, in_process)
 
-        if self.preprocess_processes is not None:
-            return await self.preprocess_processes.prepare(chat, on_done=done)
+        if in_process:
+            return await self._prepare_in_process(chat, done)
+        return await self.preprocess_processes.prepare(chat, on_done=done)
+
+    async def _prepare_in_process(self, chat: ChatRequest, done: Callable[[], None]) -> PreparedRequest:
         try:
             images = await self.preprocessor.fetch_images(chat)
         except BaseException:
