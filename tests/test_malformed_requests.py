@@ -47,6 +47,10 @@ CASES = [
     ("malformed-json", "POST", "/v1/chat/completions", b'{"model": "x", "messages": [', {}, 400, "invalid_json"),
     ("not-utf8", "POST", "/v1/chat/completions", b"\xff\xfe{}", {}, 400, "invalid_json"),
     ("empty-body", "POST", "/v1/chat/completions", b"", {}, 400, "invalid_json"),
+    ("large-malformed-json", "POST", "/v1/chat/completions",  # past the size parsed off the event loop
+     b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * 200_000, {}, 400, "invalid_json"),
+    ("large-deeply-nested-json", "POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, {}, 400,
+     "invalid_json"),
     ("body-is-array", "POST", "/v1/chat/completions", [1, 2], {}, 400, None),
     ("body-is-string", "POST", "/v1/chat/completions", "hello", {}, 400, None),
     ("text-plain-content-type", "POST", "/v1/chat/completions", json.dumps(body()).encode(),
@@ -184,3 +188,37 @@ def test_malformed_request(qwen_server, name, method, path, payload, headers, st
         ok = c.post("/v1/chat/completions", json={"model": qwen_server.model_id, "messages": USER,
                                                    "max_tokens": 1, "temperature": 0})
         assert ok.status_code == 200, ok.text
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(qwen_server, monkeypatch):
+    import io
+    import threading
+
+    import numpy as np
+    from PIL import Image
+
+    from vlmserve.api import routes
+
+    parse, threads = routes._parse_json, []
+
+    def recording(body):
+        threads.append(threading.current_thread().name)
+        return parse(body)
+
+    monkeypatch.setattr(routes, "_parse_json", recording)
+    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, "PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert len(uri) > routes._PARSE_OFF_LOOP_BYTES
+    big = body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                      {"type": "text", "text": "What is it?"}]}],
+               model=qwen_server.model_id)
+    with qwen_server.client() as c:
+        r = c.post("/v1/chat/completions", json=big)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 20  # the image's tokens are in it
+        assert c.post("/v1/chat/completions", json=body(model=qwen_server.model_id)).status_code == 200
+    loop_thread = qwen_server.thread.name
+    assert threads[0] != loop_thread  # the large body
+    assert threads[1] == loop_thread  # a small one: parsed in place

@@ -328,3 +328,43 @@ def test_a_request_whose_output_cannot_be_decoded_ends_alone(qwen_server, monkey
     assert [r.json()["choices"][0]["message"]["content"] for r in results[1:]] == \
         [r["choices"][0]["message"]["content"] for r in alone]
     assert qwen_server.engine.worker.healthy
+
+
+def test_idle_buffers_are_handed_back_after_a_pause_not_between_requests(qwen_server, monkeypatch):
+    # Freeing MLX's buffer pool holds the GIL (an event-loop stall) and makes the next request
+    # allocate everything again: not when work runs out, only after a pause.
+    import mlx.core as mx
+
+    from vlmserve.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "IDLE_RELEASE_S", 1.0)
+    body = chat_body(qwen_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+    with qwen_server.client() as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    _wait_idle(qwen_server)
+    assert qwen_server.on_worker(mx.get_cache_memory) > 0  # kept for the next request
+    deadline = time.monotonic() + 10
+    while qwen_server.on_worker(mx.get_cache_memory) > 0:  # the worker wakes every 0.5 s when idle
+        assert time.monotonic() < deadline, "the idle worker never handed its buffers back"
+        time.sleep(0.1)
+
+
+def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_server, monkeypatch):
+    # Time to first token must not include launching another decode step (the host's share of a
+    # step is ~5 ms on the H100); later tokens are read back while the next step runs.
+    from vlmserve.engine.scheduler import MLLMScheduler
+
+    accept = MLLMScheduler._accept
+    launched_meanwhile: dict[int, bool] = {}
+
+    def record(self, seq, token, logprobs):
+        launched_meanwhile.setdefault(seq.generated, self._inflight is not None)
+        return accept(self, seq, token, logprobs)
+
+    monkeypatch.setattr(MLLMScheduler, "_accept", record)
+    body = chat_body(qwen_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=6,
+                     temperature=0, ignore_eos=True)
+    with qwen_server.client() as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    assert launched_meanwhile[0] is False  # the first token: read before the next launch
+    assert launched_meanwhile[2] is True  # later ones: still pipelined

@@ -63,8 +63,11 @@ class MLXWorkerThread(threading.Thread):
                 self.heartbeat = time.monotonic()
                 busy = self.scheduler is not None and self.scheduler.has_work()
                 self._run_jobs(block=not busy)
-                if self.scheduler is not None and self.scheduler.has_work():
-                    self.scheduler.step()
+                if self.scheduler is not None:
+                    if self.scheduler.has_work():
+                        self.scheduler.step()
+                    else:
+                        self.scheduler.release_idle_memory()
                 if self.after_work is not None:
                     self.after_work()
         except BaseException as exc:  # noqa: BLE001 - the worker must report its death, whatever it was
