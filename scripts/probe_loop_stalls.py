@@ -4,7 +4,8 @@
 
 A loop callback beats every 2 ms; a watchdog thread samples the loop thread's stack every
 1 ms while the beat is more than 12 ms late. For each stall over 15 ms it prints to stderr
-the loop's most frequent stacks and, once, what the other busy threads were doing. The
+the loop's most frequent stacks and, once, what the other busy threads were doing, and any
+garbage collection over 2 ms since the last report (CPython's collector holds the GIL). The
 watchdog takes the GIL to sample, so a starved loop shows where it was waiting for it.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import sys
 import threading
 import time
@@ -28,8 +30,23 @@ def _stack(frame, depth: int = 7) -> str:
     return " < ".join(out)
 
 
+_collections: list[tuple[int, float]] = []  # (generation, seconds) of collections over 2 ms
+_gc_start = [0.0]
+
+
+def _time_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    elif time.perf_counter() - _gc_start[0] > 0.002:
+        _collections.append((info["generation"], time.perf_counter() - _gc_start[0]))
+
+
 def _report(duration: float, loop_stacks: collections.Counter, others: dict) -> None:
     print(f"STALL {duration * 1000:.0f} ms", file=sys.stderr)
+    if _collections:
+        print("   gc since the last report: " + ", ".join(f"gen{g} {s * 1000:.0f} ms" for g, s in _collections),
+              file=sys.stderr)
+        _collections.clear()
     for stack, n in loop_stacks.most_common(6):
         print(f"   loop x{n}: {stack}", file=sys.stderr)
     for name, stack in others.items():
@@ -75,6 +92,7 @@ async def _startup_with_watchdog(self, sockets=None):
 
 
 if __name__ == "__main__":
+    gc.callbacks.append(_time_gc)
     uvicorn.Server.startup = _startup_with_watchdog
     from vlmserve.cli import main
 

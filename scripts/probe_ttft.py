@@ -8,8 +8,7 @@ the scheduler's steps are timed by wrapping them, and when a request's first con
 is rendered, every phase since its arrival is printed to stderr (start and length in ms,
 thread). With PROBE_SYNC=1 the worker also waits for the device after the vision tower, each
 prefill and each decode launch, so the printed lengths are device time, not launch time
-(that serializes the pipeline: use it to split TTFT, not to measure it). PROBE_IDLE_RELEASE_S
-overrides how long the worker idles before handing MLX's buffer cache back.
+(that serializes the pipeline: use it to split TTFT, not to measure it).
 """
 
 from __future__ import annotations
@@ -86,8 +85,6 @@ def _instrument() -> None:
     _wrap(model.VLM, "prefill", sync=True)
     _wrap(model.VLM, "prefill_batch", sync=True)
     _wrap(engine, "_deliver")
-    if os.environ.get("PROBE_IDLE_RELEASE_S"):
-        scheduler.IDLE_RELEASE_S = float(os.environ["PROBE_IDLE_RELEASE_S"])
     _wrap(scheduler.MLLMScheduler, "release_idle_memory")
     content = sse.ChunkLines.content
 

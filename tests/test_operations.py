@@ -433,9 +433,11 @@ def test_serve_runs_the_event_loop_its_flag_names():
         _serve_config("--event-loop", "trio")
 
 
-def test_mlx_cache_limit_flag_reaches_the_config():
+def test_mlx_cache_flags_reach_the_config():
     assert _serve_config().mlx_cache_limit_gb == 8.0
     assert _serve_config("--mlx-cache-limit-gb", "2.5").mlx_cache_limit_gb == 2.5
+    assert _serve_config().release_cache_after_idle_s == 60.0
+    assert _serve_config("--release-cache-after-idle", "5").release_cache_after_idle_s == 5.0
 
 
 _FIRST_REQUEST_IMPORTS = """
@@ -471,3 +473,11 @@ def test_first_request_after_warmup_imports_nothing():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+def test_pool_threads_are_started_before_ready(qwen_server):
+    # A pool starts a thread per submit while none is idle, and Thread.start() waits for it to
+    # run: during a first burst that wait would fall on the event loop.
+    pre = qwen_server.state.preprocessor
+    assert len(pre.pool._threads) == qwen_server.config.preprocess_workers
+    assert len(pre.fetch_pool._threads) == pre.fetch_workers

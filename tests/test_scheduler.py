@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import chat_body, data_uri, images
+from conftest import chat_body, data_uri, images, start_server
 from reference import mlx_vlm_text
 
 MAX_TOKENS = 16
@@ -330,23 +330,25 @@ def test_a_request_whose_output_cannot_be_decoded_ends_alone(qwen_server, monkey
     assert qwen_server.engine.worker.healthy
 
 
-def test_idle_buffers_are_handed_back_after_a_pause_not_between_requests(qwen_server, monkeypatch):
+def test_idle_buffers_are_handed_back_after_a_pause_not_between_requests():
     # Freeing MLX's buffer pool holds the GIL (an event-loop stall) and makes the next request
-    # allocate everything again: not when work runs out, only after a pause.
+    # allocate everything again: not when work runs out, only after --release-cache-after-idle.
     import mlx.core as mx
 
-    from vlmserve.engine import scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "IDLE_RELEASE_S", 1.0)
-    body = chat_body(qwen_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
-    with qwen_server.client() as c:
-        assert c.post("/v1/chat/completions", json=body).status_code == 200
-    _wait_idle(qwen_server)
-    assert qwen_server.on_worker(mx.get_cache_memory) > 0  # kept for the next request
-    deadline = time.monotonic() + 10
-    while qwen_server.on_worker(mx.get_cache_memory) > 0:  # the worker wakes every 0.5 s when idle
-        assert time.monotonic() < deadline, "the idle worker never handed its buffers back"
-        time.sleep(0.1)
+    server = start_server("qwen2_vl", release_cache_after_idle_s=1.0)
+    try:
+        assert server.engine.scheduler.idle_release_s == 1.0
+        body = chat_body(server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+        with server.client() as c:
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        _wait_idle(server)
+        assert server.on_worker(mx.get_cache_memory) > 0  # kept for the next request
+        deadline = time.monotonic() + 10
+        while server.on_worker(mx.get_cache_memory) > 0:  # the worker wakes every 0.5 s when idle
+            assert time.monotonic() < deadline, "the idle worker never handed its buffers back"
+            time.sleep(0.1)
+    finally:
+        server.stop()
 
 
 def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_server, monkeypatch):

@@ -30,6 +30,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="pad prompt lengths to multiples of this so new lengths reuse compiled kernels (0: exact)")
     p.add_argument("--mlx-cache-limit-gb", type=float, default=d.mlx_cache_limit_gb,
                    help="GiB of freed device buffers MLX keeps for reuse")
+    p.add_argument("--release-cache-after-idle", dest="release_cache_after_idle_s", type=float,
+                   default=d.release_cache_after_idle_s, metavar="SECONDS",
+                   help="hand those buffers back after this long without work")
     p.add_argument("--compile-decode", choices=["auto", "on", "off"], default=d.compile_decode,
                    help="run each decode step as one compiled graph (auto: on GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")

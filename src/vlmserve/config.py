@@ -28,6 +28,7 @@ class ServerConfig:
     # per-kernel launch cost, which fusion and graph replay cut; on CPU the fused-kernel JIT costs more.
     compile_decode: str = "auto"
     mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool
+    release_cache_after_idle_s: float = 60.0  # then hand that pool back (the next request re-allocates)
     default_max_tokens: int = 512
 
     # CPU preprocessing

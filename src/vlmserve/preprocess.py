@@ -84,7 +84,8 @@ class Preprocessor:
         self.policy = media_policy(config)
         self.images = ImageCache(max_entries=config.image_cache_entries)
         self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
-        self.fetch_pool = ThreadPoolExecutor(max(4, config.preprocess_workers * 2), thread_name_prefix="fetch")
+        self.fetch_workers = max(4, config.preprocess_workers * 2)
+        self.fetch_pool = ThreadPoolExecutor(self.fetch_workers, thread_name_prefix="fetch")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

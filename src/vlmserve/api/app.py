@@ -8,6 +8,7 @@ import gc
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import httpx
@@ -33,6 +34,17 @@ from .routes import method_not_allowed, not_found, routes
 log = logging.getLogger("vlmserve")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
+_LOOP_EXECUTOR_THREADS = 4
+
+
+def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start a pool's n threads now. A pool starts one thread per submit while none is idle, and
+    Thread.start() waits until the new thread runs: on the event loop, under load, that means
+    waiting for the GIL (loop stalls during the first big burst, seen on the H100)."""
+    barrier = threading.Barrier(n + 1)
+    for _ in range(n):
+        pool.submit(barrier.wait, 10)
+    barrier.wait(10)
 
 
 async def _warm_streaming_response() -> None:
@@ -98,12 +110,19 @@ class ServerState:
     async def start(self) -> None:
         """Load, warm up, report ready. Raises with the reason if any of it fails."""
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        # The loop's own executor (large request bodies are parsed there, routes.py): GIL-bound
+        # work, so a few threads, all started now.
+        executor = ThreadPoolExecutor(_LOOP_EXECUTOR_THREADS, thread_name_prefix="loop-executor")
+        loop.set_default_executor(executor)
+        _start_threads(executor, _LOOP_EXECUTOR_THREADS)
         try:
             await self.engine.start()
-            loop = asyncio.get_running_loop()
             processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
             self.preprocessor = Preprocessor(processor, self.engine.info.context_length, self.config,
                                              pixel_dtype=self.engine.info.pixel_dtype)
+            _start_threads(self.preprocessor.pool, self.config.preprocess_workers)
+            _start_threads(self.preprocessor.fetch_pool, self.preprocessor.fetch_workers)
             if self.config.preprocess_processes > 0:
                 self.preprocess_processes = PreprocessProcesses(
                     self.engine.model_path, self.engine.info.context_length, self.config,

@@ -61,6 +61,7 @@ class Engine:
             prefix_cache_tokens=self.config.prefix_cache_tokens,
             compile_decode=self.config.compile_decode == "on"
             or (self.config.compile_decode == "auto" and mx.default_device() == mx.gpu),
+            idle_release_s=self.config.release_cache_after_idle_s,
             hooks=self.hooks,
         )
         self.scheduler.flush_events = self._flush

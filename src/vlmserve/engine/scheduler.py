@@ -27,7 +27,6 @@ from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 
-IDLE_RELEASE_S = 2.0  # idle this long before MLX's buffer cache is handed back
 _EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
 
 
@@ -71,7 +70,7 @@ class SchedulerStats:
 class MLLMScheduler:
     def __init__(self, vlm: VLM, tokenizer: TextCodec, *, max_num_seqs: int = 32, prefill_chunk: int = 512,
                  prefill_budget: int | None = None, prefill_bucket: int = 0, prefix_cache_tokens: int = 65536,
-                 compile_decode: bool = False, hooks: Any = None):
+                 compile_decode: bool = False, idle_release_s: float = 60.0, hooks: Any = None):
         self.vlm = vlm
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -82,6 +81,7 @@ class MLLMScheduler:
         self.eos = set(vlm.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = vlm.info.context_length
         self.hooks = hooks
+        self.idle_release_s = idle_release_s  # idle this long before MLX's buffer cache is handed back
         self.inbox: deque[EngineRequest] = deque()  # appended from any thread
         self.waiting: deque[EngineRequest] = deque()
         self.prefilling: list[Sequence] = []
@@ -128,13 +128,13 @@ class MLLMScheduler:
         self._idle_since = None if self.has_work() else time.monotonic()
 
     def release_idle_memory(self) -> None:
-        """Hand MLX's cached buffers back once idle for IDLE_RELEASE_S (other processes share the device).
+        """Hand MLX's cached buffers back once idle for `idle_release_s` (other processes share the device).
 
-        Not on the step that runs out of work: freeing the pool holds the GIL for tens of ms
-        (a stall for the event loop, seen on the H100), and the next request, often moments
-        later (closed-loop clients, c=1, the next wave), would allocate every buffer again.
+        Not as soon as work runs out: freeing the pool holds the GIL for tens of ms (an event
+        loop stall), and the next request allocates every buffer again: on the H100 a request
+        after a release took 100-160 ms to its first token against 50-65 ms without.
         """
-        if self._idle_since is not None and time.monotonic() - self._idle_since >= IDLE_RELEASE_S:
+        if self._idle_since is not None and time.monotonic() - self._idle_since >= self.idle_release_s:
             self._idle_since = None
             mx.clear_cache()
 
