@@ -217,3 +217,22 @@ def test_pixels_shipped_as_bfloat16_embed_as_cast_on_device(qwen_server):
     a, b = qwen_server.on_worker(compare)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+def test_pixels_copied_in_pieces_are_the_same_array(grid_server):
+    # The worker copies large inputs in pieces (the event loop waits out one piece, not one image).
+    from vlmserve.engine.model import _COPY_PIECE_BYTES, host_to_mx
+
+    def compare(array):
+        import mlx.core as mx
+
+        ours, whole = host_to_mx(array), mx.array(array)
+        return ours.shape == whole.shape and ours.dtype == whole.dtype and mx.array_equal(ours, whole).item()
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.uint16, np.float64, np.int64):
+        for shape in [(1024, 1176), (1, 3, 448, 448), (7,)]:
+            host = (rng.random(shape) * 1000).astype(dtype)
+            assert host.nbytes > _COPY_PIECE_BYTES or shape == (7,)
+            for array in (host, np.swapaxes(host, 0, -1)):  # also a non-contiguous one
+                assert grid_server.on_worker(compare, array), (dtype, shape)
