@@ -59,6 +59,9 @@ class Metrics:
     def succeed(self, reason: str) -> None:
         self.success.labels(self.model_name, reason).inc()
 
+    def preprocessed(self, pool: str) -> None:
+        self.preprocess_jobs.labels(self.model_name, pool).inc()
+
 
 class SchedulerHooks:
     """Called by the scheduler on the worker thread; prometheus_client is thread-safe."""

@@ -273,7 +273,7 @@ class ServerState:
             in_process = (self.preprocess_processes is None
                           or self._in_process_jobs < self.in_process_preprocess_limit)
             self._in_process_jobs += in_process
-        self.metrics.preprocess_jobs.labels(self.metrics.model_name, "threads" if in_process else "processes").inc()
+        self.metrics.preprocessed("threads" if in_process else "processes")
         return in_process
 
     def _release(self, n: int, in_process: bool) -> None:  # when the pool job ends (any thread)
