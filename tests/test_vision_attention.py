@@ -87,3 +87,94 @@ def test_rotate_qk_equals_mlx_vlm_rotation_of_q_and_k(grid_server, dtype):
     ours, ref = grid_server.on_worker(compare)
     assert ours.shape == ref.shape == (300, 2, 3, 16)
     np.testing.assert_array_equal(ours, ref)
+
+
+def test_power_of_two_pieces_cut_runs_largest_first():
+    from vlmserve.engine.vision_attention import power_of_two_pieces
+
+    assert power_of_two_pieces([(0, 13, 4), (52, 2, 3), (58, 1, 5)]) == [
+        (0, 8, 4), (32, 4, 4), (48, 1, 4), (52, 2, 3), (58, 1, 5)]
+    assert power_of_two_pieces([(0, 32, 10)]) == [(0, 32, 10)]
+
+
+def _sdpa_batches(monkeypatch):
+    """Record the batch size of every attention call the tower makes."""
+    import mlx.core as mx
+
+    original, batches = mx.fast.scaled_dot_product_attention, []
+
+    def recording(q, *args, **kwargs):
+        batches.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording)
+    return batches
+
+
+def test_cudnn_attention_takes_power_of_two_image_counts(grid_server, monkeypatch):
+    """With cuDNN on, 7 equal images go to attention in power-of-two batches (4 + 2 + 1: bounded
+    plan shapes), and the features are the same as from one call over all 7."""
+    from vlmserve.engine import composed_attention
+
+    vlm = grid_server.state.engine.scheduler.vlm
+    batches = _sdpa_batches(monkeypatch)
+
+    def features(cudnn: bool):
+        import mlx.core as mx
+
+        monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: cudnn)
+        vc = vlm.model.config.vision_config
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        grid = np.array([[1, 8, 8]] * 7)
+        pixels = mx.random.normal((7 * 64, dim), key=mx.random.key(3))
+        return np.array(vlm._tower(pixels, grid).astype(mx.float32))
+
+    whole = grid_server.on_worker(features, False)
+    whole_batches, batches[:] = list(batches), []
+    pieces = grid_server.on_worker(features, True)
+    np.testing.assert_array_equal(pieces, whole)
+    # Qwen2.5-VL's windowed blocks batch windows (several per image), its full ones images.
+    assert any(not _power_of_two(n) for n in whole_batches)
+    assert batches and all(_power_of_two(n) for n in batches)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def test_warm_vision_plans_runs_each_power_of_two_a_step_can_batch(grid_server, monkeypatch):
+    from vlmserve.engine import composed_attention
+
+    scheduler = grid_server.state.engine.scheduler
+    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: False)
+    assert grid_server.on_worker(scheduler.warm_vision_plans, (1, 8, 8)) == []  # no plans to build
+
+    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(scheduler, "prefill_budget", 100)
+    batches = _sdpa_batches(monkeypatch)
+    # 16 tokens an image: a 100-token budget batches up to 7 (the 7th overshoots), so 1, 2 and 4.
+    assert grid_server.on_worker(scheduler.warm_vision_plans, (1, 8, 8)) == [1, 2, 4]
+    assert {1, 2, 4} <= set(batches) and all(_power_of_two(n) for n in batches)
+    monkeypatch.setattr(scheduler, "max_num_seqs", 2)
+    assert grid_server.on_worker(scheduler.warm_vision_plans, (1, 8, 8)) == [1, 2]
+
+
+def test_warm_up_builds_the_tower_shapes_of_its_image_sizes(monkeypatch):
+    from vlmserve.engine import composed_attention
+    from vlmserve.engine.scheduler import MLLMScheduler
+
+    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: True)
+    grids = []
+    original = MLLMScheduler.warm_vision_plans
+
+    def recording(self, grid_thw):
+        grids.append(grid_thw)
+        return original(self, grid_thw)
+
+    monkeypatch.setattr(MLLMScheduler, "warm_vision_plans", recording)
+    server = start_server("qwen2_vl", warmup_image_sizes=(56, 112))
+    try:
+        assert server.client().get("/ready").status_code == 200
+    finally:
+        server.stop()
+    assert grids == [(1, 4, 4), (1, 8, 8)]  # each warm-up image's patch grid, once

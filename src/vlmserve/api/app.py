@@ -186,6 +186,7 @@ class ServerState:
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")
         await self.engine.run_on_worker(self._forget_prefixes)
+        await self._warm_vision_plans([p for _, p in prepared_jobs if p.has_pixels])
         # The compiled decode step: every slot-count bucket up to --max-num-seqs, at the KV
         # capacities prompts up to two prefill chunks use (longer ones trace once, when they come).
         t0 = time.perf_counter()
@@ -193,6 +194,17 @@ class ServerState:
         traced = await self.engine.run_on_worker(self.engine.scheduler.batches.warm, self.config.max_num_seqs, capacity)
         if traced:
             log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
+
+    async def _warm_vision_plans(self, image_jobs: list[PreparedRequest]) -> None:
+        """The tower at every image count one step can batch, per warm-up image size (cuDNN
+        builds an attention plan per shape: engine/vision_attention.py)."""
+        t0, runs = time.perf_counter(), 0
+        for prepared in image_jobs:
+            grids = prepared.model_inputs.get("image_grid_thw")  # Qwen-VL grid towers only
+            for grid in [] if grids is None else np.asarray(grids).reshape(-1, 3).tolist():
+                runs += len(await self.engine.run_on_worker(self.engine.scheduler.warm_vision_plans, tuple(grid)))
+        if runs:
+            log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
 
     def _forget_prefixes(self) -> None:  # worker thread: the cache holds MLX arrays
         if self.engine.scheduler.prefix_cache is not None:

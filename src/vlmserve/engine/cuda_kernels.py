@@ -13,10 +13,14 @@ import os
 import mlx.core as mx
 
 
-def enabled() -> bool:
+def on_cuda() -> bool:
+    """MLX's CUDA backend, with the GPU as the default device."""
     cuda = getattr(mx, "cuda", None)
-    return (os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0" and cuda is not None
-            and cuda.is_available() and mx.default_device() == mx.gpu and hasattr(mx.fast, "cuda_kernel"))
+    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def enabled() -> bool:
+    return os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0" and on_cuda() and hasattr(mx.fast, "cuda_kernel")
 
 
 @functools.cache

@@ -1,9 +1,9 @@
 """One-query attention over the slot KV cache as a single CUDA kernel.
 
 A decode step attends one new token per row to that row's first `length` cached positions.
-MLX's CUDA SDPA has no kernel for that masked one-query case (with cuDNN off, see
-engine/__init__.py), so each layer ran the composed fallback: scale, a matmul, a select, a
-softmax and a second matmul, with reshapes around them, in every layer of every step, and
+MLX's CUDA SDPA has no kernel for that masked one-query case (cuDNN's builds a plan per
+shape), so each layer ran the composed fallback: scale, a matmul, a select, a softmax and a
+second matmul, with reshapes around them, in every layer of every step, and
 the step is bound by launching kernels. This kernel does it in one launch per layer, with an
 online softmax in float32. A block serves a few of the query heads that share one KV head
 (GQA) for one row, so each key and value is read by few blocks and the batch still spreads
@@ -19,7 +19,7 @@ import struct
 import mlx.core as mx
 from mlx_vlm.models import base
 
-from . import cuda_kernels
+from . import composed_attention, cuda_kernels
 from .rebind import rebind_in_mlx_vlm
 from .slot_cache import SlotLayerCache
 
@@ -197,10 +197,14 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.arra
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx_vlm's attention entry point; one-token steps over the slot cache take the kernel."""
+    """mlx_vlm's attention entry point; one-token steps over the slot cache take the kernel,
+    and prompt attention on CUDA keeps off cuDNN's per-shape plans (composed_attention)."""
     if (sinks is None and isinstance(cache, SlotLayerCache) and cache.plain_mask
             and available(queries, keys)):
         return attend(queries, keys, values, cache.offset + queries.shape[2], scale)
+    quantized = hasattr(cache, "bits") or hasattr(cache, "dequantize")  # mlx_vlm's own paths for these
+    if not quantized and composed_attention.avoids_cudnn(queries, mask) and composed_attention.cudnn_enabled():
+        return composed_attention.composed(queries, keys, values, scale, mask, sinks)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

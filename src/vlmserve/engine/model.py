@@ -19,7 +19,8 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import decode_attention, fused_projections, qwen_decode, qwen_embedding, rope_rotation, vision_attention
+from . import (composed_attention, decode_attention, fused_projections, qwen_decode, qwen_embedding, rope_rotation,
+               vision_attention)
 
 log = logging.getLogger(__name__)
 
@@ -149,16 +150,38 @@ class VLM:
         inputs = {id(p): _device_inputs(p) for p in with_images}  # one host->device copy per request
         pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
         grids = {id(p): np.asarray(p.model_inputs["image_grid_thw"]).reshape(-1, 3) for p in with_images}
-        grid = np.concatenate(list(grids.values()))
-        if self.info.model_type == "qwen2_vl":
-            features = qwen_embedding.qwen2_vl_tower(tower, pixels, grid)
-        else:
-            features = tower(pixels, mx.array(grid), output_hidden_states=False)
+        features = self._tower(pixels, np.concatenate(list(grids.values())))
         merge = self.model.config.vision_config.spatial_merge_size ** 2
         rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]
         per_request = dict(zip(grids, mx.split(features, rows.tolist())))
         return [self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs[id(p)])
                 if id(p) in per_request else self.embed_prompt(p) for p in prepared]
+
+    def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
+        """All images' features from one vision-tower call (Qwen-VL grid towers)."""
+        if self.info.model_type == "qwen2_vl":
+            return qwen_embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid)
+        return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)
+
+    def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """Prompt tokens one image of this patch grid takes (Qwen-VL: merged patches)."""
+        merge = getattr(self.model.config.vision_config, "spatial_merge_size", 1)
+        return int(np.prod(grid_thw)) // (merge * merge)
+
+    def warm_vision_plans(self, grid_thw: tuple[int, int, int], max_images: int) -> list[int]:
+        """Run the tower at every power-of-two image count up to `max_images` of one image size,
+        so cuDNN's attention plans for that size exist before traffic (vision_attention);
+        returns the counts run (none where the tower's attention does not go to cuDNN)."""
+        if self.info.model_type not in _GRID_TOWERS or not composed_attention.cudnn_enabled():
+            return []
+        vc = self.model.config.vision_config
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        counts = [1 << i for i in range(max(1, max_images).bit_length())]
+        for n in counts:
+            pixels = mx.zeros((n * int(np.prod(grid_thw)), width), dtype=dtype)
+            mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
+        return counts
 
     def _embed_image_prompt(self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray,
                             inputs: dict[str, mx.array]) -> PromptState:

@@ -252,6 +252,12 @@ class MLLMScheduler:
         for seq, prompt in zip(todo, prompts):
             self._embedded(seq, prompt, share)
 
+    def warm_vision_plans(self, grid_thw: tuple[int, int, int]) -> list[int]:
+        """Build the tower's shapes for images of this grid at every count `_embed_upcoming` can
+        batch: requests are taken until the budget is spent, each counted at most a chunk."""
+        per_image = min(self.prefill_chunk, max(1, self.vlm.image_tokens(grid_thw)))
+        return self.vlm.warm_vision_plans(grid_thw, min(self.max_num_seqs, self.prefill_budget // per_image + 1))
+
     def _embed(self, seq: Sequence) -> None:
         """Vision encoder + embeddings (once per request), and the prefix cache for text-only prompts."""
         if seq.prompt is None:
