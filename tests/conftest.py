@@ -14,6 +14,9 @@ import httpx
 import pytest
 
 os.environ.setdefault("VLMSERVE_THREAD_GUARD", "1")
+# The fixtures are float32 and the tests compare float32 results exactly; on CUDA, MLX runs
+# float32 matmuls as TF32 unless told not to (read once, at first use).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "fixtures" / "models"
