@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import on_own_thread
-from vlmserve.engine import composed_attention, decode_attention
+from vlmserve.engine import composed_attention, cuda_kernels, decode_attention
 
 # (batch, query heads, KV heads, query length, key length, head dim)
 _SHAPES = [(2, 4, 4, 7, 7, 16), (3, 6, 2, 5, 9, 32), (1, 12, 2, 1, 20, 64)]
@@ -49,7 +49,7 @@ def test_composed_is_mlx_composed_attention(shape, mask, dtype, sinks):
 
     ours, ref, same_dtype = on_own_thread(compare)
     assert same_dtype and ours.shape == ref.shape
-    if composed_attention.cuda_kernels.on_cuda():  # MLX sends some calls to cuDNN or its vector kernel
+    if cuda_kernels.on_cuda():  # MLX sends some calls to cuDNN or its vector kernel
         np.testing.assert_allclose(ours, ref, rtol=0, atol=6e-2 if dtype == "bfloat16" else 1e-4)
     else:
         np.testing.assert_array_equal(ours, ref)
@@ -70,7 +70,7 @@ def test_avoids_cudnn_where_mlx_composes():
 
 def test_language_attention_routes_prompts_to_composed_when_cudnn_is_on(monkeypatch):
     calls = []
-    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: True)
     monkeypatch.setattr(composed_attention, "composed", lambda *a, **k: calls.append("composed") or a[0])
     monkeypatch.setattr(decode_attention, "_ORIGINAL", lambda *a, **k: calls.append("mlx") or a[0])
 
@@ -93,7 +93,7 @@ def test_language_attention_routes_prompts_to_composed_when_cudnn_is_on(monkeypa
 
 
 def test_language_attention_unchanged_with_cudnn_off(monkeypatch):
-    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: False)
+    monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: False)
     monkeypatch.setattr(composed_attention, "composed", lambda *a, **k: pytest.fail("composed with cuDNN off"))
     calls = []
     monkeypatch.setattr(decode_attention, "_ORIGINAL", lambda *a, **k: calls.append("mlx") or a[0])

@@ -114,7 +114,7 @@ def _sdpa_batches(monkeypatch):
 def test_cudnn_attention_takes_power_of_two_image_counts(grid_server, monkeypatch):
     """With cuDNN on, 7 equal images go to attention in power-of-two batches (4 + 2 + 1: bounded
     plan shapes), and the features are the same as from one call over all 7."""
-    from vlmserve.engine import composed_attention
+    from vlmserve.engine import cuda_kernels
 
     vlm = grid_server.state.engine.scheduler.vlm
     batches = _sdpa_batches(monkeypatch)
@@ -122,7 +122,7 @@ def test_cudnn_attention_takes_power_of_two_image_counts(grid_server, monkeypatc
     def features(cudnn: bool):
         import mlx.core as mx
 
-        monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: cudnn)
+        monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: cudnn)
         vc = vlm.model.config.vision_config
         dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
         grid = np.array([[1, 8, 8]] * 7)
@@ -143,13 +143,13 @@ def _power_of_two(n: int) -> bool:
 
 
 def test_warm_vision_plans_runs_each_power_of_two_a_step_can_batch(grid_server, monkeypatch):
-    from vlmserve.engine import composed_attention
+    from vlmserve.engine import cuda_kernels
 
     scheduler = grid_server.state.engine.scheduler
-    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: False)
+    monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: False)
     assert grid_server.on_worker(scheduler.warm_vision_plans, (1, 8, 8)) == []  # no plans to build
 
-    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: True)
     monkeypatch.setattr(scheduler, "prefill_budget", 100)
     batches = _sdpa_batches(monkeypatch)
     # 16 tokens an image: a 100-token budget batches up to 7 (the 7th overshoots), so 1, 2 and 4.
@@ -160,10 +160,10 @@ def test_warm_vision_plans_runs_each_power_of_two_a_step_can_batch(grid_server, 
 
 
 def test_warm_up_builds_the_tower_shapes_of_its_image_sizes(monkeypatch):
-    from vlmserve.engine import composed_attention
+    from vlmserve.engine import cuda_kernels
     from vlmserve.engine.scheduler import MLLMScheduler
 
-    monkeypatch.setattr(composed_attention, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: True)
     grids = []
     original = MLLMScheduler.warm_vision_plans
 

@@ -12,18 +12,9 @@ results are the ones MLX gave with cuDNN off. Calls that MLX's own vector kernel
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from . import cuda_kernels
-
 _VECTOR_MAX_QUERIES = 3  # MLX's CUDA vector kernel takes fewer than 4 queries and no array mask
-
-
-def cudnn_enabled() -> bool:
-    """Whether MLX may route attention to cuDNN in this process (read by MLX once, at first use)."""
-    return cuda_kernels.on_cuda() and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0"
 
 
 def avoids_cudnn(queries: mx.array, mask) -> bool:

@@ -203,7 +203,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
             and available(queries, keys)):
         return attend(queries, keys, values, cache.offset + queries.shape[2], scale)
     quantized = hasattr(cache, "bits") or hasattr(cache, "dequantize")  # mlx_vlm's own paths for these
-    if not quantized and composed_attention.avoids_cudnn(queries, mask) and composed_attention.cudnn_enabled():
+    if not quantized and composed_attention.avoids_cudnn(queries, mask) and cuda_kernels.cudnn_enabled():
         return composed_attention.composed(queries, keys, values, scale, mask, sinks)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

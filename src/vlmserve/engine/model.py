@@ -19,7 +19,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import (composed_attention, decode_attention, fused_projections, qwen_decode, qwen_embedding, rope_rotation,
+from . import (cuda_kernels, decode_attention, fused_projections, qwen_decode, qwen_embedding, rope_rotation,
                vision_attention)
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class VLM:
         """Run the tower at every power-of-two image count up to `max_images` of one image size,
         so cuDNN's attention plans for that size exist before traffic (vision_attention);
         returns the counts run (none where the tower's attention does not go to cuDNN)."""
-        if self.info.model_type not in _GRID_TOWERS or not composed_attention.cudnn_enabled():
+        if self.info.model_type not in _GRID_TOWERS or not cuda_kernels.cudnn_enabled():
             return []
         vc = self.model.config.vision_config
         width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2

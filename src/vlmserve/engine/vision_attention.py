@@ -11,7 +11,7 @@ kernel on that backend). The arithmetic per element is unchanged.
 On CUDA that kernel is cuDNN's fused attention (a third off the tower at 32 W1 images on an
 H100), which builds a plan per shape (~70 ms). So a run is cut into power-of-two image
 counts (13 = 8 + 4 + 1): a segment length then needs at most log2(max images) plans, which
-warm-up builds for its image sizes (`warm_plans`).
+warm-up builds for its image sizes (`MLLMScheduler.warm_vision_plans`).
 
 The swap is per module instance (its class is replaced by a subclass), so only the model
 the server loaded changes, never another copy of mlx_vlm's classes in the process.
@@ -24,7 +24,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import composed_attention, cuda_kernels
+from . import cuda_kernels
 
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -57,7 +57,7 @@ def segment_attention(q: mx.array, k: mx.array, v: mx.array, bounds: list[int], 
     """Attention within each segment of q, k, v (S, H, D); segments are given by `bounds`."""
     _, heads, dim = q.shape
     runs = segment_runs(bounds)
-    if composed_attention.cudnn_enabled():
+    if cuda_kernels.cudnn_enabled():
         runs = power_of_two_pieces(runs)
     outs = []
     for start, count, length in runs:
