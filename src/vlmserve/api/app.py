@@ -200,9 +200,7 @@ class ServerState:
         builds an attention plan per shape: engine/vision_attention.py)."""
         t0, runs = time.perf_counter(), 0
         for prepared in image_jobs:
-            grids = prepared.model_inputs.get("image_grid_thw")  # Qwen-VL grid towers only
-            for grid in [] if grids is None else np.asarray(grids).reshape(-1, 3).tolist():
-                runs += len(await self.engine.run_on_worker(self.engine.scheduler.warm_vision_plans, tuple(grid)))
+            runs += await self.engine.run_on_worker(self.engine.scheduler.warm_vision, prepared)
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
 

@@ -49,6 +49,12 @@ def host_to_mx(v: np.ndarray) -> mx.array:
     return mx.concatenate([mx.array(flat[i:i + step]) for i in range(0, flat.size, step)]).reshape(v.shape)
 
 
+def image_grids(prepared: PreparedRequest) -> np.ndarray:
+    """The (t, h, w) patch grid of each of a request's images, (N, 3); none outside Qwen-VL grid towers."""
+    grids = prepared.model_inputs.get("image_grid_thw")
+    return np.zeros((0, 3), dtype=np.int64) if grids is None else np.asarray(grids).reshape(-1, 3)
+
+
 def _device_inputs(prepared: PreparedRequest) -> dict[str, mx.array]:
     return {k: host_to_mx(v).view(mx.bfloat16) if k in prepared.bfloat16_inputs else host_to_mx(v)
             for k, v in prepared.model_inputs.items()}
@@ -149,7 +155,7 @@ class VLM:
         dtype = tower.patch_embed.proj.weight.dtype
         inputs = {id(p): _device_inputs(p) for p in with_images}  # one host->device copy per request
         pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
-        grids = {id(p): np.asarray(p.model_inputs["image_grid_thw"]).reshape(-1, 3) for p in with_images}
+        grids = {id(p): image_grids(p) for p in with_images}
         features = self._tower(pixels, np.concatenate(list(grids.values())))
         merge = self.model.config.vision_config.spatial_merge_size ** 2
         rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]

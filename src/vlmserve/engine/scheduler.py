@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
 from .decode_batch import DecodeBatches
-from .model import VLM, PromptState
+from .model import VLM, PromptState, image_grids
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, log_softmax, sample_batch
 from .text_stream import TextStream
@@ -251,6 +251,10 @@ class MLLMScheduler:
         share = (time.perf_counter() - t0) / len(todo)
         for seq, prompt in zip(todo, prompts):
             self._embedded(seq, prompt, share)
+
+    def warm_vision(self, prepared: PreparedRequest) -> int:
+        """`warm_vision_plans` for each image size of this request; returns the tower runs made."""
+        return sum(len(self.warm_vision_plans(tuple(grid))) for grid in image_grids(prepared).tolist())
 
     def warm_vision_plans(self, grid_thw: tuple[int, int, int]) -> list[int]:
         """Build the tower's shapes for images of this grid at every count `_embed_upcoming` can
