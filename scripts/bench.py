@@ -24,7 +24,7 @@ import os
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 import numpy as np
@@ -52,6 +52,7 @@ def make_prompt(words: int) -> str:
 @dataclass
 class Result:
     ok: bool
+    start: float = 0.0  # perf_counter() when the request was sent (the same clock as the server's on one host)
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list = field(default_factory=list)
@@ -68,7 +69,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, image: st
             "messages": [{"role": "user", "content": parts if image_first else parts[::-1]}]}
     start = time.perf_counter()
     last = None
-    res = Result(ok=False)
+    res = Result(ok=False, start=start)
     chunks = 0
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -216,28 +217,84 @@ def profile_delta(before: dict, after: dict) -> dict:
     return out
 
 
-async def run_level(url: str, model: str, concurrency: int, n_requests: int, args, offset: int) -> dict:
-    images = [make_image(offset + i, args.image_size) for i in range(n_requests)]
-    prompt = make_prompt(args.prompt_words)
+async def closed_loop(url: str, model: str, images: list[str], workers: int, prompt: str, args: dict,
+                      ready=None, go=None) -> tuple[list[Result], float, float]:
+    """`workers` clients, each sending its next request as soon as its last one ends, until none are
+    left; they start when `go` is set. Returns (results, when the last ended, CPU seconds used)."""
     queue: asyncio.Queue = asyncio.Queue()
     for img in images:
         queue.put_nowait(img)
     results: list[Result] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=workers + 4)
+    async with httpx.AsyncClient(timeout=args["timeout"], limits=limits) as client:
+        async def worker():
+            while not queue.empty():
+                img = queue.get_nowait()
+                results.append(await one_request(client, url, model, img, prompt, args["max_tokens"],
+                                                 args["image_first"]))
+
+        ready.set()
+        await asyncio.to_thread(go.wait)
+        cpu0 = time.process_time()
+        await asyncio.gather(*(worker() for _ in range(workers)))
+        return results, time.perf_counter(), time.process_time() - cpu0
+
+
+def _client_process(url, model, indices, workers, prompt, args, ready, go, out) -> None:
+    """One load-generator process: its share of the level's workers and requests."""
+    images = [make_image(i, args["image_size"]) for i in indices]  # before the level's clock starts
+    results, end, cpu = asyncio.run(closed_loop(url, model, images, workers, prompt, args, ready, go))
+    out.send(([asdict(r) for r in results], end, cpu))
+
+
+async def run_clients(url: str, model: str, concurrency: int, indices: list[int], prompt: str, args,
+                      processes: int) -> tuple[list[Result], float, float, float]:
+    """Run the level from `processes` load-generator processes (worker w sends requests w, w + c, ...).
+
+    One Python process spends ~2-3 ms of its event loop on each request it sends (httpx, the
+    150 KB body) and on each stream's end, so at c=32 it spread a closed loop's wave of new
+    requests over ~100 ms on the H100 host: its own delay, counted in the server's TTFT and
+    throughput. Several processes send a wave in parallel. Returns (results, t0, end, cpu s), t0
+    being when the first request was sent."""
+    processes = max(1, min(processes, concurrency))
+    ctx = multiprocessing.get_context("spawn")
+    ready = [ctx.Event() for _ in range(processes)]
+    go = ctx.Event()
+    procs, pipes = [], []
+    settings = {k: getattr(args, k) for k in ("image_size", "max_tokens", "image_first", "timeout")}
+    for p in range(processes):
+        workers = [w for w in range(concurrency) if w % processes == p]
+        mine = [i for n, i in enumerate(indices) if n % concurrency in workers]
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_client_process, daemon=True,
+                           args=(url, model, mine, len(workers), prompt, settings, ready[p], go, send))
+        proc.start()
+        procs.append(proc)
+        pipes.append(recv)
+    for event in ready:
+        if not await asyncio.to_thread(event.wait, 120):
+            raise RuntimeError("a load-generator process did not start")
+    go.set()
+    results, end, cpu = [], 0.0, 0.0
+    for recv, proc in zip(pipes, procs):
+        rows, finished, used = await asyncio.to_thread(recv.recv)
+        results += [Result(**r) for r in rows]
+        end, cpu = max(end, finished), cpu + used
+        proc.join(timeout=10)
+    t0 = min((r.start for r in results), default=end)
+    return results, t0, end, cpu
+
+
+async def run_level(url: str, model: str, concurrency: int, n_requests: int, args, offset: int) -> dict:
+    prompt = make_prompt(args.prompt_words)
     stop = asyncio.Event()
     before = await scrape_profile(url)
     health = await HealthProbe(url).start()
     gpu = asyncio.create_task(gpu_peak(stop))
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        async def worker():
-            while not queue.empty():
-                img = queue.get_nowait()
-                results.append(await one_request(client, url, model, img, prompt, args.max_tokens, args.image_first))
-
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-        client_cpu = (time.process_time() - cpu0) / wall if wall else 0.0
+    results, t0, end, cpu = await run_clients(url, model, concurrency, list(range(offset, offset + n_requests)),
+                                              prompt, args, args.client_processes)
+    wall = end - t0
+    client_cpu = cpu / wall if wall else 0.0
     stop.set()
     health_s = await health.finish()
     peak = await gpu
@@ -252,12 +309,17 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in ok) if ok else None,
         "output_tokens_mean": statistics.mean(r.output_tokens for r in ok) if ok else None,
         "ttft_p50_s": pct([r.ttft for r in ok], 50), "ttft_p99_s": pct([r.ttft for r in ok], 99),
-        "ttft_first_s": ok[0].ttft if ok else None,
+        "ttft_first_s": min(ok, key=lambda r: r.start).ttft if ok else None,
         "itl_p50_s": pct(itls, 50),
         "e2e_p50_s": pct([r.e2e for r in ok], 50), "e2e_p99_s": pct([r.e2e for r in ok], 99),
         "health_p99_s": pct(health_s, 99), "health_samples": len(health_s),
         "gpu_mem_peak_mib": peak,
-        "client_cpu": client_cpu,  # this load generator's CPU use / wall time: near 1.0, it is the bottleneck
+        "client_processes": max(1, min(args.client_processes, concurrency)),
+        # the load generators' CPU time / wall time (summed over processes; 1.0 = one core busy)
+        "client_cpu": client_cpu,
+        "level_start_monotonic_s": t0,
+        # each request, in the order sent: [sent (s after the level's start), TTFT, E2E] (0 for a failed one)
+        "timeline": [[round(r.start - t0, 4), round(r.ttft, 4), round(r.e2e, 4)] for r in sorted(results, key=lambda r: r.start)],
         "server_profile": profile,
     }
 
@@ -282,6 +344,7 @@ async def bench_server(url: str, label: str, model: str | None, args) -> dict:
               f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
               f"ITL p50={fmt(level['itl_p50_s'])} E2E p50={fmt(level['e2e_p50_s'])} p99={fmt(level['e2e_p99_s'])} "
               f"health p99={fmt(level['health_p99_s'])} client cpu={level['client_cpu']:.0%}"
+              f" ({level['client_processes']} proc)"
               + (f" errors={level['errors']}" if level["errors"] else "")
               + (f"\n    profile {level['server_profile']}" if level["server_profile"] else ""), flush=True)
     return {"label": label, "url": url, "model": model, "levels": levels}
@@ -328,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-first", action="store_true", default=True)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="load-generator processes per level, sharing its workers (W1 on the GPU: 4; see run_clients)")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--append", action="store_true",

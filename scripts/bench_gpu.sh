@@ -12,6 +12,7 @@ OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
 PEER=${PEER:-1}
 SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to an existing w1.json (split across device calls)
+CLIENTS=${CLIENTS:-4}  # load-generator processes (bench.py --client-processes; one Python process delays W1's waves)
 WRAP=${WRAP:-}  # prefix for the vlmserve command, e.g. "py-spy record --gil -f raw -o $OUT/gil.txt --"
 mkdir -p "$OUT"
 [ "$SELF" = 1 ] && rm -f "$OUT/w1.json"
@@ -30,7 +31,7 @@ serve_and_bench() {  # name ready_url port label cmd...
     sleep 0.5
   done
   echo "$name ready after $(( $(date +%s) - t0 )) s"
-  python3 scripts/bench.py --url "${ready%/*}" --label "$label" --model "$MODEL_ID" --concurrency "$LEVELS" \
+  python3 scripts/bench.py --url "${ready%/*}" --label "$label" --model "$MODEL_ID" --concurrency "$LEVELS" --client-processes "$CLIENTS" \
     --out "$OUT/w1.json" --plot "$OUT/w1.png" --append || true
   kill -INT -- -"$pid" 2>/dev/null || true  # SIGINT: a profiler in WRAP writes its output on the way out
   wait "$pid" 2>/dev/null || true
