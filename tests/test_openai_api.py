@@ -317,3 +317,27 @@ def test_served_model_name_and_context_length(small_server):
                    json={"model": "tiny-vlm", "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": [
                        {"type": "image_url", "image_url": {"url": data_uri(large)}}, {"type": "text", "text": "Hi"}]}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_past_the_context_is_rejected(small_server):
+    """A client's max_tokens that cannot fit after the prompt is a 400 (as OpenAI and vLLM answer),
+    before any model work; our default max_tokens is not, and generation stops at the context's end."""
+    c = openai.OpenAI(base_url=small_server.base_url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    fits = c.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=2)
+    prompt = fits.usage.prompt_tokens
+    steps_before = small_server.on_worker(lambda: small_server.engine.scheduler.stats.steps)
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.chat.completions.create(model="tiny-vlm", messages=messages, **{field: 64 - prompt + 1})
+        assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "max_tokens"
+        assert f"you requested {65} tokens ({prompt} in the messages, {64 - prompt + 1} in the completion)" \
+            in exc.value.body["message"]
+    assert small_server.on_worker(lambda: small_server.engine.scheduler.stats.steps) == steps_before
+    exact = c.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=64 - prompt,
+                                      extra_body={"ignore_eos": True})
+    assert exact.choices[0].finish_reason == "length"
+    assert exact.usage.completion_tokens <= 64 - prompt
+    implicit = c.chat.completions.create(model="tiny-vlm", messages=messages, extra_body={"ignore_eos": True})
+    assert implicit.choices[0].finish_reason == "length"  # the default (512) ends at the context instead
+    assert prompt + implicit.usage.completion_tokens <= 64

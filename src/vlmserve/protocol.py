@@ -74,6 +74,7 @@ class ChatRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    max_tokens_requested: bool = False  # the client set max_tokens / max_completion_tokens (not our default)
 
     @property
     def images(self) -> list[ImageRef]:

@@ -182,7 +182,8 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")
     n = int(_number(body, "n", 1, MAX_N, 1, integer=True))
-    chat = ChatRequest(messages=messages, sampling=sampling, n=n, stream=stream, include_usage=include_usage)
+    chat = ChatRequest(messages=messages, sampling=sampling, n=n, stream=stream, include_usage=include_usage,
+                       max_tokens_requested=max_completion is not None or max_legacy is not None)
     if len(chat.images) > config.max_images_per_request:  # before fetching or decoding any of them
         raise _bad(f"too many images: {len(chat.images)} > {config.max_images_per_request} per request",
                    "messages", "invalid_image")
@@ -228,3 +229,15 @@ def chunk(request_id: str, model: str, created: int, choices: list[dict], usage:
 
 def now() -> int:
     return int(time.time())
+
+
+def check_fits_context(chat: ChatRequest, prompt_tokens: int, context_length: int) -> None:
+    """400 when the client's own max_tokens cannot fit after the prompt, as OpenAI and vLLM answer.
+    Our default max_tokens is not the client's ask: that generation stops at the context's end."""
+    asked = chat.sampling.max_tokens
+    if chat.max_tokens_requested and prompt_tokens + asked > context_length:
+        raise APIError(
+            400, f"This model's maximum context length is {context_length} tokens. However, you requested "
+                 f"{prompt_tokens + asked} tokens ({prompt_tokens} in the messages, {asked} in the completion). "
+                 "Please reduce the length of the messages or completion.",
+            code="context_length_exceeded", param="max_tokens")

@@ -81,6 +81,7 @@ async def _chat_completions(request: Request) -> Response:
         body = await _read_json(request, server.config.max_body_bytes)
         chat = oai.parse_chat_request(body, server.config, server.model_names, server.context_length)
         prepared = await server.prepare(chat)  # 429 past --max-waiting; times the CPU pool
+        oai.check_fits_context(chat, prepared.num_prompt_tokens, server.context_length)
     except APIError as exc:
         server.count_failure(exc)
         return error_response(exc)
