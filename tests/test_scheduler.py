@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import chat_body, data_uri, images, start_server
+from conftest import chat_body, data_uri, images, on_own_thread, start_server
 from reference import mlx_vlm_text
 
 MAX_TOKENS = 16
@@ -370,3 +370,63 @@ def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_serve
         assert c.post("/v1/chat/completions", json=body).status_code == 200
     assert launched_meanwhile[0] is False  # the first token: read before the next launch
     assert launched_meanwhile[2] is True  # later ones: still pipelined
+
+
+def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
+    """Slots grow their KV capacity for the longest row; once a long request ends, the rows still
+    running go back to a small capacity (not when the batch empties) with the same tokens."""
+    from vlmserve.engine.slot_cache import SlotBatch
+
+    fits = []
+    original = SlotBatch.fit_capacity
+
+    def recording(self, needed):
+        before = self.capacity
+        original(self, needed)
+        fits.append((before, self.capacity))
+
+    monkeypatch.setattr(SlotBatch, "fit_capacity", recording)
+    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4, prefix_cache_tokens=0)
+    try:
+        long_text = "Tell me everything about this long list: " + " ".join(f"item{i}" for i in range(300))
+        bodies = [chat_body(server.model_id, long_text, [], max_tokens=2, temperature=0)] + [
+            chat_body(server.model_id, f"Short request {i}.", [], max_tokens=24, temperature=0, ignore_eos=True)
+            for i in range(2)]
+
+        async def run(concurrent):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+                outs = await asyncio.gather(*(_post(c, b) for b in bodies)) if concurrent else \
+                    [await _post(c, b) for b in bodies]
+                return [o["choices"][0]["message"]["content"] for o in outs], outs[0]["usage"]["prompt_tokens"]
+
+        alone, prompt_tokens = asyncio.run(run(False))
+        assert prompt_tokens > 512  # the long row needs a bucket of 1024 positions or more
+        fits.clear()
+        together, _ = asyncio.run(run(True))
+        assert together == alone
+        assert any(before >= 1024 and after == 256 for before, after in fits)  # the short rows went on at 256
+    finally:
+        server.stop()
+
+
+def test_fit_capacity_keeps_rows_and_only_halves_or_more():
+    import mlx.core as mx
+
+    from vlmserve.engine.slot_cache import SlotBatch
+
+    def work():
+        kv = SlotBatch(2, (2, 4, 4), mx.float32, slots=2, capacity=1000)
+        assert kv.capacity == 1024
+        kv.keys = [mx.random.normal(k.shape, key=mx.random.key(i)) for i, k in enumerate(kv.keys)]
+        before = [mx.array(k[:, :, :300]) for k in kv.keys]
+        kv.fit_capacity(300)  # 512 is half of 1024: shrink
+        assert kv.capacity == 512 and kv.keys[0].shape == (2, 2, 512, 4) and kv.values[1].shape == (2, 2, 512, 4)
+        assert all(mx.array_equal(k[:, :, :300], b).item() for k, b in zip(kv.keys, before))
+        kv.fit_capacity(300)  # needs 512 of 512: no change
+        assert kv.capacity == 512
+        kv.fit_capacity(257)  # needs 512 again (256 < 257): no change
+        assert kv.capacity == 512
+        kv.fit_capacity(200)
+        assert kv.capacity == 256
+
+    on_own_thread(work)

@@ -99,9 +99,12 @@ class SlotDecodeBatch:
         live = [i for i, s in enumerate(self.slots) if s is not None]
         if not live:
             self.slots, self.kv = [], None
-        elif round_up(len(live), SlotBatch.SLOT_BUCKETS) * 2 <= self.kv.slots:  # mostly empty: fewer rows per step
+            return
+        if round_up(len(live), SlotBatch.SLOT_BUCKETS) * 2 <= self.kv.slots:  # mostly empty: fewer rows per step
             self.kv.compact(live)
             self.slots = [self.slots[i] for i in live] + [None] * (self.kv.slots - len(live))
+        # The next step writes each row's position cache_len (forward() grows capacity to that + 1).
+        self.kv.fit_capacity(max(s.cache_len for s in self.slots if s is not None) + 1)
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
         kv = self.kv

@@ -112,6 +112,20 @@ class SlotBatch:
         self.values = [v[take] for v in self.values]
         self.slots = slots
 
+    def fit_capacity(self, needed: int) -> None:
+        """Shrink to the bucket that holds `needed` positions, when that is at most half the capacity.
+
+        Capacity grows for the longest row; without this, once a long request left, every later
+        step would still attend over (and write into) its length until the batch emptied, which
+        under steady load it never does. The factor of two keeps shrinking and growing apart."""
+        capacity = round_up(max(1, needed), self.CAPACITY_BUCKETS)
+        if capacity * 2 > self.capacity:
+            return
+        # Contiguous copies: the compiled step's kernels were built for contiguous KV.
+        self.keys = [mx.contiguous(k[:, :, :capacity, :]) for k in self.keys]
+        self.values = [mx.contiguous(v[:, :, :capacity, :]) for v in self.values]
+        self.capacity = capacity
+
     def write(self, slot: int, layer_kv: list[tuple[mx.array, mx.array]], length: int) -> None:
         """Put one request's prefilled KV ((1, H, length, D) per layer) into `slot` at positions [0, length)."""
         self.ensure(slot + 1, length + 1)
