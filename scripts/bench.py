@@ -218,7 +218,7 @@ def profile_delta(before: dict, after: dict) -> dict:
 
 
 async def closed_loop(url: str, model: str, images: list[str], workers: int, prompt: str, args: dict,
-                      ready=None, go=None) -> tuple[list[Result], float, float]:
+                      ready, go) -> tuple[list[Result], float, float]:
     """`workers` clients, each sending its next request as soon as its last one ends, until none are
     left; they start when `go` is set. Returns (results, when the last ended, CPU seconds used)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -253,7 +253,9 @@ def _client_process(url, model, indices, workers, prompt, args, ready, go, out) 
 
 async def run_clients(url: str, model: str, concurrency: int, indices: list[int], prompt: str, args,
                       processes: int) -> tuple[list[Result], float, float, float]:
-    """Run the level from `processes` load-generator processes (worker w sends requests w, w + c, ...).
+    """Run the level from `processes` load-generator processes. Process p holds workers w = p, p + N,
+    ... of the c, and the requests those workers would have taken first (n mod c among them), in
+    a queue its workers share.
 
     One Python process spends ~2-3 ms of its event loop on each request it sends (httpx, the
     150 KB body) and on each stream's end, so at c=32 it spread a closed loop's wave of new
