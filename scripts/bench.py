@@ -261,8 +261,7 @@ async def run_clients(url: str, model: str, concurrency: int, indices: list[int]
     150 KB body) and on each stream's end, so at c=32 it spread a closed loop's wave of new
     requests over ~100 ms on the H100 host: its own delay, counted in the server's TTFT and
     throughput. Several processes send a wave in parallel. Returns (results, t0, end, cpu s), t0
-    being when the first request was sent."""
-    processes = max(1, min(processes, concurrency))
+    being when the first request was sent. `processes` is at most `concurrency`."""
     ctx = multiprocessing.get_context("spawn")
     ready = [ctx.Event() for _ in range(processes)]
     go = ctx.Event()
@@ -297,8 +296,9 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
     before = await scrape_profile(url)
     health = await HealthProbe(url).start()
     gpu = asyncio.create_task(gpu_peak(stop))
+    processes = max(1, min(args.client_processes, concurrency))  # no process without a worker
     results, t0, end, cpu = await run_clients(url, model, concurrency, list(range(offset, offset + n_requests)),
-                                              prompt, args, args.client_processes)
+                                              prompt, args, processes)
     wall = end - t0
     client_cpu = cpu / wall if wall else 0.0
     stop.set()
@@ -320,7 +320,7 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, arg
         "e2e_p50_s": pct([r.e2e for r in ok], 50), "e2e_p99_s": pct([r.e2e for r in ok], 99),
         "health_p99_s": pct(health_s, 99), "health_samples": len(health_s),
         "gpu_mem_peak_mib": peak,
-        "client_processes": max(1, min(args.client_processes, concurrency)),
+        "client_processes": processes,
         # the load generators' CPU time / wall time (summed over processes; 1.0 = one core busy)
         "client_cpu": client_cpu,
         "level_start_monotonic_s": t0,
