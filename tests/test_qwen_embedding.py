@@ -198,7 +198,7 @@ def test_pixels_shipped_as_bfloat16_embed_as_cast_on_device(qwen_server):
     vlm = qwen_server.engine.scheduler.vlm
     as_bf16 = Preprocessor(st.preprocessor.processor, st.context_length, st.config, pixel_dtype="bfloat16")
     shipped, plain = _prepared(qwen_server, as_bf16), _prepared(qwen_server)
-    assert shipped[0].bfloat16_inputs == {"pixel_values"} and shipped[0].model_inputs["pixel_values"].dtype == np.uint16
+    assert shipped[0].bfloat16_inputs == {"pixel_table"} and shipped[0].model_inputs["pixel_table"].dtype == np.uint16
     assert not plain[0].bfloat16_inputs and qwen_server.engine.info.pixel_dtype is None  # the fixture is float32
 
     def compare():
@@ -236,3 +236,31 @@ def test_pixels_copied_in_pieces_are_the_same_array(grid_server):
             assert host.nbytes > _COPY_PIECE_BYTES or shape == (7,)
             for array in (host, np.swapaxes(host, 0, -1)):  # also a non-contiguous one
                 assert grid_server.on_worker(compare, array), (dtype, shape)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", None])
+def test_packed_frames_expand_on_the_worker_to_the_processors_pixels(qwen_server, dtype):
+    """Preprocessing ships uint8 frames and a value table; the worker's patches (engine/packed_pixels.py)
+    are the processor's own pixel values, cast as the model casts them, for every image of a request."""
+    from vlmserve.engine.model import _device_inputs
+    from vlmserve.qwen_patches import cast_pixels
+
+    st = qwen_server.state
+    pre = Preprocessor(st.preprocessor.processor, st.context_length, st.config, pixel_dtype=dtype)
+    prepared = [p for p in _prepared(qwen_server, pre) if p.num_images]
+    assert {p.num_images for p in prepared} == {1, 2} and all("pixel_bytes" in p.model_inputs for p in prepared)
+    inner = pre.processor.image_processor.inner  # mlx_vlm's processor, unwrapped
+    imgs = [decode_image(p.read_bytes(), MediaPolicy()) for p in images()]
+    want = [cast_pixels(np.asarray(inner(images=ims)["pixel_values"]), dtype)
+            for ims in (imgs[1:2], [imgs[0], imgs[2]], imgs[3:4])]
+
+    def expand():
+        import mlx.core as mx
+
+        out = [_device_inputs(p)["pixel_values"] for p in prepared]
+        return [np.array(x.view(mx.uint16)) if x.dtype == mx.bfloat16 else np.array(x) for x in out]
+
+    for got, expected in zip(qwen_server.on_worker(expand), want):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
+    pre.close()

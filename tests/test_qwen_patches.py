@@ -9,7 +9,7 @@ from PIL import Image
 from conftest import MODELS
 from vlmserve.engine.processor import load_processor
 from vlmserve.protocol import ChatMessage
-from vlmserve.qwen_patches import QwenImages, cast_pixels, fast_qwen_images
+from vlmserve.qwen_patches import QwenImages, cast_pixels, fast_qwen_images, unpack_patches
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,18 @@ def _image(rng, h, w, mode):
     return Image.fromarray(rng.integers(0, 256, (h, w, channels), dtype=np.uint8), mode)
 
 
+def _patches(out):
+    """Pixel values from either form: the packed one unpacked the NumPy way."""
+    if "pixel_bytes" not in out:
+        return out["pixel_values"]
+    assert out["pixel_bytes"].dtype == np.uint8 and out["pixel_table"].shape == (3, 256)
+    return unpack_patches(out["pixel_bytes"], out["pixel_table"], out["image_grid_thw"], out["pixel_layout"])
+
+
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", None])
-def test_same_bits_as_the_processor(image_processor, dtype):
-    fast = fast_qwen_images(image_processor, dtype)
+def test_same_bits_as_the_processor(image_processor, dtype, packed):
+    fast = fast_qwen_images(image_processor, dtype, packed=packed)
     assert isinstance(fast, QwenImages)
     rng = np.random.default_rng(7)
     # Sizes the processor keeps, shrinks (fixture max 224x224) and grows; RGBA and grey too;
@@ -39,8 +48,9 @@ def test_same_bits_as_the_processor(image_processor, dtype):
         got = fast(images=images)
         np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
         expected = cast_pixels(np.asarray(want["pixel_values"]), dtype)
-        assert got["pixel_values"].dtype == expected.dtype
-        np.testing.assert_array_equal(got["pixel_values"], expected)
+        assert ("pixel_values" not in got) == packed
+        assert _patches(got).dtype == expected.dtype
+        np.testing.assert_array_equal(_patches(got), expected)
 
 
 def test_other_inputs_take_the_processors_path(image_processor):
@@ -63,6 +73,7 @@ def test_a_processor_that_differs_keeps_its_own_path(image_processor, monkeypatc
 
     monkeypatch.setattr(type(image_processor), "__call__", shifted)
     assert fast_qwen_images(image_processor, "bfloat16") is None
+    assert fast_qwen_images(image_processor, "bfloat16", packed=True) is None
 
 
 def test_only_mlx_vlm_qwen_processors_are_taken():
@@ -89,7 +100,8 @@ def test_preprocessors_sharing_a_processor_keep_their_own_dtypes():
     halves = Preprocessor(plain.processor, 4096, ServerConfig(), pixel_dtype="float16")
     image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (56, 56, 3), dtype=np.uint8))
     prompt = plain.render([ChatMessage("user", [("image", None), ("text", "hi")])])
-    assert plain.encode(prompt, [image]).model_inputs["pixel_values"].dtype == np.float32
-    assert halves.encode(prompt, [image]).model_inputs["pixel_values"].dtype == np.float16
+    # Preprocessing ships packed frames; the table holds the finished values in the model's dtype.
+    assert plain.encode(prompt, [image]).model_inputs["pixel_table"].dtype == np.float32
+    assert halves.encode(prompt, [image]).model_inputs["pixel_table"].dtype == np.float16
     plain.close()
     halves.close()

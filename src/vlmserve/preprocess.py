@@ -73,9 +73,11 @@ class Preprocessor:
         self.config = config
         self.context_length = context_length
         self.pixel_dtype = pixel_dtype  # ModelInfo.pixel_dtype: ship pixel_values already cast
-        fast = fast_qwen_images(getattr(processor, "image_processor", None), pixel_dtype)
-        if fast is not None:  # same bits in far fewer passes (qwen_patches.py); on a copy, as
-            processor = copy.copy(processor)  # the processor may serve another dtype elsewhere
+        # Same bits in far fewer passes, packed for the worker to finish on the device
+        # (qwen_patches.py); on a copy of the processor, as it may serve another dtype elsewhere.
+        fast = fast_qwen_images(getattr(processor, "image_processor", None), pixel_dtype, packed=True)
+        if fast is not None:
+            processor = copy.copy(processor)
             processor.image_processor = fast
         self.processor = processor
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
@@ -148,8 +150,8 @@ class Preprocessor:
             # copies half the bytes. Same rounding as the model's own astype, so same values.
             inputs["pixel_values"] = pixels = cast_pixels(pixels, self.pixel_dtype)
         bf16 = frozenset()
-        if pixels is not None and self.pixel_dtype == "bfloat16" and pixels.dtype == np.uint16:
-            bf16 = frozenset({"pixel_values"})
+        if self.pixel_dtype == "bfloat16":  # pixels, or the packed path's table, as bfloat16 bits
+            bf16 = frozenset(k for k in ("pixel_values", "pixel_table") if k in inputs and inputs[k].dtype == np.uint16)
         return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images), bfloat16_inputs=bf16)
 
     def _add_special_tokens(self, prompt: str) -> bool:

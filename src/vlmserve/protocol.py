@@ -93,7 +93,7 @@ class PreparedRequest:
 
     @property
     def has_pixels(self) -> bool:
-        return any(k.startswith("pixel_values") for k in self.model_inputs)
+        return any(k.startswith("pixel_values") or k == "pixel_bytes" for k in self.model_inputs)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,8 +19,8 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from ..protocol import ModelInfo, PreparedRequest
-from . import (cuda_kernels, decode_attention, fused_projections, qwen_decode, qwen_embedding, rope_rotation,
-               vision_attention)
+from . import (cuda_kernels, decode_attention, fused_projections, packed_pixels, qwen_decode, qwen_embedding,
+               rope_rotation, vision_attention)
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,13 @@ def image_grids(prepared: PreparedRequest) -> np.ndarray:
 
 
 def _device_inputs(prepared: PreparedRequest) -> dict[str, mx.array]:
-    return {k: host_to_mx(v).view(mx.bfloat16) if k in prepared.bfloat16_inputs else host_to_mx(v)
-            for k, v in prepared.model_inputs.items()}
+    host = prepared.model_inputs
+    inputs = {k: host_to_mx(v).view(mx.bfloat16) if k in prepared.bfloat16_inputs else host_to_mx(v)
+              for k, v in host.items() if k != "pixel_layout"}
+    if "pixel_bytes" in inputs:  # packed Qwen-VL frames: the patches are made here, on the device
+        inputs["pixel_values"] = packed_pixels.expand(inputs.pop("pixel_bytes"), inputs.pop("pixel_table"),
+                                                      image_grids(prepared), host["pixel_layout"])
+    return inputs
 
 
 def resolve_model_path(model: str) -> Path:
