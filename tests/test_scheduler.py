@@ -430,3 +430,50 @@ def test_fit_capacity_keeps_rows_and_only_halves_or_more():
         assert kv.capacity == 256
 
     on_own_thread(work)
+
+
+def test_pixels_of_the_next_steps_requests_are_staged_once_and_used(monkeypatch):
+    """Requests the next step will embed have their pixels copied into MLX at the end of this
+    step (`_stage_upcoming`, overlapping device work); their embedding uses that copy, never a
+    second one, and the tokens are those of each request alone."""
+    from vlmserve.engine import model
+
+    copies, staged = [], []
+    device_inputs, stage = model._device_inputs, model.VLM.stage_inputs
+
+    def counted(prepared):
+        copies.append(id(prepared))
+        return device_inputs(prepared)
+
+    def staging(self, prepared):
+        staged.append(id(prepared))
+        return stage(self, prepared)
+
+    monkeypatch.setattr(model, "_device_inputs", counted)
+    monkeypatch.setattr(model.VLM, "stage_inputs", staging)
+    # A budget below one image prompt: each step embeds one new request, so the next is staged.
+    server = start_server("qwen2_vl", prefill_token_budget=60, prefix_cache_tokens=0, warmup=False)
+    try:
+        large = images()[1]  # prompts of ~75 tokens each, whatever order they arrive in
+        bodies = [_body(server, f"Picture {i}: what is in it?", [large]) for i in range(3)]
+
+        async def run(concurrent):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+                if not concurrent:
+                    return [(await _post(c, b))["choices"][0]["message"]["content"] for b in bodies]
+                gate = threading.Event()
+                server.engine.worker.submit(gate.wait, 30)
+                tasks = [asyncio.create_task(_post(c, b)) for b in bodies]
+                while server.engine.scheduler.num_waiting < len(bodies):
+                    await asyncio.sleep(0.005)
+                gate.set()
+                return [r["choices"][0]["message"]["content"] for r in await asyncio.gather(*tasks)]
+
+        alone = asyncio.run(run(False))
+        copies.clear(), staged.clear()
+        together = asyncio.run(run(True))
+        assert together == alone
+        assert len(staged) >= 2  # every request after the first waited a step, staged
+        assert len(copies) == len(set(copies)) == len(bodies)  # one copy each, staged or not
+    finally:
+        server.stop()

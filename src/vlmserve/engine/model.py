@@ -149,24 +149,37 @@ class VLM:
         )
 
     # ---- prompt ---------------------------------------------------------------
-    def embed_prompts(self, prepared: list[PreparedRequest]) -> list[PromptState]:
+    def stage_inputs(self, prepared: PreparedRequest) -> dict[str, mx.array]:
+        """A request's arrays copied into MLX now, ahead of its embedding (`embed_prompts(staged=)`)."""
+        return _device_inputs(prepared)
+
+    def embed_prompts(self, prepared: list[PreparedRequest],
+                      staged: list[dict[str, mx.array] | None] | None = None) -> list[PromptState]:
         """Embed several prompts. For Qwen-VL families all their images share one vision-tower call
         (one launch sequence instead of one per image), and image prompts are embedded from
-        host-side indices (`qwen_embedding`), so the worker never waits on a device read here."""
+        host-side indices (`qwen_embedding`), so the worker never waits on a device read here.
+        `staged` holds `stage_inputs` results (or None) per request."""
+        staged = staged or [None] * len(prepared)
+        inputs = {id(p): s for p, s in zip(prepared, staged) if s is not None}
         with_images = [p for p in prepared if p.has_pixels]
         if not with_images or self.info.model_type not in _GRID_TOWERS:
-            return [self.embed_prompt(p) for p in prepared]
+            return [self.embed_prompt(p, inputs=inputs.get(id(p))) for p in prepared]
         tower = self.model.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
-        inputs = {id(p): _device_inputs(p) for p in with_images}  # one host->device copy per request
+        for p in with_images:  # one host->device copy per request not staged already
+            if id(p) not in inputs:
+                inputs[id(p)] = _device_inputs(p)
         pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
         grids = {id(p): image_grids(p) for p in with_images}
         features = self._tower(pixels, np.concatenate(list(grids.values())))
+        # Start the tower now: the per-request embedding below is host work (M-RoPE positions),
+        # done while the device runs the tower's last command buffers instead of before them.
+        mx.async_eval(features)
         merge = self.model.config.vision_config.spatial_merge_size ** 2
         rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]
         per_request = dict(zip(grids, mx.split(features, rows.tolist())))
         return [self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs[id(p)])
-                if id(p) in per_request else self.embed_prompt(p) for p in prepared]
+                if id(p) in per_request else self.embed_prompt(p, inputs=inputs.get(id(p))) for p in prepared]
 
     def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
         """All images' features from one vision-tower call (Qwen-VL grid towers)."""
