@@ -15,17 +15,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from vlmserve.engine import qwen_embedding
 from vlmserve.engine.model import VLM
 
 
 def _tower_ms(vlm: VLM, pixels: mx.array, grid: np.ndarray, reps: int) -> list[float]:
-    tower = vlm.model.vision_tower
     times = []
     for _ in range(reps):
         mx.synchronize()
         t = time.perf_counter()
-        mx.eval(qwen_embedding.qwen2_vl_tower(tower, pixels, grid))
+        mx.eval(vlm._tower(pixels, grid))  # the server's tower call
         times.append((time.perf_counter() - t) * 1000)
     return times
 

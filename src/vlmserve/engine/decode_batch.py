@@ -31,6 +31,11 @@ def decode_positions(vlm: VLM, rows: list[Any]) -> mx.array | None:
     return mx.array([0 if r is None else r.cache_len + r.prompt.rope_delta for r in rows], dtype=mx.int32)
 
 
+def _positions_needed(rows: list[Any]) -> int:
+    """KV positions the next step needs: it writes each live row's position `cache_len`."""
+    return max(r.cache_len for r in rows if r is not None) + 1
+
+
 class PaddedDecodeBatch:
     def __init__(self, vlm: VLM):
         self.vlm = vlm
@@ -103,12 +108,12 @@ class SlotDecodeBatch:
         if round_up(len(live), SlotBatch.SLOT_BUCKETS) * 2 <= self.kv.slots:  # mostly empty: fewer rows per step
             self.kv.compact(live)
             self.slots = [self.slots[i] for i in live] + [None] * (self.kv.slots - len(live))
-        # The next step writes each row's position cache_len (forward() grows capacity to that + 1).
-        self.kv.fit_capacity(max(s.cache_len for s in self.slots if s is not None) + 1)
+        # forward() grows the capacity back when a row needs it.
+        self.kv.fit_capacity(_positions_needed(self.slots))
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
         kv = self.kv
-        kv.ensure(kv.slots, max(r.cache_len for r in rows if r is not None) + 1)
+        kv.ensure(kv.slots, _positions_needed(rows))
         lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
         out = self.step(tokens, decode_positions(self.vlm, rows), lengths, *kv.arrays())
         n = len(kv.keys)

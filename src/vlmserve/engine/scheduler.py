@@ -113,8 +113,7 @@ class MLLMScheduler:
 
     def step(self) -> None:
         self.stats.steps += 1
-        while self.inbox:
-            self.waiting.append(self.inbox.popleft())
+        self._take_inbox()
         self._drop_cancelled()
         self._admit()
         if self._inflight is not None and self.prefilling:
@@ -142,8 +141,7 @@ class MLLMScheduler:
 
     def fail_all(self, message: str) -> None:
         """Wake every waiter with an error (worker death or shutdown)."""
-        while self.inbox:
-            self.waiting.append(self.inbox.popleft())
+        self._take_inbox()
         for req in self.waiting:
             req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=message))
         for seq in self.prefilling + self.running:
@@ -155,6 +153,15 @@ class MLLMScheduler:
         self._inflight = None
 
     # ---- phases ------------------------------------------------------------------
+    def _take_inbox(self) -> None:
+        """Requests handed over from other threads join the waiting queue, in arrival order."""
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+
+    def _step_tokens(self, remaining: int) -> int:
+        """What a prompt with `remaining` tokens to prefill counts against a step's budget."""
+        return max(1, min(remaining, self.prefill_chunk))
+
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
@@ -240,7 +247,7 @@ class MLLMScheduler:
                 break
             if seq.prompt is None:
                 todo.append(seq)
-            budget -= max(1, min(seq.num_prompt - 1 - seq.prefilled, self.prefill_chunk))
+            budget -= self._step_tokens(seq.num_prompt - 1 - seq.prefilled)
         if len(todo) < 2:
             return
         t0 = time.perf_counter()
@@ -263,15 +270,14 @@ class MLLMScheduler:
         queued: async_eval returns that far ahead), or the decode step running meanwhile. As
         many requests as the next step's prefill budget reaches are staged; a failure leaves
         the copy to the embedding, where it ends only that request."""
-        while self.inbox:
-            self.waiting.append(self.inbox.popleft())
+        self._take_inbox()
         upcoming = [s.req for s in self.prefilling if s.prompt is None]
         upcoming += list(self.waiting)[:max(0, self.max_num_seqs - self.num_running)]
         budget = self.prefill_budget
         for req in upcoming:
             if budget <= 0:
                 break
-            budget -= max(1, min(req.prepared.num_prompt_tokens - 1, self.prefill_chunk))
+            budget -= self._step_tokens(req.prepared.num_prompt_tokens - 1)
             if req.staged_inputs is None and req.prepared.has_pixels and not req.cancelled:
                 try:
                     req.staged_inputs = self.vlm.stage_inputs(req.prepared)
@@ -285,7 +291,7 @@ class MLLMScheduler:
     def warm_vision_plans(self, grid_thw: tuple[int, int, int]) -> list[int]:
         """Build the tower's shapes for images of this grid at every count `_embed_upcoming` can
         batch: requests are taken until the budget is spent, each counted at most a chunk."""
-        per_image = min(self.prefill_chunk, max(1, self.vlm.image_tokens(grid_thw)))
+        per_image = self._step_tokens(self.vlm.image_tokens(grid_thw))
         return self.vlm.warm_vision_plans(grid_thw, min(self.max_num_seqs, self.prefill_budget // per_image + 1))
 
     def _embed(self, seq: Sequence) -> None:
