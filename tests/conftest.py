@@ -42,12 +42,13 @@ class RunningServer:
         import uvicorn
 
         from vlmserve.api.app import create_app
+        from vlmserve.api.http_protocol import BulkBodyProtocol
 
         self.config = config
         self.app = create_app(config)
         self.state = self.app.state.server
         self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=config.port, log_level="warning",
-                                                timeout_graceful_shutdown=5))
+                                                http=BulkBodyProtocol, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.uv.run, name="uvicorn", daemon=True)
         self.base_url = f"http://127.0.0.1:{config.port}"
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 from .config import DEFAULT_MODEL_DIR, ServerConfig
+from .log_queue import start_logging
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -96,6 +97,8 @@ def _make_server(app, config: ServerConfig):
 
     import uvicorn
 
+    from .api.http_protocol import BulkBodyProtocol
+
     state = app.state.server
 
     class Server(uvicorn.Server):
@@ -129,8 +132,9 @@ def _make_server(app, config: ServerConfig):
         server.should_exit = True
 
     state.on_fatal = fatal
+    # log_config=None: uvicorn's loggers propagate to the root's queue (log_queue.py).
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                   loop=config.event_loop,
+                                   log_config=None, loop=config.event_loop, http=BulkBodyProtocol,
                                    timeout_graceful_shutdown=max(1, int(config.graceful_shutdown_extra))))
     return server
 
@@ -145,16 +149,19 @@ def serve(config: ServerConfig) -> int:
     from .api.app import create_app
 
     set_process_settings(config)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs = start_logging(config.log_level)
     app = create_app(config)
     server = _make_server(app, config)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 3 when the lifespan startup (model load) fails
         if exc.code not in (0, None):
+            logs.stop()
             print(f"vlmserve: failed to start serving {config.model} (see the error above)", file=sys.stderr)
             return 1
         raise
+    finally:
+        logs.stop()  # writes what is queued; stopping twice is harmless
     state = app.state.server
     if not server.started or state.load_error is not None:
         print(f"vlmserve: failed to start serving {config.model} (see the error above)", file=sys.stderr)

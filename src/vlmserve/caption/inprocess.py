@@ -28,6 +28,7 @@ def in_process_server(model: str, max_num_seqs: int | None = None, api_key: str 
         import uvicorn
 
         from ..api.app import create_app
+        from ..api.http_protocol import BulkBodyProtocol
         from ..config import ServerConfig
     except ImportError as exc:  # pragma: no cover - a partial install
         raise RuntimeError(f"--in-process needs the vlmserve server and its engine ({exc})") from exc
@@ -39,7 +40,8 @@ def in_process_server(model: str, max_num_seqs: int | None = None, api_key: str 
     config = ServerConfig(**{k: v for k, v in wanted.items() if k in names and v is not None})
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level,
-                                           loop=config.event_loop, timeout_graceful_shutdown=5))
+                                           loop=config.event_loop, http=BulkBodyProtocol,
+                                           timeout_graceful_shutdown=5))
     errors: list[BaseException] = []
 
     def serve() -> None:
