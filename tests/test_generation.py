@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conftest import chat_body, data_uri, images
@@ -140,3 +141,72 @@ def test_models_endpoint(qwen_server):
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == [qwen_server.model_id]
     assert r.json()["data"][0]["object"] == "model"
+
+
+def test_a_reader_behind_the_steps_gets_the_queued_tokens_as_one_event(qwen_server):
+    """Engine.generate joins the events queued for a slow reader; nothing is lost or reordered."""
+    import asyncio
+
+    from vlmserve.protocol import ChatMessage, ChatRequest, FinishReason, SamplingParams
+
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    chat = ChatRequest([ChatMessage("user", [("text", "Tell me a story about a lighthouse.")])], sampling)
+    prepared = qwen_server.state.preprocessor.prepare_sync(chat)
+
+    async def read(pause_after_first: float) -> list:
+        events = []
+        async for event in qwen_server.engine.generate(f"reader-{pause_after_first}", prepared, sampling):
+            events.append(event)
+            if len(events) == 1:
+                await asyncio.sleep(pause_after_first)  # the request's remaining steps run meanwhile
+        return events
+
+    prompt, behind = asyncio.run(read(0.0)), asyncio.run(read(1.5))
+    for events in (prompt, behind):
+        assert sum(len(e.token_ids) for e in events) == MAX_TOKENS == len([x for e in events for x in e.logprobs])
+        assert events[-1].finish_reason == FinishReason.LENGTH and events[-1].completion_tokens == MAX_TOKENS
+        assert all(e.finish_reason is None for e in events[:-1])
+    assert [x for e in behind for x in e.token_ids] == [x for e in prompt for x in e.token_ids]
+    assert "".join(e.text for e in behind) == "".join(e.text for e in prompt)
+    assert [x.token_id for e in behind for x in e.logprobs] == [x for e in prompt for x in e.token_ids]
+    assert len(behind) == 2  # the first token, then everything that queued up while the reader slept
+
+
+class _Scripted:
+    """A scheduler stand-in that answers each request with these events, all at once."""
+
+    def __init__(self, engine, events):
+        self.engine, self.events, self.inbox = engine, events, []
+
+    def add(self, req):
+        for event in self.events:
+            req.emit(event)
+        self.engine._flush()
+
+
+@pytest.mark.parametrize("last", ["length", "error"])
+def test_joined_events_keep_an_error_apart_from_the_text_before_it(last):
+    import asyncio
+    from types import SimpleNamespace
+
+    from vlmserve.config import ServerConfig
+    from vlmserve.engine.engine import Engine
+    from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent
+
+    engine = Engine(ServerConfig(model="unused"))
+    engine.worker = SimpleNamespace(healthy=True, wake=lambda: None)
+    final = (TokenEvent("c", [3], finish_reason=FinishReason.LENGTH, completion_tokens=3) if last == "length"
+             else TokenEvent(finish_reason=FinishReason.ERROR, error="boom"))
+    engine.scheduler = _Scripted(engine, [TokenEvent("a", [1]), TokenEvent("b", [2]), final])
+
+    async def read():
+        return [e async for e in engine.generate("r", PreparedRequest(prompt_ids=np.zeros(3, np.int32)),
+                                                 SamplingParams())]
+
+    events = asyncio.run(read())
+    if last == "length":  # all three were queued before the reader looked: one event
+        assert [(e.text, e.token_ids, e.finish_reason, e.completion_tokens) for e in events] == [
+            ("abc", [1, 2, 3], FinishReason.LENGTH, 3)]
+    else:
+        assert [(e.text, e.token_ids, e.finish_reason, e.error) for e in events] == [
+            ("ab", [1, 2], None, None), ("", [], FinishReason.ERROR, "boom")]

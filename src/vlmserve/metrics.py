@@ -43,7 +43,8 @@ class Metrics:
         self.preprocess_jobs = counter("preprocess_requests_total",
                                        "Requests preprocessed, by pool (threads, or --preprocess-processes)", ["pool"])
         self.ttft = hist("time_to_first_token_seconds", "Request arrival to first token")
-        self.itl = hist("inter_token_latency_seconds", "Time between tokens of one request")
+        self.itl = hist("inter_token_latency_seconds",
+                        "Time between deliveries of one request's tokens (a reader behind gets several at once)")
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token")
         self.queue_time = hist("request_queue_time_seconds", "Time waiting for admission")
         self.preprocess = hist("preprocess_seconds", "CPU preprocessing time (template, images, tokenize)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -101,9 +102,20 @@ class Engine:
             else:
                 raise EngineError("the inference worker is not running", code="worker_unavailable", status=503)
         finished = False
+        held: TokenEvent | None = None
         try:
             while True:
-                event = await queue.get()
+                event = held if held is not None else await queue.get()
+                held = None
+                # A reader behind the steps takes what has queued up as one event (vLLM's output
+                # collector does the same): one chunk and one socket write instead of several.
+                # An error or abort stays an event of its own, after the text before it.
+                while event.finish_reason is None and not queue.empty():
+                    after = queue.get_nowait()
+                    if after.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                        held = after
+                        break
+                    event = joined(event, after)
                 if event.finish_reason is not None:
                     finished = True
                 yield event
@@ -137,6 +149,12 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         if self.config.thread_guard and self.worker.ident is not None:
             GUARD.release(self.worker.ident)
+
+
+def joined(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """Two consecutive events of one request as one; `first` is not its last."""
+    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
+                   logprobs=first.logprobs + then.logprobs)
 
 
 def _deliver(items) -> None:
