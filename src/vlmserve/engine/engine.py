@@ -115,7 +115,7 @@ class Engine:
                     if after.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                         held = after
                         break
-                    event = joined(event, after)
+                    event = _joined(event, after)
                 if event.finish_reason is not None:
                     finished = True
                 yield event
@@ -151,7 +151,7 @@ class Engine:
             GUARD.release(self.worker.ident)
 
 
-def joined(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+def _joined(first: TokenEvent, then: TokenEvent) -> TokenEvent:
     """Two consecutive events of one request as one; `first` is not its last."""
     return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
                    logprobs=first.logprobs + then.logprobs)
