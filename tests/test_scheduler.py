@@ -477,3 +477,31 @@ def test_pixels_of_the_next_steps_requests_are_staged_once_and_used(monkeypatch)
         assert len(copies) == len(set(copies)) == len(bodies)  # one copy each, staged or not
     finally:
         server.stop()
+
+
+def test_staging_counts_the_next_chunk_of_prompts_already_embedded():
+    """`_stage_upcoming` spends the next step's budget as `_embed_upcoming` will: a long prompt
+    that is embedded and half prefilled takes its next chunk first, so a request behind it that
+    the budget does not reach is not staged yet."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from vlmserve.engine.scheduler import MLLMScheduler
+
+    def request(name):
+        prepared = SimpleNamespace(num_prompt_tokens=40, has_pixels=True)
+        return SimpleNamespace(request_id=name, prepared=prepared, staged_inputs=None, cancelled=False)
+
+    def scheduler(prefilled):
+        s = MLLMScheduler.__new__(MLLMScheduler)
+        s.prefill_budget, s.prefill_chunk, s.max_num_seqs = 64, 64, 8
+        s.vlm = SimpleNamespace(stage_inputs=lambda prepared: "copied")
+        long = SimpleNamespace(req=request("long"), prompt="embedded", num_prompt=300, prefilled=prefilled)
+        s.prefilling, s.running = [long, SimpleNamespace(req=request("next"), prompt=None, num_prompt=40,
+                                                         prefilled=0)], []
+        s.inbox, s.waiting = deque([request("waiting")]), deque()
+        s._stage_upcoming()
+        return [r.request_id for r in [q.req for q in s.prefilling] + list(s.waiting) if r.staged_inputs]
+
+    assert scheduler(prefilled=128) == []  # the long prompt's next chunk (64) is the whole budget
+    assert scheduler(prefilled=299 - 20) == ["next", "waiting"]  # 20 left: 20 + 39 < 64, all reached

@@ -162,6 +162,18 @@ class MLLMScheduler:
         """What a prompt with `remaining` tokens to prefill counts against a step's budget."""
         return max(1, min(remaining, self.prefill_chunk))
 
+    def _unembedded_in_budget(self) -> tuple[list[Sequence], int]:
+        """The prefilling prompts not yet embedded that the next prefill's budget reaches (in
+        order, each counted at most a chunk, embedded ones too), and the budget left after all."""
+        budget, todo = self.prefill_budget, []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            if seq.prompt is None:
+                todo.append(seq)
+            budget -= self._step_tokens(seq.num_prompt - 1 - seq.prefilled)
+        return todo, budget
+
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
@@ -241,13 +253,7 @@ class MLLMScheduler:
         """Embed, in one call, the new requests this step's prefill budget will reach, so their
         images go through the vision tower together. If that batch fails, each request is
         embedded alone later (by `_embed`) and only a bad one ends."""
-        budget, todo = self.prefill_budget, []
-        for seq in self.prefilling:
-            if budget <= 0:
-                break
-            if seq.prompt is None:
-                todo.append(seq)
-            budget -= self._step_tokens(seq.num_prompt - 1 - seq.prefilled)
+        todo, _ = self._unembedded_in_budget()
         if len(todo) < 2:
             return
         t0 = time.perf_counter()
@@ -271,13 +277,14 @@ class MLLMScheduler:
         many requests as the next step's prefill budget reaches are staged; a failure leaves
         the copy to the embedding, where it ends only that request."""
         self._take_inbox()
-        upcoming = [s.req for s in self.prefilling if s.prompt is None]
-        upcoming += list(self.waiting)[:max(0, self.max_num_seqs - self.num_running)]
-        budget = self.prefill_budget
-        for req in upcoming:
+        todo, budget = self._unembedded_in_budget()
+        upcoming = [s.req for s in todo]
+        for req in list(self.waiting)[:max(0, self.max_num_seqs - self.num_running)]:  # admitted next, after these
             if budget <= 0:
                 break
+            upcoming.append(req)
             budget -= self._step_tokens(req.prepared.num_prompt_tokens - 1)
+        for req in upcoming:
             if req.staged_inputs is None and req.prepared.has_pixels and not req.cancelled:
                 try:
                     req.staged_inputs = self.vlm.stage_inputs(req.prepared)
