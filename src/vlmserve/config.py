@@ -70,6 +70,11 @@ class ServerConfig:
     listen_while_loading: bool = False
     graceful_shutdown_extra: float = 3.0  # uvicorn's wait for connections after the drain
 
+    # Run the MLX worker (model, scheduler, detokenizing) in a spawned process of its own; this
+    # process keeps HTTP, admission and preprocessing. The event loop then never waits for the GIL
+    # behind the MLX thread's Python (vLLM's API-server / engine-core split; engine_client.py).
+    engine_process: bool = False
+
     # Testing aid: record the thread of every MLX entry point and fail off the worker.
     thread_guard: bool = field(default_factory=lambda: os.environ.get("VLMSERVE_THREAD_GUARD") == "1")
     warmup: bool = True

@@ -71,7 +71,10 @@ class SchedulerHooks:
         self.m = metrics
 
     def on_admit(self, req) -> None:
-        self.m.queue_time.observe(time.monotonic() - req.arrival)
+        self.on_queue_time(time.monotonic() - req.arrival)
+
+    def on_queue_time(self, seconds: float) -> None:
+        self.m.queue_time.observe(seconds)
 
     def on_vision(self, seconds: float) -> None:
         self.m.vision.observe(seconds)

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
+from ..engine.engine_client import EngineProcessClient
 from ..engine.processor import load_processor
 from ..metrics import Metrics, SchedulerHooks
 from ..preprocess import Preprocessor, warmup_chats
@@ -70,7 +71,9 @@ class ServerState:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics(config.model_id)
-        self.engine = Engine(config, hooks=SchedulerHooks(self.metrics))
+        hooks = SchedulerHooks(self.metrics)
+        # --engine-process: the MLX worker in a process of its own (engine_client.py)
+        self.engine = EngineProcessClient(config, hooks) if config.engine_process else Engine(config, hooks=hooks)
         self.preprocessor: Preprocessor | None = None
         self.preprocess_processes: PreprocessProcesses | None = None  # --preprocess-processes
         self.ready = False
@@ -181,17 +184,17 @@ class ServerState:
         for name, prepared in prepared_jobs:  # one at a time: each must be its own shape
             # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
             # shape this job is here to compile.
-            await self.engine.run_on_worker(self._forget_prefixes)
+            await self.engine.forget_prefixes()
             async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
                 if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise RuntimeError(f"warm-up generation failed: {event.error}")
-        await self.engine.run_on_worker(self._forget_prefixes)
+        await self.engine.forget_prefixes()
         await self._warm_vision_plans([p for _, p in prepared_jobs if p.has_pixels])
         # The compiled decode step: every slot-count bucket up to --max-num-seqs, at the KV
         # capacities prompts up to two prefill chunks use (longer ones trace once, when they come).
         t0 = time.perf_counter()
         capacity = min(self.context_length, 2 * self.config.prefill_chunk)
-        traced = await self.engine.run_on_worker(self.engine.scheduler.batches.warm, self.config.max_num_seqs, capacity)
+        traced = await self.engine.warm_decode(self.config.max_num_seqs, capacity)
         if traced:
             log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
 
@@ -200,13 +203,9 @@ class ServerState:
         builds an attention plan per shape: engine/vision_attention.py)."""
         t0, runs = time.perf_counter(), 0
         for prepared in image_jobs:
-            runs += await self.engine.run_on_worker(self.engine.scheduler.warm_vision, prepared)
+            runs += await self.engine.warm_vision(prepared)
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
-
-    def _forget_prefixes(self) -> None:  # worker thread: the cache holds MLX arrays
-        if self.engine.scheduler.prefix_cache is not None:
-            self.engine.scheduler.prefix_cache.clear()
 
     @property
     def in_flight(self) -> int:
@@ -234,9 +233,8 @@ class ServerState:
         left = self.in_flight
         if left:
             log.warning("drain timeout: ending %d request(s) with an error", left)
-        if self.engine.scheduler is not None and self.engine.healthy:
-            with contextlib.suppress(Exception):
-                await self.engine.run_on_worker(self.engine.scheduler.fail_all, SHUTDOWN_MESSAGE)
+        with contextlib.suppress(Exception):
+            await self.engine.fail_all(SHUTDOWN_MESSAGE)
         log.info("drained in %.2f s", time.monotonic() - t0)
 
     async def stop(self) -> None:
@@ -389,14 +387,8 @@ class ServerState:
     def liveness(self) -> tuple[bool, str | None]:
         if self.load_error is not None:
             return False, "model failed to load"
-        worker = self.engine.worker
-        if worker.error is not None or (worker.ident is not None and not worker.is_alive()):
-            return False, "inference worker died"
-        # A model load is one long job on the worker; the heartbeat only counts once serving.
-        if not self.loading and worker.ident is not None \
-                and time.monotonic() - worker.heartbeat > self.config.stall_timeout:
-            return False, "inference worker stalled"
-        return True, None
+        problem = self.engine.problem(self.config.stall_timeout, self.loading)
+        return problem is None, problem
 
     def readiness(self) -> tuple[bool, str | None]:
         if self.draining:
@@ -415,14 +407,13 @@ class ServerState:
             self.metrics.image_fetch_failures.inc()
 
     def refresh_gauges(self) -> None:
-        m, sched = self.metrics, self.engine.scheduler
+        m = self.metrics
         m.running.set(self.engine.num_running)
         m.waiting.set(self.engine.num_waiting + self.pending_choices)
-        if sched is not None and sched.prefix_cache is not None:
-            pc = sched.prefix_cache
-            m.prefix_cache_usage.set(pc.size_tokens / max(1, pc.max_tokens))
-        if sched is not None:
-            m.kv_cache_tokens.set(sum(s.cache_len for s in list(sched.running)))
+        prefix_usage, kv_tokens = self.engine.cache_gauges()
+        if prefix_usage is not None:
+            m.prefix_cache_usage.set(prefix_usage)
+        m.kv_cache_tokens.set(kv_tokens)
 
 
 async def watch_event_loop(histogram, period: float = 0.05) -> None:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+import time
 from pathlib import Path
 
 import mlx.core as mx
 from typing import AsyncIterator
 
 from ..config import ServerConfig
-from ..protocol import EngineError, FinishReason, PreparedRequest, SamplingParams, TokenEvent
-from ..protocol import ModelInfo
+from ..protocol import EngineError, FinishReason, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
+from .event_stream import deliver, read_events
 from .model import VLM, resolve_model_path
 from .scheduler import EngineRequest, MLLMScheduler
 from .thread_guard import GUARD
@@ -101,30 +101,17 @@ class Engine:
                 pass  # the exiting worker already took it and emits its error
             else:
                 raise EngineError("the inference worker is not running", code="worker_unavailable", status=503)
-        finished = False
-        held: TokenEvent | None = None
+
+        def leave() -> None:  # the reader left before the end: cancel
+            req.cancelled = True
+            self.worker.wake()
+
+        events = read_events(queue, leave)
         try:
-            while True:
-                event = held if held is not None else await queue.get()
-                held = None
-                # A reader behind the steps takes what has queued up as one event (vLLM's output
-                # collector does the same): one chunk and one socket write instead of several.
-                # An error or abort stays an event of its own, after the text before it.
-                while event.finish_reason is None and not queue.empty():
-                    after = queue.get_nowait()
-                    if after.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                        held = after
-                        break
-                    event = _joined(event, after)
-                if event.finish_reason is not None:
-                    finished = True
+            async for event in events:
                 yield event
-                if finished:
-                    return
         finally:
-            if not finished:
-                req.cancelled = True
-                self.worker.wake()
+            await events.aclose()  # now, not when collected: a reader that left cancels at once
 
     def _flush(self) -> None:
         """Hand a step's events to each event loop with one thread-safe call, not one per token."""
@@ -133,12 +120,60 @@ class Engine:
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # that event loop has closed: nobody is waiting any more
                 pass
 
     async def run_on_worker(self, fn, *args, **kwargs):
         return await asyncio.wrap_future(self.worker.submit(fn, *args, **kwargs))
+
+    # ---- what the server asks of any engine (engine_client.EngineProcessClient answers the same) ----
+    async def forget_prefixes(self) -> None:
+        await self.run_on_worker(self._forget_prefixes)
+
+    def _forget_prefixes(self) -> None:  # worker thread: the cache holds MLX arrays
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.clear()
+
+    async def warm_decode(self, max_rows: int, capacity: int) -> int:
+        """Trace the compiled decode step's shapes; returns how many."""
+        return await self.run_on_worker(self._warm_decode, max_rows, capacity)
+
+    async def warm_vision(self, prepared: PreparedRequest) -> int:
+        return await self.run_on_worker(self._warm_vision, prepared)
+
+    async def fail_all(self, message: str) -> None:
+        if self.scheduler is not None and self.healthy:
+            await self.run_on_worker(self._fail_all, message)
+
+    # worker thread (engine_process.py calls these by name too)
+    def _warm_decode(self, max_rows: int, capacity: int) -> int:
+        return self.scheduler.batches.warm(max_rows, capacity)
+
+    def _warm_vision(self, prepared: PreparedRequest) -> int:
+        return self.scheduler.warm_vision(prepared)
+
+    def _fail_all(self, message: str) -> None:
+        self.scheduler.fail_all(message)
+
+    def problem(self, stall_timeout: float, loading: bool) -> str | None:
+        """Why the engine cannot serve (None: it can)."""
+        worker = self.worker
+        if worker.error is not None or (worker.ident is not None and not worker.is_alive()):
+            return "inference worker died"
+        # A model load is one long job on the worker; the heartbeat only counts once serving.
+        if not loading and worker.ident is not None and time.monotonic() - worker.heartbeat > stall_timeout:
+            return "inference worker stalled"
+        return None
+
+    def cache_gauges(self) -> tuple[float | None, int]:
+        """(prefix cache usage fraction or None without one, tokens in the running rows' KV)."""
+        sched = self.scheduler
+        if sched is None:
+            return None, 0
+        pc = sched.prefix_cache
+        usage = pc.size_tokens / max(1, pc.max_tokens) if pc is not None else None
+        return usage, sum(s.cache_len for s in list(sched.running))
 
     async def stop(self) -> None:
         if self.scheduler is not None and self.worker.is_alive():
@@ -149,17 +184,6 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         if self.config.thread_guard and self.worker.ident is not None:
             GUARD.release(self.worker.ident)
-
-
-def _joined(first: TokenEvent, then: TokenEvent) -> TokenEvent:
-    """Two consecutive events of one request as one; `first` is not its last."""
-    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
-                   logprobs=first.logprobs + then.logprobs)
-
-
-def _deliver(items) -> None:
-    for queue, event in items:
-        queue.put_nowait(event)
 
 
 __all__ = ["Engine", "FinishReason"]
