@@ -174,3 +174,46 @@ def test_load_failure_in_the_engine_process_names_the_reason(tmp_path):
     with pytest.raises(RuntimeError, match="safetensors"):
         asyncio.run(start())
     assert state.engine.process.exitcode is not None  # nothing left running
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads children from Linux's /proc")
+def test_engine_process_exits_when_the_server_is_killed():
+    """No orphan holding the model: a server killed with SIGKILL closes the pipe, and its engine stops."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port",
+                             str(port), "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, "the server exited"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait(ready, 90)
+        children = set()
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+        assert children, "the engine runs in a child process by default"
+        proc.kill()
+        proc.wait(10)
+        _wait(lambda: all(_gone(pid) for pid in children), 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

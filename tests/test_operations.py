@@ -433,6 +433,11 @@ def test_serve_runs_the_event_loop_its_flag_names():
         _serve_config("--event-loop", "trio")
 
 
+def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to():
+    assert _serve_config().engine_process is True
+    assert _serve_config("--no-engine-process").engine_process is False
+
+
 def test_mlx_cache_flags_reach_the_config():
     assert _serve_config().mlx_cache_limit_gb == 8.0
     assert _serve_config("--mlx-cache-limit-gb", "2.5").mlx_cache_limit_gb == 2.5

@@ -42,8 +42,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
     p.add_argument("--preprocess-processes", type=int, default=d.preprocess_processes,
                    help="preprocess in this many spawned processes instead of threads (0: threads)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=d.engine_process,
-                   help="run the MLX worker in a process of its own, off the HTTP process's GIL")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the MLX worker in a process of its own, off the HTTP process's GIL "
+                        "(--no-engine-process: one process)")
     p.add_argument("--max-pending-preprocess", type=int, default=d.max_pending_preprocess,
                    help="requests queued for or inside the CPU pool before 429")
     p.add_argument("--image-fetch-timeout", type=float, default=d.image_fetch_timeout)
