@@ -4,6 +4,8 @@
 # On this machine:   GPU_EXTRA_WHEELS="mlx-audio cryptography cffi pycparser websockets opentelemetry-api importlib-metadata" bash ../shared/gpu/stage.sh
 # GPU command 1:     bash .gpu-a/device-setup.sh a
 # GPU command 2:     bash .gpu-b/device-setup.sh b && bash scripts/bench_gpu.sh
+# (the wheels for the peer and httptools may not fit beside .gpu-b in 64 MiB: move them to .gpu-c and
+#  install them with pip --target /root/site in a call of their own; see docs/benchmarks.md, session 18)
 # Results (w1.json, w1.png, server logs) land in $OUT (default /root/bench).
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller
