@@ -48,6 +48,7 @@ class EngineProcessClient:
         self._conn = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._reap_lock = threading.Lock()  # one thread at a time waits for the process (waitpid)
         self._streams: dict[int, asyncio.Queue] = {}  # event loop only, like everything below
         self._calls: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future | None = None
@@ -93,10 +94,11 @@ class EngineProcessClient:
         await asyncio.get_running_loop().run_in_executor(None, self._end_process, _JOIN_S)
 
     def _end_process(self, wait: float) -> None:
-        self.process.join(wait)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+        with self._reap_lock:
+            self.process.join(wait)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
 
     # ---- health and counts -------------------------------------------------------------
     @property
@@ -189,7 +191,8 @@ class EngineProcessClient:
                 self._to_loop(self._on_message, message)
         except (EOFError, OSError):
             pass
-        self.process.join(5)  # its exit code, for the log
+        with self._reap_lock:
+            self.process.join(5)  # its exit code, for the log
         self._to_loop(self._on_gone, self.process.exitcode)
 
     def _to_loop(self, fn, *args) -> None:
