@@ -217,3 +217,27 @@ def test_engine_process_exits_when_the_server_is_killed():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+_SERVING_SIDE = """
+import sys
+from vlmserve.api.app import ServerState
+from vlmserve.config import ServerConfig
+from vlmserve.engine.processor import load_processor
+state = ServerState(ServerConfig(model=sys.argv[1], engine_process=True))
+load_processor(sys.argv[1])
+print(sorted(m for m in sys.modules if m in {"vlmserve.engine.engine", "vlmserve.engine.scheduler",
+                                               "vlmserve.engine.model", "vlmserve.engine.worker"}))
+"""
+
+
+def test_serving_side_never_imports_the_engine():
+    # Beside an engine process the HTTP process only preprocesses: no model, scheduler or worker.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SERVING_SIDE, str(MODELS / "qwen2_vl")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+

@@ -20,7 +20,6 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from ..config import ServerConfig
-from ..engine.engine import Engine
 from ..engine.engine_client import EngineProcessClient
 from ..engine.processor import load_processor
 from ..metrics import Metrics, SchedulerHooks
@@ -72,8 +71,14 @@ class ServerState:
         self.config = config
         self.metrics = Metrics(config.model_id)
         hooks = SchedulerHooks(self.metrics)
-        # --engine-process: the MLX worker in a process of its own (engine_client.py)
-        self.engine = EngineProcessClient(config, hooks) if config.engine_process else Engine(config, hooks=hooks)
+        # --engine-process: the MLX worker in a process of its own (engine_client.py), and this
+        # process never imports the engine's model, scheduler or worker
+        if config.engine_process:
+            self.engine = EngineProcessClient(config, hooks)
+        else:
+            from ..engine.engine import Engine
+
+            self.engine = Engine(config, hooks=hooks)
         self.preprocessor: Preprocessor | None = None
         self.preprocess_processes: PreprocessProcesses | None = None  # --preprocess-processes
         self.ready = False
