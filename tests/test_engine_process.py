@@ -6,12 +6,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MODELS, chat_body, data_uri, images, start_server
+from conftest import MODELS, chat_body, data_uri, free_port, images, start_server
 from reference import mlx_vlm_text
 
 MAX_TOKENS = 24
@@ -87,8 +90,6 @@ def test_concurrent_requests_each_equal_alone(process_server):
     alone = [_post(process_server, b)["choices"][0]["message"]["content"] for b in bodies]
 
     async def together():
-        import httpx
-
         async with httpx.AsyncClient(base_url=process_server.base_url, timeout=120) as c:
             rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
         return [r.json()["choices"][0]["message"]["content"] for r in rs]
@@ -187,13 +188,6 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads children from Linux's /proc")
 def test_engine_process_exits_when_the_server_is_killed():
     """No orphan holding the model: a server killed with SIGKILL closes the pipe, and its engine stops."""
-    import subprocess
-    import sys
-
-    import httpx
-
-    from conftest import free_port
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port",
                              str(port), "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -233,11 +227,7 @@ print(sorted(m for m in sys.modules if m in {"vlmserve.engine.engine", "vlmserve
 
 def test_serving_side_never_imports_the_engine():
     # Beside an engine process the HTTP process only preprocesses: no model, scheduler or worker.
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", _SERVING_SIDE, str(MODELS / "qwen2_vl")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
-

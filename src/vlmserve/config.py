@@ -73,6 +73,8 @@ class ServerConfig:
     # Run the MLX worker (model, scheduler, detokenizing) in a spawned process of its own; this
     # process keeps HTTP, admission and preprocessing. The event loop then never waits for the GIL
     # behind the MLX thread's Python (vLLM's API-server / engine-core split; engine_client.py).
+    # `vlmserve serve` turns it on unless given --no-engine-process; a config built in code (tests,
+    # embedding the app) keeps one process.
     engine_process: bool = False
 
     # Testing aid: record the thread of every MLX entry point and fail off the worker.
