@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Caption many images through vlmserve (or any OpenAI-compatible server). See docs/captioning.md.
 
-    python scripts/caption.py photos/ --out captions.jsonl --server http://gpu1:8000 --server http://gpu2:8000
+python scripts/caption.py photos/ --out captions.jsonl --server http://gpu1:8000 --server http://gpu2:8000
 """
 
 import sys

@@ -112,7 +112,7 @@ _SENTENCES = (
     "Hello, world! How are you today?",
     "The quick brown fox jumps over the lazy dog.",
     "Count the objects: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10.",
-    "{\"role\": \"user\", \"content\": [\"text\", \"image_url\"]}",
+    '{"role": "user", "content": ["text", "image_url"]}',
     "def main(): return [x * 2 for x in range(10)]",
     "A gradient from left (dark) to right (light); stripes at the top & bottom.",
     "Q: What color is the sky? A: The sky is blue.",
@@ -141,9 +141,7 @@ def _byte_alphabet() -> list[str]:
 
     full = pre_tokenizers.ByteLevel.alphabet()  # 256 chars, unordered
     # bytes_to_unicode mapping (GPT-2): reproduce to pick the printable subset deterministically
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -223,7 +221,7 @@ GEMMA3_TEMPLATE = (
     "    {%- else -%}\n"
     "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
     "    {%- endif -%}\n    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n    {%- set loop_messages = messages -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n    {%- set loop_messages = messages -%}\n'
     "{%- endif -%}\n{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
     "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
@@ -383,8 +381,12 @@ def spec_qwen2_vl(model_type="qwen2_vl"):
         "preprocessor_config.json": _qwen_preprocessor(min_px, max_px, pcls),
         "video_preprocessor_config.json": _qwen_video_preprocessor(min_px, max_px, pcls),
     }
-    gen = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-           "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+    gen = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+        "do_sample": False,
+    }
     files["generation_config.json"] = gen
     return dict(
         config=config,
@@ -489,15 +491,34 @@ def spec_llava():
             "vision_feature_select_strategy": "default",
             "image_seq_length": 16,
         },
-        "generation_config.json": {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
-                                   "pad_token_id": ids["<pad>"], "do_sample": False},
+        "generation_config.json": {
+            "bos_token_id": ids["<s>"],
+            "eos_token_id": ids["</s>"],
+            "pad_token_id": ids["<pad>"],
+            "do_sample": False,
+        },
     }
-    return dict(config=config, tokenizer=fast, template=LLAVA_TEMPLATE, files=files,
-                eos_ids=[ids["</s>"]], never_ids=sorted(ids.values()))
+    return dict(
+        config=config,
+        tokenizer=fast,
+        template=LLAVA_TEMPLATE,
+        files=files,
+        eos_ids=[ids["</s>"]],
+        never_ids=sorted(ids.values()),
+    )
 
 
-GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
-                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_SPECIALS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
 
 
 def spec_gemma3():
@@ -586,12 +607,21 @@ def spec_gemma3():
             "size": {"height": 56, "width": 56},
         },
         "processor_config.json": {"image_seq_length": 4, "processor_class": "Gemma3Processor"},
-        "generation_config.json": {"bos_token_id": ids["<bos>"], "pad_token_id": ids["<pad>"],
-                                   "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
-                                   "do_sample": False},
+        "generation_config.json": {
+            "bos_token_id": ids["<bos>"],
+            "pad_token_id": ids["<pad>"],
+            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+            "do_sample": False,
+        },
     }
-    return dict(config=config, tokenizer=fast, template=GEMMA3_TEMPLATE, files=files,
-                eos_ids=[ids["<eos>"], ids["<end_of_turn>"]], never_ids=sorted(ids.values()))
+    return dict(
+        config=config,
+        tokenizer=fast,
+        template=GEMMA3_TEMPLATE,
+        files=files,
+        eos_ids=[ids["<eos>"], ids["<end_of_turn>"]],
+        never_ids=sorted(ids.values()),
+    )
 
 
 def get_spec(name):
@@ -649,9 +679,7 @@ def _check_sanitize(model_class, model, model_config, params: dict):
     if hasattr(model_class, "LanguageModel") and hasattr(model_config, "text_config"):
         w = sanitize_weights(model_class.LanguageModel, w, model_config.text_config)
     if set(w) != set(params):
-        raise RuntimeError(
-            f"sanitize() changed names: +{sorted(set(w) - set(params))} -{sorted(set(params) - set(w))}"
-        )
+        raise RuntimeError(f"sanitize() changed names: +{sorted(set(w) - set(params))} -{sorted(set(params) - set(w))}")
     for k, v in w.items():
         if tuple(v.shape) != tuple(params[k].shape):
             raise RuntimeError(f"sanitize() changed shape of {k}: {params[k].shape} -> {v.shape}")
@@ -680,8 +708,10 @@ def make_small_weights(config: dict, eos_ids, zero_eos=True, seed=0, std=0.1):
         if p.ndim >= 2:
             rng = np.random.default_rng(_seed_for(name, seed))
             a = rng.normal(0.0, std, size=tuple(p.shape)).astype(np.float32)
-            if zero_eos and eos_ids and (
-                name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight"))
+            if (
+                zero_eos
+                and eos_ids
+                and (name.endswith("lm_head.weight") or (tied and name.endswith("embed_tokens.weight")))
             ):
                 a[list(eos_ids)] = 0.0
             out[name] = mx.array(a)
@@ -855,24 +885,36 @@ def _big_qwen_tokenizer(vocab_size: int):
             nid += 1
         new_vocab[tokstr] = nid
         nid += 1
-    filler = 0
     free = [i for i in range(vocab_size) if i not in taken and i not in set(new_vocab.values())]
-    for i in free:
+    for filler, i in enumerate(free):
         # A leading "Ġ" (byte-level space) so streaming detokenizers flush every filler token
         # at once, as they do real words; otherwise a benchmark sees all text at the end.
         name = f"\u0120~{filler}"
         assert name not in new_vocab
         new_vocab[name] = i
-        filler += 1
     for t, i in specials.items():
         new_vocab[t] = i
     tj["model"]["vocab"] = new_vocab
     tj["added_tokens"] = [
-        {"id": new_vocab["<unk>"], "content": "<unk>", "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": new_vocab["<unk>"],
+            "content": "<unk>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
     ] + [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for t, i in sorted(specials.items(), key=lambda kv: kv[1])
     ]
     tok = Tokenizer.from_str(json.dumps(tj))
@@ -881,8 +923,9 @@ def _big_qwen_tokenizer(vocab_size: int):
     return fast
 
 
-def build_qwen2_vl_2b(out: Path, dtype_name="bfloat16", layers=None, vision_layers=None,
-                      seed=0, zero_eos=True, std=0.02):
+def build_qwen2_vl_2b(
+    out: Path, dtype_name="bfloat16", layers=None, vision_layers=None, seed=0, zero_eos=True, std=0.02
+):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -939,9 +982,15 @@ def build_qwen2_vl_2b(out: Path, dtype_name="bfloat16", layers=None, vision_laye
     min_px, max_px = 56 * 56, 1280 * 28 * 28
     _dump_json(out / "preprocessor_config.json", _qwen_preprocessor(min_px, max_px))
     _dump_json(out / "video_preprocessor_config.json", _qwen_video_preprocessor(min_px, max_px))
-    _dump_json(out / "generation_config.json",
-               {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"],
-                "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": False})
+    _dump_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["<|endoftext|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "do_sample": False,
+        },
+    )
     save_tokenizer(tok, QWEN2_VL_TEMPLATE, out)
 
     model_class, model, model_config = build_model(config)
@@ -1000,15 +1049,15 @@ def main(argv=None):
     if args.preset == "qwen2-vl-2b":
         if args.out is None:
             ap.error("--preset needs --out DIR")
-        build_qwen2_vl_2b(args.out, args.dtype, args.layers, args.vision_layers, seed=args.seed,
-                          zero_eos=not args.keep_eos)
+        build_qwen2_vl_2b(
+            args.out, args.dtype, args.layers, args.vision_layers, seed=args.seed, zero_eos=not args.keep_eos
+        )
         print(f"wrote {args.out}")
         return 0
 
     out = args.out or DEFAULT_OUT
     names = args.only if args.only else list(AVAILABLE)
-    for d in build_small(out, names, zero_eos=not args.keep_eos, seed=args.seed,
-                         images=not args.no_images):
+    for d in build_small(out, names, zero_eos=not args.keep_eos, seed=args.seed, images=not args.no_images):
         print(f"wrote {d}")
     return 0
 

@@ -30,8 +30,9 @@ def free_port() -> int:
 
 
 def data_uri(path: Path) -> str:
-    mime = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "webp": "image/webp",
-            "gif": "image/gif"}[path.suffix.lower().lstrip(".")]
+    mime = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}[
+        path.suffix.lower().lstrip(".")
+    ]
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
 
@@ -41,18 +42,26 @@ class RunningServer:
     def __init__(self, config):
         import uvicorn
 
-        from vlmserve.api.app import create_app
-        from vlmserve.api.http_protocol import BulkBodyProtocol
+        from vlmserve.entrypoints.openai.app import create_app
+        from vlmserve.entrypoints.openai.http_protocol import BulkBodyProtocol
 
         self.config = config
         self.app = create_app(config)
         self.state = self.app.state.server
-        self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=config.port, log_level="warning",
-                                                http=BulkBodyProtocol, timeout_graceful_shutdown=5))
+        self.uv = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=config.port,
+                log_level="warning",
+                http=BulkBodyProtocol,
+                timeout_graceful_shutdown=5,
+            )
+        )
         self.thread = threading.Thread(target=self.uv.run, name="uvicorn", daemon=True)
         self.base_url = f"http://127.0.0.1:{config.port}"
 
-    def start(self, timeout: float = 120.0) -> "RunningServer":
+    def start(self, timeout: float = 120.0) -> RunningServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.uv.started:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
-from vlmserve.media import MediaPolicy, decode_image
+from vlmserve.inputs.media import MediaPolicy, decode_image
 from vlmserve.protocol import ChatMessage, ImageRef
 
 
@@ -24,7 +24,7 @@ class _WithoutPadding:
         return getattr(self._processor, name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _mlx_vlm_processor(model_path: str):
     from mlx_vlm.utils import load_processor
 
@@ -47,8 +47,9 @@ def mlx_vlm_text(server, text: str, image_paths: list[Path], max_tokens: int) ->
     model = server.engine.scheduler.vlm.model
 
     def run():
-        result = mlx_vlm.generate(model, processor, prompt, image=images or None, max_tokens=max_tokens,
-                                  temperature=0.0, verbose=False)
+        result = mlx_vlm.generate(
+            model, processor, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0, verbose=False
+        )
         return result.text
 
     return server.on_worker(run)

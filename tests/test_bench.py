@@ -1,4 +1,4 @@
-"""scripts/bench.py, the W1 load generator, against the tiny qwen2_vl server."""
+"""benchmarks/bench.py, the W1 load generator, against the tiny qwen2_vl server."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from conftest import ROOT
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "scripts"))  # the spawned load generators import it by name too
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the spawned load generators import it by name too
     import bench as module
 
     yield module
-    sys.path.remove(str(ROOT / "scripts"))
+    sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def wait_ready(server) -> None:
@@ -33,8 +33,24 @@ def wait_ready(server) -> None:
 def test_closed_loop_from_load_generator_processes(qwen_server, bench, tmp_path, processes):
     wait_ready(qwen_server)
     out = tmp_path / "w.json"
-    code = bench.main(["--url", qwen_server.base_url, "--concurrency", "3", "--max-tokens", "3", "--image-size", "56",
-                       "--prompt-words", "5", "--client-processes", str(processes), "--out", str(out)])
+    code = bench.main(
+        [
+            "--url",
+            qwen_server.base_url,
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "3",
+            "--image-size",
+            "56",
+            "--prompt-words",
+            "5",
+            "--client-processes",
+            str(processes),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     level = json.loads(out.read_text())["runs"][0]["levels"][0]
     assert level["ok"] == level["requests"] == 6

@@ -41,8 +41,16 @@ def expected_caption(data: bytes) -> str:
 class FakeServer:
     """Caption = hash of the image bytes (data URI) or 'url:<url>'; records every request."""
 
-    def __init__(self, model: str = "fake-vlm", delay: float = 0.0, fail_first: int = 0, fail_status: int = 503,
-                 retry_after: str | None = None, bad: set[str] = frozenset(), api_key: str | None = None):
+    def __init__(
+        self,
+        model: str = "fake-vlm",
+        delay: float = 0.0,
+        fail_first: int = 0,
+        fail_status: int = 503,
+        retry_after: str | None = None,
+        bad: set[str] = frozenset(),
+        api_key: str | None = None,
+    ):
         from starlette.applications import Starlette
         from starlette.requests import Request
         from starlette.responses import JSONResponse
@@ -67,9 +75,15 @@ class FakeServer:
                 caption = expected_caption(base64.b64decode(b64))
             else:
                 mime, caption = None, "url:" + url
-            entry = {"url": url if not url.startswith("data:") else None, "mime": mime, "prompt": prompt,
-                     "model": body.get("model"), "caption": caption, "max_tokens": body.get("max_tokens"),
-                     "temperature": body.get("temperature")}
+            entry = {
+                "url": url if not url.startswith("data:") else None,
+                "mime": mime,
+                "prompt": prompt,
+                "model": body.get("model"),
+                "caption": caption,
+                "max_tokens": body.get("max_tokens"),
+                "temperature": body.get("temperature"),
+            }
             with self.lock:
                 self.requests.append(entry)
                 failing = self.fail_first > 0
@@ -81,19 +95,29 @@ class FakeServer:
             if failing:
                 entry["status"] = self.fail_status
                 headers = {"retry-after": self.retry_after} if self.retry_after is not None else {}
-                return JSONResponse({"error": {"message": "busy", "type": "server_error"}}, self.fail_status,
-                                    headers=headers)
+                return JSONResponse(
+                    {"error": {"message": "busy", "type": "server_error"}}, self.fail_status, headers=headers
+                )
             if caption in self.bad:
                 entry["status"] = 400
-                return JSONResponse({"error": {"message": "invalid image", "type": "invalid_request_error",
-                                               "code": "invalid_image"}}, 400)
+                return JSONResponse(
+                    {"error": {"message": "invalid image", "type": "invalid_request_error", "code": "invalid_image"}},
+                    400,
+                )
             if self.delay:
                 await asyncio.sleep(self.delay)
             entry["status"] = 200
-            return JSONResponse({
-                "id": "x", "object": "chat.completion", "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": caption}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}})
+            return JSONResponse(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "model": self.model,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": caption}, "finish_reason": "stop"}
+                    ],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13},
+                }
+            )
 
         import uvicorn
 
@@ -103,7 +127,7 @@ class FakeServer:
         self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
 
-    def start(self) -> "FakeServer":
+    def start(self) -> FakeServer:
         self.thread.start()
         while not self.uv.started:
             assert self.thread.is_alive()
@@ -160,8 +184,9 @@ def caption(*argv: str) -> int:
 
 
 def spawn(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_rows(path: Path, n: int, proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -193,8 +218,25 @@ def test_folder_of_200_pngs_one_row_per_image(tmp_path, fake):
 def test_fixture_images_mime_types_and_options(tmp_path, fake):
     server = fake()
     out = tmp_path / "c.jsonl"
-    assert caption(FIXTURE_IMAGES, "-o", out, "--server", server.url + "/v1/", "--model", "m", "--prompt", "Alt text?",
-                   "--max-tokens", "7", "--temperature", "0", *FAST) == 0
+    assert (
+        caption(
+            FIXTURE_IMAGES,
+            "-o",
+            out,
+            "--server",
+            server.url + "/v1/",
+            "--model",
+            "m",
+            "--prompt",
+            "Alt text?",
+            "--max-tokens",
+            "7",
+            "--temperature",
+            "0",
+            *FAST,
+        )
+        == 0
+    )
     files = sorted(p for p in FIXTURE_IMAGES.iterdir() if p.is_file())
     rows = {r["path"]: r for r in read_jsonl(out)}
     assert set(rows) == {str(p) for p in files}
@@ -202,7 +244,9 @@ def test_fixture_images_mime_types_and_options(tmp_path, fake):
         assert rows[str(p)]["caption"] == expected_caption(p.read_bytes())
     mimes = {"png": "image/png", "jpg": "image/jpeg", "gif": "image/gif", "webp": "image/webp"}
     assert sorted(r["mime"] for r in server.requests) == sorted(mimes[p.suffix[1:]] for p in files)
-    assert {(r["prompt"], r["model"], r["max_tokens"], r["temperature"]) for r in server.requests} == {("Alt text?", "m", 7, 0)}
+    assert {(r["prompt"], r["model"], r["max_tokens"], r["temperature"]) for r in server.requests} == {
+        ("Alt text?", "m", 7, 0)
+    }
 
 
 def test_glob_and_existing_output_is_not_clobbered(tmp_path, fake):
@@ -283,7 +327,9 @@ def test_csv_output_with_partial_record_resumes(tmp_path, fake):
 def test_csv_quotes_newlines_round_trip():
     from vlmserve.caption.output import encode_csv, read_csv
 
-    header = b"path,prompt,caption,model,finish_reason,prompt_tokens,completion_tokens,latency_s,server,attempts,error\n"
+    header = (
+        b"path,prompt,caption,model,finish_reason,prompt_tokens,completion_tokens,latency_s,server,attempts,error\n"
+    )
     good = {"path": "a,b.png", "caption": 'two\nlines, "quoted"', "prompt_tokens": 5, "latency_s": 0.5}
     data = header + encode_csv(good) + encode_csv({"path": "bad.png", "caption": None, "error": "HTTP 400: x"})
     existing = read_csv(data)
@@ -312,8 +358,9 @@ def test_two_servers_retry_503_and_400_not_retried(tmp_path, fake):
     a = fake(delay=0.005, bad={bad_caption})
     b = fake(delay=0.005, bad={bad_caption}, fail_first=6, retry_after="0")
     out = tmp_path / "c.jsonl"
-    assert caption(tmp_path / "imgs", "-o", out, "--server", a.url, "--server", b.url, "--concurrency", "4",
-                   *FAST) == 1  # one image failed
+    assert (
+        caption(tmp_path / "imgs", "-o", out, "--server", a.url, "--server", b.url, "--concurrency", "4", *FAST) == 1
+    )  # one image failed
     rows = read_jsonl(out)
     assert len(rows) == 100
     by_path = {r["path"]: r for r in rows}
@@ -343,8 +390,12 @@ def test_retries_exhausted_and_dead_server_tolerated(tmp_path, fake):
     healthy = fake()
     dead = f"http://127.0.0.1:{_free_port()}"
     out2 = tmp_path / "d.jsonl"
-    assert caption(tmp_path / "imgs", "-o", out2, "--server", f"{dead},{healthy.url}", "--model", "m",
-                   "--retries", "20", *FAST) == 0
+    assert (
+        caption(
+            tmp_path / "imgs", "-o", out2, "--server", f"{dead},{healthy.url}", "--model", "m", "--retries", "20", *FAST
+        )
+        == 0
+    )
     assert {r["path"]: r["caption"] for r in read_jsonl(out2)} == expected
     # Without --model the dead one is dropped at discovery; with only dead servers it is a usage error.
     out3 = tmp_path / "e.jsonl"
@@ -369,8 +420,13 @@ def test_jsonl_and_csv_manifests_with_per_row_prompts(tmp_path, fake):
     expected = make_pngs(tmp_path / "imgs", 6, nested=False)
     paths = sorted(expected)
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text("\n".join(json.dumps({"path": os.path.relpath(p, tmp_path), **({"prompt": f"P{i}"} if i % 2 else {})})
-                                  for i, p in enumerate(paths[:3])) + "\n")
+    manifest.write_text(
+        "\n".join(
+            json.dumps({"path": os.path.relpath(p, tmp_path), **({"prompt": f"P{i}"} if i % 2 else {})})
+            for i, p in enumerate(paths[:3])
+        )
+        + "\n"
+    )
     manifest_csv = tmp_path / "m.csv"
     with open(manifest_csv, "w", newline="") as f:
         w = csv.writer(f)
@@ -380,8 +436,14 @@ def test_jsonl_and_csv_manifests_with_per_row_prompts(tmp_path, fake):
     out = tmp_path / "c.jsonl"
     assert caption(manifest, manifest_csv, "-o", out, "--server", server.url, "--prompt", "DEFAULT", *FAST) == 0
     prompts = {r["caption"]: r["prompt"] for r in server.requests}
-    want = {expected[paths[0]]: "DEFAULT", expected[paths[1]]: "P1", expected[paths[2]]: "DEFAULT",
-            expected[paths[3]]: "C0, with comma", expected[paths[4]]: "DEFAULT", expected[paths[5]]: "C2, with comma"}
+    want = {
+        expected[paths[0]]: "DEFAULT",
+        expected[paths[1]]: "P1",
+        expected[paths[2]]: "DEFAULT",
+        expected[paths[3]]: "C0, with comma",
+        expected[paths[4]]: "DEFAULT",
+        expected[paths[5]]: "C2, with comma",
+    }
     assert prompts == want
     rows = read_jsonl(out)
     assert len(rows) == 6
@@ -448,9 +510,9 @@ def test_no_mlx_at_import():
 # ---- the real server ------------------------------------------------------------------------------------
 def _real_server_available() -> str | None:
     try:
-        from vlmserve.api.app import create_app  # noqa: F401
+        from vlmserve.entrypoints.openai.app import create_app  # noqa: F401
     except ImportError as exc:
-        return f"vlmserve.api.app.create_app is not importable ({exc})"
+        return f"vlmserve.entrypoints.openai.app.create_app is not importable ({exc})"
     if not QWEN.is_dir():
         return "fixtures/models/qwen2_vl is missing"
     return None
@@ -462,12 +524,25 @@ def _direct_answers(base_url: str, model: str) -> dict[str, tuple[int, str | Non
     answers = {}
     with httpx.Client(base_url=base_url, timeout=120) as client:
         for p in sorted(FIXTURE_IMAGES.iterdir()):
-            body = {"model": model, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_uri(p.read_bytes(), p.name)}},
-                {"type": "text", "text": "Describe this image."}]}]}
+            body = {
+                "model": model,
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": data_uri(p.read_bytes(), p.name)}},
+                            {"type": "text", "text": "Describe this image."},
+                        ],
+                    }
+                ],
+            }
             r = client.post("/v1/chat/completions", json=body)
-            answers[str(p)] = (r.status_code, r.json()["choices"][0]["message"]["content"].strip()
-                               if r.status_code == 200 else None)
+            answers[str(p)] = (
+                r.status_code,
+                r.json()["choices"][0]["message"]["content"].strip() if r.status_code == 200 else None,
+            )
     return answers
 
 
@@ -488,8 +563,22 @@ def test_real_server_captions_equal_direct_greedy_answers(tmp_path, request):
     server = request.getfixturevalue("qwen_server")
     answers = _direct_answers(server.base_url, server.model_id)
     out = tmp_path / "c.jsonl"
-    code = caption(FIXTURE_IMAGES, "-o", out, "--server", server.base_url, "--prompt", "Describe this image.",
-                   "--temperature", "0", "--max-tokens", "8", "--concurrency", "6", *FAST)
+    code = caption(
+        FIXTURE_IMAGES,
+        "-o",
+        out,
+        "--server",
+        server.base_url,
+        "--prompt",
+        "Describe this image.",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--concurrency",
+        "6",
+        *FAST,
+    )
     rows = read_jsonl(out)
     _check_against(rows, answers)
     assert code == (0 if all(s == 200 for s, _ in answers.values()) else 1)
@@ -501,9 +590,27 @@ def test_in_process_matches_the_server(tmp_path, request):
     server = request.getfixturevalue("qwen_server")
     answers = _direct_answers(server.base_url, server.model_id)
     out = tmp_path / "c.jsonl"
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(FIXTURE_IMAGES), "-o", str(out), "--in-process", str(QWEN),
-                           "--prompt", "Describe this image.", "--temperature", "0", "--max-tokens", "8", *FAST],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(FIXTURE_IMAGES),
+            "-o",
+            str(out),
+            "--in-process",
+            str(QWEN),
+            "--prompt",
+            "Describe this image.",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            *FAST,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode in (0, 1), proc.stderr
     _check_against(read_jsonl(out), answers)
     assert "done" in proc.stderr

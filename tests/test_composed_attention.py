@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import on_own_thread
-from vlmserve.engine import composed_attention, cuda_kernels, decode_attention
+from vlmserve.engine.ops import composed_attention, cuda_kernels, decode_attention
 
 # (batch, query heads, KV heads, query length, key length, head dim)
 _SHAPES = [(2, 4, 4, 7, 7, 16), (3, 6, 2, 5, 9, 32), (1, 12, 2, 1, 20, 64)]
@@ -39,8 +39,10 @@ def test_composed_is_mlx_composed_attention(shape, mask, dtype, sinks):
 
         b, hq, hkv, lq, lk, d = shape
         dt = getattr(mx, dtype)
-        q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(dt)
-                   for i, s in enumerate([(b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)]))
+        q, k, v = (
+            mx.random.normal(s, key=mx.random.key(i)).astype(dt)
+            for i, s in enumerate([(b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)])
+        )
         m = _mask(mask, shape, dt)
         s = mx.random.normal((hq,), key=mx.random.key(5)).astype(dt) if sinks else None
         ours = composed_attention.composed(q, k, v, 0.3, m, s)
@@ -61,9 +63,13 @@ def test_avoids_cudnn_where_mlx_composes():
 
         one, four = mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 4, 8))
         array_mask = mx.zeros((1, 1, 1, 3))
-        return [composed_attention.avoids_cudnn(one, None), composed_attention.avoids_cudnn(one, "causal"),
-                composed_attention.avoids_cudnn(one, array_mask), composed_attention.avoids_cudnn(four, None),
-                composed_attention.avoids_cudnn(four, "causal")]
+        return [
+            composed_attention.avoids_cudnn(one, None),
+            composed_attention.avoids_cudnn(one, "causal"),
+            composed_attention.avoids_cudnn(one, array_mask),
+            composed_attention.avoids_cudnn(four, None),
+            composed_attention.avoids_cudnn(four, "causal"),
+        ]
 
     assert on_own_thread(check) == [False, False, True, True, True]
 

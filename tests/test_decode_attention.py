@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlmserve.engine import decode_attention
+from vlmserve.engine.ops import decode_attention
 
 
 def test_installed_and_passes_through_off_cuda(qwen_server):
@@ -17,7 +17,7 @@ def test_installed_and_passes_through_off_cuda(qwen_server):
     def compare():
         import mlx.core as mx
 
-        from vlmserve.engine.slot_cache import SlotLayerCache
+        from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
 
         q = mx.random.normal((2, 4, 1, 32), key=mx.random.key(0))
         k = mx.random.normal((2, 2, 16, 32), key=mx.random.key(1))
@@ -46,8 +46,7 @@ def _float32_attention(q, k, v, lengths, scale):
 
 # (batch, query heads, KV heads, head dim, capacity, lengths): Qwen2-VL-2B's GQA, plain multi-head
 # attention at a small head dim, and few query heads of a wide head per KV head.
-_LAYOUTS = [(5, 12, 2, 128, 300, [1, 7, 300, 150, 64]), (3, 8, 8, 64, 96, [96, 1, 33]),
-            (2, 16, 4, 256, 70, [70, 2])]
+_LAYOUTS = [(5, 12, 2, 128, 300, [1, 7, 300, 150, 64]), (3, 8, 8, 64, 96, [96, 1, 33]), (2, 16, 4, 256, 70, [70, 2])]
 
 
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 3e-2)])
@@ -66,13 +65,13 @@ def test_kernel_matches_float32_attention(qwen_server, dtype, atol, layout):
         if not decode_attention.available(q, k):
             return None
         n = mx.array(lengths, dtype=mx.int32)
-        ref = np.array(_float32_attention(q, k, v, n, dim ** -0.5))
+        ref = np.array(_float32_attention(q, k, v, n, dim**-0.5))
         shapes, results = decode_attention.SHAPES, []
         try:
             for shape in shapes:
                 decode_attention.SHAPES = (shape,)
                 if decode_attention.serves(q, k):
-                    first, second = (decode_attention.attend(q, k, v, n, dim ** -0.5) for _ in range(2))
+                    first, second = (decode_attention.attend(q, k, v, n, dim**-0.5) for _ in range(2))
                     results.append((shape, np.array(first.astype(mx.float32)), np.array(second.astype(mx.float32))))
         finally:
             decode_attention.SHAPES = shapes
@@ -103,17 +102,20 @@ def test_launch_shapes_fit():
 
 def test_kernel_only_for_shapes_it_serves(qwen_server):
     """Other shapes keep mlx_vlm's path on every backend."""
+
     def check():
         import mlx.core as mx
 
         def serves(q_shape, k_shape, dtype=mx.bfloat16, k_dtype=None):
             return decode_attention.serves(mx.zeros(q_shape, dtype), mx.zeros(k_shape, k_dtype or dtype))
 
-        return [serves((2, 12, 1, 128), (2, 2, 64, 128)),  # the Qwen2-VL-2B decode step
-                serves((2, 64, 1, 256), (2, 1, 64, 256)),  # 64 wide query heads per KV head: one per block
-                serves((2, 12, 4, 128), (2, 2, 64, 128)),  # a prefill chunk, not one token
-                serves((2, 12, 1, 80), (2, 2, 64, 80)),  # head dim not a multiple of 32
-                serves((2, 12, 1, 128), (2, 5, 64, 128)),  # query heads not a multiple of KV heads
-                serves((2, 12, 1, 128), (2, 2, 64, 128), k_dtype=mx.float16)]  # query and cache dtypes differ
+        return [
+            serves((2, 12, 1, 128), (2, 2, 64, 128)),  # the Qwen2-VL-2B decode step
+            serves((2, 64, 1, 256), (2, 1, 64, 256)),  # 64 wide query heads per KV head: one per block
+            serves((2, 12, 4, 128), (2, 2, 64, 128)),  # a prefill chunk, not one token
+            serves((2, 12, 1, 80), (2, 2, 64, 80)),  # head dim not a multiple of 32
+            serves((2, 12, 1, 128), (2, 5, 64, 128)),  # query heads not a multiple of KV heads
+            serves((2, 12, 1, 128), (2, 2, 64, 128), k_dtype=mx.float16),
+        ]  # query and cache dtypes differ
 
     assert qwen_server.on_worker(check) == [True, True, False, False, False, False]

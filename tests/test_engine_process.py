@@ -38,8 +38,12 @@ def _post(server, body):
 
 def _stream_text(server, body) -> tuple[str, dict]:
     text, usage = "", None
-    with server.client() as c, c.stream("POST", "/v1/chat/completions",
-                                        json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with (
+        server.client() as c,
+        c.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        ) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -72,8 +76,7 @@ def test_greedy_matches_mlx_vlm_generate(process_server, qwen_server, image_inde
     paths = [] if image_index is None else [images()[image_index]]
     text = "Describe this image in detail." if paths else "Write a haiku about the sea."
     expected = mlx_vlm_text(qwen_server, text, paths, MAX_TOKENS)
-    body = chat_body(process_server.model_id, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS,
-                     temperature=0)
+    body = chat_body(process_server.model_id, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS, temperature=0)
     out = _post(process_server, body)
     assert out["choices"][0]["message"]["content"] == expected
     assert out["usage"]["completion_tokens"] == MAX_TOKENS
@@ -85,8 +88,12 @@ def test_greedy_matches_mlx_vlm_generate(process_server, qwen_server, image_inde
 
 def test_concurrent_requests_each_equal_alone(process_server):
     model = process_server.model_id
-    bodies = [chat_body(model, f"Story number {i}.", [data_uri(images()[i % 2])], max_tokens=16, temperature=0,
-                        ignore_eos=True) for i in range(6)]
+    bodies = [
+        chat_body(
+            model, f"Story number {i}.", [data_uri(images()[i % 2])], max_tokens=16, temperature=0, ignore_eos=True
+        )
+        for i in range(6)
+    ]
     alone = [_post(process_server, b)["choices"][0]["message"]["content"] for b in bodies]
 
     async def together():
@@ -104,11 +111,17 @@ def test_metrics_come_from_the_engine_process(process_server):
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
     before = scrape()
-    _post(process_server, chat_body(process_server.model_id, "Hello", [data_uri(images()[0])], max_tokens=8,
-                                    ignore_eos=True))
+    _post(
+        process_server,
+        chat_body(process_server.model_id, "Hello", [data_uri(images()[0])], max_tokens=8, ignore_eos=True),
+    )
     after = scrape()
-    for name in ("vlmserve:decode_step_seconds_count", "vlmserve:request_queue_time_seconds_count",
-                 "vlmserve:vision_encode_seconds_count", "vlmserve:prefill_seconds_count"):
+    for name in (
+        "vlmserve:decode_step_seconds_count",
+        "vlmserve:request_queue_time_seconds_count",
+        "vlmserve:vision_encode_seconds_count",
+        "vlmserve:prefill_seconds_count",
+    ):
         assert after[name] > before[name], name
     assert after["vlmserve:generation_tokens_total"] - before["vlmserve:generation_tokens_total"] == 8
     assert after["vlmserve:num_requests_running"] == 0
@@ -156,8 +169,8 @@ def test_engine_process_death_fails_streams_and_health():
 
 
 def test_load_failure_in_the_engine_process_names_the_reason(tmp_path):
-    from vlmserve.api.app import ServerState
     from vlmserve.config import ServerConfig
+    from vlmserve.entrypoints.openai.app import ServerState
 
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -189,9 +202,13 @@ def _gone(pid: int) -> bool:
 def test_engine_process_exits_when_the_server_is_killed():
     """No orphan holding the model: a server killed with SIGKILL closes the pipe, and its engine stops."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port",
-                             str(port), "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port", str(port), "--no-warmup"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def ready() -> bool:
             assert proc.poll() is None, "the server exited"
             try:
@@ -215,19 +232,20 @@ def test_engine_process_exits_when_the_server_is_killed():
 
 _SERVING_SIDE = """
 import sys
-from vlmserve.api.app import ServerState
+from vlmserve.entrypoints.openai.app import ServerState
 from vlmserve.config import ServerConfig
-from vlmserve.engine.processor import load_processor
+from vlmserve.models.processor import load_processor
 state = ServerState(ServerConfig(model=sys.argv[1], engine_process=True))
 load_processor(sys.argv[1])
-print(sorted(m for m in sys.modules if m in {"vlmserve.engine.engine", "vlmserve.engine.scheduler",
-                                               "vlmserve.engine.model", "vlmserve.engine.worker"}))
+print(sorted(m for m in sys.modules if m in {"vlmserve.engine.inprocess", "vlmserve.engine.sched.scheduler",
+                                               "vlmserve.models.generic", "vlmserve.engine.worker"}))
 """
 
 
 def test_serving_side_never_imports_the_engine():
     # Beside an engine process the HTTP process only preprocesses: no model, scheduler or worker.
-    out = subprocess.run([sys.executable, "-c", _SERVING_SIDE, str(MODELS / "qwen2_vl")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _SERVING_SIDE, str(MODELS / "qwen2_vl")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"

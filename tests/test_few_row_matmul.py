@@ -15,7 +15,7 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
         import mlx.core as mx
         import mlx.nn as nn
 
-        from vlmserve.engine import cuda_kernels, few_row_matmul
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul
 
         layer = nn.Linear(64, 48, bias=True)
         layer.set_dtype(mx.bfloat16)
@@ -23,8 +23,14 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
         for rows in (1, 4, 33):  # 1 and 33 rows: never the kernel (MLX's gemv; cuBLAS's tiles)
             x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
             served = few_row_matmul.serves(x, layer.weight, layer.bias)
-            out.append((rows, served, np.array(few_row_matmul.linear(layer, x).astype(mx.float32)),
-                        np.array(layer(x).astype(mx.float32))))
+            out.append(
+                (
+                    rows,
+                    served,
+                    np.array(few_row_matmul.linear(layer, x).astype(mx.float32)),
+                    np.array(layer(x).astype(mx.float32)),
+                )
+            )
         return cuda_kernels.enabled(), out
 
     on_cuda, results = on_own_thread(work)
@@ -39,7 +45,7 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
 def test_launch_shapes_fit_every_served_shape():
     """Every served (rows, N, K) gets a grid that covers N exactly and a block within the
     48 KB of static shared memory its reduction declares."""
-    from vlmserve.engine.few_row_matmul import MAX_ROWS, MIN_ROWS, _launch_shape
+    from vlmserve.engine.ops.few_row_matmul import MAX_ROWS, MIN_ROWS, _launch_shape
 
     for m in range(MIN_ROWS, MAX_ROWS + 1):
         for n in (16, 48, 2048, 8192, 17920, 151936, 8208):
@@ -53,17 +59,18 @@ def test_launch_shapes_fit_every_served_shape():
 def test_kernel_matches_float32_matmul(dtype):
     """Narrow, wide (N >= 8192) and deep (K >= 4096) layers, with and without bias, at row
     counts that do and do not fill the 8-row tiles."""
+
     def work():
         import mlx.core as mx
 
-        from vlmserve.engine import cuda_kernels, few_row_matmul
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul
 
         if not cuda_kernels.enabled():
             return None
         t = getattr(mx, dtype)
         results = []
         for n, k in ((48, 64), (8192, 96), (32, 4096)):
-            w = (mx.random.normal((n, k), key=mx.random.key(n)) * k ** -0.5).astype(t)
+            w = (mx.random.normal((n, k), key=mx.random.key(n)) * k**-0.5).astype(t)
             bias = (mx.random.normal((n,), key=mx.random.key(k)) * 0.1).astype(t)
             for rows in (2, 5, 8, 17, 32):
                 x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(t)
@@ -74,8 +81,14 @@ def test_kernel_matches_float32_matmul(dtype):
                     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
                     if b is not None:
                         ref = ref + b.astype(mx.float32)
-                    results.append((ours.shape == x.shape[:-1] + (n,), np.array(ours.astype(mx.float32)),
-                                    np.array(again.astype(mx.float32)), np.array(ref)))
+                    results.append(
+                        (
+                            ours.shape == x.shape[:-1] + (n,),
+                            np.array(ours.astype(mx.float32)),
+                            np.array(again.astype(mx.float32)),
+                            np.array(ref),
+                        )
+                    )
         return results
 
     results = on_own_thread(work)

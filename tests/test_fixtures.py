@@ -31,9 +31,17 @@ IMAGE_TOKENS = {
         "pattern_72x56.webp": 6,
         "anim_48x48.gif": 4,
     },
-    "llava": {name: 16 for name in (
-        "small_64x48.png", "photo_100x80.jpg", "alpha_40x40.png", "large_224x160.jpg",
-        "pattern_72x56.webp", "anim_48x48.gif")},
+    "llava": {
+        name: 16
+        for name in (
+            "small_64x48.png",
+            "photo_100x80.jpg",
+            "alpha_40x40.png",
+            "large_224x160.jpg",
+            "pattern_72x56.webp",
+            "anim_48x48.gif",
+        )
+    },
 }
 IMAGE_TOKENS["qwen2_5_vl"] = IMAGE_TOKENS["qwen2_vl"]
 IMAGE_TOKENS["gemma3"] = {name: 4 for name in IMAGE_TOKENS["llava"]}
@@ -51,13 +59,15 @@ def test_regenerate_is_byte_identical(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     committed = _files(FIXTURES)
     rebuilt = _files(tmp_path)
-    assert sorted(committed) == sorted(rebuilt), (
-        sorted(set(committed) ^ set(rebuilt)))
+    assert sorted(committed) == sorted(rebuilt), sorted(set(committed) ^ set(rebuilt))
     differ = [k for k in committed if committed[k] != rebuilt[k]]
     assert not differ, f"rebuilt fixtures differ: {differ}"
 
@@ -89,8 +99,7 @@ def _load(name):
 def _stream(model, processor, prompt, image, max_tokens):
     from mlx_vlm import stream_generate
 
-    chunks = list(stream_generate(model, processor, prompt, image=[str(image)],
-                                  max_tokens=max_tokens, temperature=0.0))
+    chunks = list(stream_generate(model, processor, prompt, image=[str(image)], max_tokens=max_tokens, temperature=0.0))
     last = chunks[-1]
     text = "".join(c.text for c in chunks)
     return text, list(last.token_ids), last.generation_tokens, last.finish_reason
@@ -111,13 +120,20 @@ def test_fixture_generates(name):
         image = FIXTURES / "images" / "small_64x48.png"
         out = {"load_s": load_s, "prompt": prompt}
         for max_tokens in (32, 7):
-            r1 = generate(model, processor, prompt, image=[str(image)], max_tokens=max_tokens,
-                          temperature=0.0, verbose=False)
+            r1 = generate(
+                model, processor, prompt, image=[str(image)], max_tokens=max_tokens, temperature=0.0, verbose=False
+            )
             t0 = time.perf_counter()
             text, ids, n, finish = _stream(model, processor, prompt, image, max_tokens)
-            out[max_tokens] = dict(gen=r1, text=text, ids=ids, n=n, finish=finish,
-                                   gen_s=time.perf_counter() - t0,
-                                   decoded=processor.tokenizer.decode(ids))
+            out[max_tokens] = dict(
+                gen=r1,
+                text=text,
+                ids=ids,
+                n=n,
+                finish=finish,
+                gen_s=time.perf_counter() - t0,
+                decoded=processor.tokenizer.decode(ids),
+            )
         return out
 
     out = on_own_thread(work)
@@ -145,7 +161,7 @@ def test_fixture_image_token_counts(name):
         model, processor = _load(name)
         prompt = apply_chat_template(processor, model.config, "Hi.", num_images=1)
         cfg = model.config
-        image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index")
+        image_id = getattr(cfg, "image_token_id", None) or cfg.image_token_index
         counts = {}
         for fname in IMAGE_TOKENS[name]:
             img = load_image(str(FIXTURES / "images" / fname))

@@ -30,13 +30,14 @@ def _plain_and_fused(name: str, quantize: bool):
     import mlx.nn as nn
     from mlx_vlm.utils import load_model
 
-    from vlmserve.engine import fused_projections
+    from vlmserve.engine.ops import fused_projections
 
     models = [load_model(MODELS / name, lazy=False) for _ in range(2)]
     if quantize:
         for m in models:
-            nn.quantize(m.language_model, group_size=32, bits=4,
-                        class_predicate=lambda _, mod: isinstance(mod, nn.Linear))
+            nn.quantize(
+                m.language_model, group_size=32, bits=4, class_predicate=lambda _, mod: isinstance(mod, nn.Linear)
+            )
     plain, fused = (m.language_model for m in models)
     groups = fused_projections.install(fused)
     return plain, fused, groups
@@ -49,9 +50,15 @@ def test_fused_projections_give_identical_logits(name, quantize):
         plain, fused, groups = _plain_and_fused(name, quantize)
         layer = fused.model.layers[0]
         attn = getattr(layer, "self_attn", None)
-        return (groups, len(fused.model.layers), _logits(plain), _logits(fused),
-                type(attn.q_proj).__name__, tuple(attn.k_proj.weight.shape),
-                tuple(plain.model.layers[0].self_attn.k_proj.weight.shape))
+        return (
+            groups,
+            len(fused.model.layers),
+            _logits(plain),
+            _logits(fused),
+            type(attn.q_proj).__name__,
+            tuple(attn.k_proj.weight.shape),
+            tuple(plain.model.layers[0].self_attn.k_proj.weight.shape),
+        )
 
     groups, layers, reference, got, part_type, k_shape, k_shape_plain = on_own_thread(work)
     assert groups == 2 * layers  # q/k/v and gate/up in every layer
@@ -66,7 +73,7 @@ def test_a_part_called_on_another_input_uses_its_own_rows():
         import mlx.core as mx
         import mlx.nn as nn
 
-        from vlmserve.engine import fused_projections
+        from vlmserve.engine.ops import fused_projections
 
         mx.random.seed(3)
         block = nn.Module()
@@ -87,7 +94,7 @@ def test_mismatched_projections_are_left_alone():
     def work():
         import mlx.nn as nn
 
-        from vlmserve.engine import fused_projections
+        from vlmserve.engine.ops import fused_projections
 
         mlp = nn.Module()
         mlp.gate_proj, mlp.up_proj = nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=True)

@@ -55,8 +55,14 @@ def test_text_only_matches_mlx_vlm_generate(any_server):
 
 
 def test_stream_equals_non_stream_and_usage(qwen_server):
-    body = chat_body(qwen_server.model_id, "What is shown?", [data_uri(images()[0])], max_tokens=MAX_TOKENS,
-                     temperature=0, stream_options={"include_usage": True})
+    body = chat_body(
+        qwen_server.model_id,
+        "What is shown?",
+        [data_uri(images()[0])],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream_options={"include_usage": True},
+    )
     whole = _complete(qwen_server, {k: v for k, v in body.items() if k != "stream_options"})
     chunks = _stream(qwen_server, body)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -72,7 +78,7 @@ def test_stream_equals_non_stream_and_usage(qwen_server):
 
 
 def test_prompt_tokens_count_the_image_tokens(qwen_server):
-    from vlmserve.api.openai import parse_chat_request
+    from vlmserve.entrypoints.openai.chat_schema import parse_chat_request
 
     body = chat_body(qwen_server.model_id, "Hi", [data_uri(images()[0])], max_tokens=2)
     chat = parse_chat_request(body, qwen_server.config, qwen_server.state.model_names, 4096)
@@ -106,8 +112,9 @@ def test_thread_guard_catches_off_thread_calls(qwen_server, thread_guard_report)
 
 
 def test_health_is_fast_during_long_generation(qwen_server):
-    body = chat_body(qwen_server.model_id, "Tell a long story.", [data_uri(images()[1])], max_tokens=400,
-                     ignore_eos=True)
+    body = chat_body(
+        qwen_server.model_id, "Tell a long story.", [data_uri(images()[1])], max_tokens=400, ignore_eos=True
+    )
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault("out", _complete(qwen_server, body)))
     worker.start()
@@ -129,8 +136,12 @@ def test_health_is_fast_during_long_generation(qwen_server):
 
 def test_missing_model_exits_nonzero(tmp_path):
     missing = tmp_path / "no-such-model"
-    proc = subprocess.run([sys.executable, "-m", "vlmserve.cli", "serve", str(missing), "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", "serve", str(missing), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "model path not found" in proc.stderr
 
@@ -190,23 +201,30 @@ def test_joined_events_keep_an_error_apart_from_the_text_before_it(last):
     from types import SimpleNamespace
 
     from vlmserve.config import ServerConfig
-    from vlmserve.engine.engine import Engine
+    from vlmserve.engine.inprocess import Engine
     from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent
 
     engine = Engine(ServerConfig(model="unused"))
     engine.worker = SimpleNamespace(healthy=True, wake=lambda: None)
-    final = (TokenEvent("c", [3], finish_reason=FinishReason.LENGTH, completion_tokens=3) if last == "length"
-             else TokenEvent(finish_reason=FinishReason.ERROR, error="boom"))
+    final = (
+        TokenEvent("c", [3], finish_reason=FinishReason.LENGTH, completion_tokens=3)
+        if last == "length"
+        else TokenEvent(finish_reason=FinishReason.ERROR, error="boom")
+    )
     engine.scheduler = _Scripted(engine, [TokenEvent("a", [1]), TokenEvent("b", [2]), final])
 
     async def read():
-        return [e async for e in engine.generate("r", PreparedRequest(prompt_ids=np.zeros(3, np.int32)),
-                                                 SamplingParams())]
+        return [
+            e async for e in engine.generate("r", PreparedRequest(prompt_ids=np.zeros(3, np.int32)), SamplingParams())
+        ]
 
     events = asyncio.run(read())
     if last == "length":  # all three were queued before the reader looked: one event
         assert [(e.text, e.token_ids, e.finish_reason, e.completion_tokens) for e in events] == [
-            ("abc", [1, 2, 3], FinishReason.LENGTH, 3)]
+            ("abc", [1, 2, 3], FinishReason.LENGTH, 3)
+        ]
     else:
         assert [(e.text, e.token_ids, e.finish_reason, e.error) for e in events] == [
-            ("ab", [1, 2], None, None), ("", [], FinishReason.ERROR, "boom")]
+            ("ab", [1, 2], None, None),
+            ("", [], FinishReason.ERROR, "boom"),
+        ]

@@ -18,8 +18,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from conftest import free_port
-from vlmserve.api.http_protocol import READ_HIGH_WATER, BulkBodyProtocol
-from vlmserve.log_queue import start_logging
+from vlmserve.entrypoints.openai.http_protocol import READ_HIGH_WATER, BulkBodyProtocol
+from vlmserve.logging import start_logging
 
 
 async def _digest(request):
@@ -44,8 +44,9 @@ class _Recording:
 
 def _serve(protocol):
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=protocol, loop="asyncio"))
+    server = uvicorn.Server(
+        uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="warning", http=protocol, loop="asyncio")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -93,8 +94,10 @@ def test_log_records_are_written_by_the_listener_thread(root_logging, capfd):
     emit = logging.StreamHandler.emit
     listener = start_logging("info")
     try:
-        listener.handlers[0].emit = lambda record: (writers.append(threading.current_thread()), emit(
-            listener.handlers[0], record))
+        listener.handlers[0].emit = lambda record: (
+            writers.append(threading.current_thread()),
+            emit(listener.handlers[0], record),
+        )
         logging.getLogger("vlmserve.test").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "GET", "/health", "1.1", 200)
         logging.getLogger("vlmserve").debug("below the level")
         try:

@@ -9,6 +9,7 @@ connection is made. Three in-process servers (qwen2_vl fixture, thread guard on)
 - `named`:   allow-list the host *name* images.example.com (DNS faked to 127.0.0.1), so a
              redirect from it to 127.0.0.1 must be refused at the hop.
 """
+
 from __future__ import annotations
 
 import base64
@@ -25,14 +26,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from loopback_http import QuietHandler
 from PIL import Image
 
-import vlmserve.media.cache as cache_mod
-import vlmserve.preprocess as preprocess_mod
-from vlmserve.media import fetch
-
+import vlmserve.inputs.media.cache as cache_mod
+import vlmserve.inputs.preprocess as preprocess_mod
 from conftest import IMAGES, chat_body, start_server
+from loopback_http import QuietHandler
+from vlmserve.inputs.media import fetch
 
 CAP = 256 * 1024  # max_image_bytes of the `loop` server; every fixture image is far below it
 TIMEOUT = 1.0  # image_fetch_timeout of the `loop` and `named` servers
@@ -71,14 +71,17 @@ def data_uri_of(data: bytes, mime: str = "image/png") -> str:
 
 PNG = FIXTURES["png"][0].read_bytes()
 ROUTES = {f"/img/{name}": (path.read_bytes(), ctype) for name, (path, ctype) in FIXTURES.items()}
-ROUTES.update({
-    "/html": (b"<!doctype html><html><body>not an image</body></html>", "image/png"),
-    "/truncated": (PNG[: len(PNG) // 2], "image/png"),
-    "/huge-dims": (huge_dims_png(), "image/png"),
-})
+ROUTES.update(
+    {
+        "/html": (b"<!doctype html><html><body>not an image</body></html>", "image/png"),
+        "/truncated": (PNG[: len(PNG) // 2], "image/png"),
+        "/huge-dims": (huge_dims_png(), "image/png"),
+    }
+)
 
 
 # -- loopback image server -------------------------------------------------------------------------
+
 
 class Handler(QuietHandler):
     default_content_type = "text/plain"
@@ -172,10 +175,12 @@ def images(_images_module):
 
 # -- vlmserve servers -------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def loop():
-    server = start_server("qwen2_vl", allowed_image_hosts=("127.0.0.1/32",), image_fetch_timeout=TIMEOUT,
-                          max_image_bytes=CAP)
+    server = start_server(
+        "qwen2_vl", allowed_image_hosts=("127.0.0.1/32",), image_fetch_timeout=TIMEOUT, max_image_bytes=CAP
+    )
     yield server
     server.stop()
 
@@ -239,6 +244,7 @@ def assert_error(resp: httpx.Response, code: str, param: str = "messages[0].cont
 
 # -- 1. allow-listed loopback fetch == the same bytes as a data URI ------------------------------
 
+
 def test_allowlisted_url_equals_data_uri(loop, images):
     outputs = {}
     for name, (path, ctype) in FIXTURES.items():
@@ -275,12 +281,24 @@ def test_default_policy_refuses_non_public(default, images, monkeypatch, templat
     url = template.format(port=images.port)
     # Image first in the first message, and image second in the second message: param follows it.
     first = post(default, body_for(default, [url]))
-    second = post(default, {
-        "model": default.model_id, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "messages": [{"role": "system", "content": "Be brief."},
-                     {"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                                  {"type": "image_url", "image_url": {"url": url}}]}],
-    })
+    second = post(
+        default,
+        {
+            "model": default.model_id,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                },
+            ],
+        },
+    )
     for resp, param in ((first, "messages[0].content[0]"), (second, "messages[1].content[1]")):
         message = assert_error(resp, "invalid_image_url", param)
         assert message == "image URL points to a non-public address"
@@ -293,25 +311,27 @@ def test_default_policy_refuses_non_public(default, images, monkeypatch, templat
 def test_dns_seam_reaches_the_server(loop, images, monkeypatch):
     """Control for the test above: the same faked name is fetched where 127.0.0.1 is allowed."""
     calls = fake_dns(monkeypatch, {"images.example.com": "127.0.0.1"})
-    assert completion(loop, [images.url("/img/png", host="images.example.com")]) == \
-        completion(loop, [data_uri_of(PNG)])
+    assert completion(loop, [images.url("/img/png", host="images.example.com")]) == completion(loop, [data_uri_of(PNG)])
     assert calls["images.example.com"] == 1 and images.hits == {"/img/png": 1}
 
 
 def test_redirect_from_allowlisted_name_to_loopback_refused_at_the_hop(named, images, monkeypatch):
     fake_dns(monkeypatch, {"images.example.com": "127.0.0.1"})
     # The name itself is allowed (control) ...
-    assert completion(named, [images.url("/img/png", host="images.example.com")]) == \
-        completion(named, [data_uri_of(PNG)])
+    assert completion(named, [images.url("/img/png", host="images.example.com")]) == completion(
+        named, [data_uri_of(PNG)]
+    )
     images.reset()
     # ... but its redirect to 127.0.0.1 is checked again and refused before connecting.
-    message = assert_error(post(named, body_for(named, [images.url("/hop", host="images.example.com")])),
-                           "invalid_image_url")
+    message = assert_error(
+        post(named, body_for(named, [images.url("/hop", host="images.example.com")])), "invalid_image_url"
+    )
     assert message == "image URL points to a non-public address"
     assert images.hits == {"/hop": 1} and images.connections == 1
 
 
 # -- 3. hostile inputs: the documented 400, alone and next to good requests ------------------------
+
 
 def bad_cases(images) -> dict[str, tuple[dict, str, str, object]]:
     """name -> (request body args, code, param, expected message or predicate)."""
@@ -320,18 +340,32 @@ def bad_cases(images) -> dict[str, tuple[dict, str, str, object]]:
         "big-declared": ([images.url("/big-declared")], "invalid_image_url", "messages[0].content[0]", exceeds),
         "big-chunked": ([images.url("/big-chunked")], "invalid_image_url", "messages[0].content[0]", exceeds),
         "slow": ([images.url("/slow")], "invalid_image_url", "messages[0].content[0]", "image URL timed out"),
-        "404": ([images.url("/missing")], "invalid_image_url", "messages[0].content[0]",
-                "image URL returned HTTP 404"),
-        "html": ([images.url("/html")], "invalid_image", "messages[0].content[0]",
-                 "image format is not supported (use PNG, JPEG, WEBP or GIF)"),
-        "truncated": ([images.url("/truncated")], "invalid_image", "messages[0].content[0]",
-                      "image could not be decoded"),
-        "huge-dims": ([images.url("/huge-dims")], "invalid_image", "messages[0].content[0]",
-                      lambda m: "pixels" in m),
-        "nine-images": ([images.url(f"/nine/{i}") for i in range(9)], "invalid_image", "messages",
-                        "too many images: 9 > 8 per request"),
-        "bad-base64": (["data:image/png;base64,iVBORw0KGgo@@@not*base64"], "invalid_image",
-                       "messages[0].content[0]", "image data is not valid base64"),
+        "404": ([images.url("/missing")], "invalid_image_url", "messages[0].content[0]", "image URL returned HTTP 404"),
+        "html": (
+            [images.url("/html")],
+            "invalid_image",
+            "messages[0].content[0]",
+            "image format is not supported (use PNG, JPEG, WEBP or GIF)",
+        ),
+        "truncated": (
+            [images.url("/truncated")],
+            "invalid_image",
+            "messages[0].content[0]",
+            "image could not be decoded",
+        ),
+        "huge-dims": ([images.url("/huge-dims")], "invalid_image", "messages[0].content[0]", lambda m: "pixels" in m),
+        "nine-images": (
+            [images.url(f"/nine/{i}") for i in range(9)],
+            "invalid_image",
+            "messages",
+            "too many images: 9 > 8 per request",
+        ),
+        "bad-base64": (
+            ["data:image/png;base64,iVBORw0KGgo@@@not*base64"],
+            "invalid_image",
+            "messages[0].content[0]",
+            "image data is not valid base64",
+        ),
     }
 
 
@@ -341,8 +375,17 @@ def check_bad(resp: httpx.Response, case) -> None:
     assert expected(message) if callable(expected) else message == expected, message
 
 
-BAD_NAMES = ["big-declared", "big-chunked", "slow", "404", "html", "truncated", "huge-dims", "nine-images",
-             "bad-base64"]
+BAD_NAMES = [
+    "big-declared",
+    "big-chunked",
+    "slow",
+    "404",
+    "html",
+    "truncated",
+    "huge-dims",
+    "nine-images",
+    "bad-base64",
+]
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -389,7 +432,7 @@ def test_bad_inputs_do_not_disturb_concurrent_good_requests(loop, images):
     cases = bad_cases(images)
     bad_jobs = [("bad", name) for name in cases]
     good_jobs = [("good", i) for i in range(len(good))] * 2
-    jobs = [job for pair in zip(bad_jobs, good_jobs) for job in pair] + bad_jobs[len(good_jobs):]
+    jobs = [job for pair in zip(bad_jobs, good_jobs) for job in pair] + bad_jobs[len(good_jobs) :]
 
     def send(job):
         kind, key = job
@@ -408,6 +451,7 @@ def test_bad_inputs_do_not_disturb_concurrent_good_requests(loop, images):
 
 
 # -- 4. no media work on the event loop or the MLX thread -------------------------------------------
+
 
 def test_health_is_fast_while_a_slow_fetch_is_in_flight(loop, images):
     result = {}
@@ -450,6 +494,7 @@ def test_media_work_runs_on_pool_threads(loop, images, monkeypatch):
             current = threading.current_thread()
             seen[label].append((current.name, current.ident))
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(preprocess_mod, "load_image_bytes", recording("fetch", preprocess_mod.load_image_bytes))
@@ -469,6 +514,7 @@ def test_media_work_runs_on_pool_threads(loop, images, monkeypatch):
 
 
 # -- 5. the decoded-image cache ---------------------------------------------------------------------
+
 
 def test_same_bytes_decoded_once_within_and_across_requests(loop, images, monkeypatch):
     decoded = []

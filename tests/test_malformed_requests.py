@@ -30,6 +30,8 @@ def user(*parts) -> list:
 
 
 TEXT = {"type": "text", "text": "Describe."}
+
+
 def _png_uri(width: int, height: int) -> str:
     import io
 
@@ -47,16 +49,44 @@ CASES = [
     ("malformed-json", "POST", "/v1/chat/completions", b'{"model": "x", "messages": [', {}, 400, "invalid_json"),
     ("not-utf8", "POST", "/v1/chat/completions", b"\xff\xfe{}", {}, 400, "invalid_json"),
     ("empty-body", "POST", "/v1/chat/completions", b"", {}, 400, "invalid_json"),
-    ("large-malformed-json", "POST", "/v1/chat/completions",  # past the size parsed off the event loop
-     b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * 200_000, {}, 400, "invalid_json"),
-    ("large-deeply-nested-json", "POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, {}, 400,
-     "invalid_json"),
+    (
+        "large-malformed-json",
+        "POST",
+        "/v1/chat/completions",  # past the size parsed off the event loop
+        b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * 200_000,
+        {},
+        400,
+        "invalid_json",
+    ),
+    (
+        "large-deeply-nested-json",
+        "POST",
+        "/v1/chat/completions",
+        b"[" * 100_000 + b"]" * 100_000,
+        {},
+        400,
+        "invalid_json",
+    ),
     ("body-is-array", "POST", "/v1/chat/completions", [1, 2], {}, 400, None),
     ("body-is-string", "POST", "/v1/chat/completions", "hello", {}, 400, None),
-    ("text-plain-content-type", "POST", "/v1/chat/completions", json.dumps(body()).encode(),
-     {"content-type": "text/plain"}, 400, "invalid_content_type"),
-    ("form-content-type", "POST", "/v1/chat/completions", b"model=x&messages=y",
-     {"content-type": "application/x-www-form-urlencoded"}, 400, "invalid_content_type"),
+    (
+        "text-plain-content-type",
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(body()).encode(),
+        {"content-type": "text/plain"},
+        400,
+        "invalid_content_type",
+    ),
+    (
+        "form-content-type",
+        "POST",
+        "/v1/chat/completions",
+        b"model=x&messages=y",
+        {"content-type": "application/x-www-form-urlencoded"},
+        400,
+        "invalid_content_type",
+    ),
     ("missing-model", "POST", "/v1/chat/completions", {"messages": USER}, {}, 400, None),
     ("model-wrong-type", "POST", "/v1/chat/completions", body(model=7), {}, 400, None),
     ("unknown-model", "POST", "/v1/chat/completions", body(model="gpt-4o"), {}, 404, "model_not_found"),
@@ -67,28 +97,63 @@ CASES = [
     ("bad-role", "POST", "/v1/chat/completions", body(messages=[{"role": "robot", "content": "Hi"}]), {}, 400, None),
     ("missing-role", "POST", "/v1/chat/completions", body(messages=[{"content": "Hi"}]), {}, 400, None),
     ("user-content-missing", "POST", "/v1/chat/completions", body(messages=[{"role": "user"}]), {}, 400, None),
-    ("user-content-null", "POST", "/v1/chat/completions", body(messages=[{"role": "user", "content": None}]), {},
-     400, None),
+    (
+        "user-content-null",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=[{"role": "user", "content": None}]),
+        {},
+        400,
+        None,
+    ),
     ("content-number", "POST", "/v1/chat/completions", body(messages=[{"role": "user", "content": 5}]), {}, 400, None),
     ("part-without-type", "POST", "/v1/chat/completions", body(messages=user({"text": "x"})), {}, 400, None),
     ("text-part-without-text", "POST", "/v1/chat/completions", body(messages=user({"type": "text"})), {}, 400, None),
-    ("unknown-part-type", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "input_audio", "input_audio": {}})), {}, 400, None),
-    ("no-user-message", "POST", "/v1/chat/completions",
-     body(messages=[{"role": "system", "content": "You are terse."}]), {}, 400, None),
+    (
+        "unknown-part-type",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user({"type": "input_audio", "input_audio": {}})),
+        {},
+        400,
+        None,
+    ),
+    (
+        "no-user-message",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=[{"role": "system", "content": "You are terse."}]),
+        {},
+        400,
+        None,
+    ),
     ("max-tokens-zero", "POST", "/v1/chat/completions", body(max_tokens=0), {}, 400, None),
     ("max-tokens-negative", "POST", "/v1/chat/completions", body(max_tokens=-5), {}, 400, None),
     ("max-tokens-huge", "POST", "/v1/chat/completions", body(max_tokens=10**12), {}, 400, None),
     ("max-tokens-string", "POST", "/v1/chat/completions", body(max_tokens="10"), {}, 400, None),
     ("max-tokens-float", "POST", "/v1/chat/completions", body(max_tokens=2.5), {}, 400, None),
     ("max-completion-tokens-negative", "POST", "/v1/chat/completions", body(max_completion_tokens=-1), {}, 400, None),
-    ("bad-max-tokens-beside-good-max-completion", "POST", "/v1/chat/completions",
-     body(max_completion_tokens=2, max_tokens="x"), {}, 400, None),
+    (
+        "bad-max-tokens-beside-good-max-completion",
+        "POST",
+        "/v1/chat/completions",
+        body(max_completion_tokens=2, max_tokens="x"),
+        {},
+        400,
+        None,
+    ),
     ("temperature-too-high", "POST", "/v1/chat/completions", body(temperature=2.5), {}, 400, None),
     ("temperature-negative", "POST", "/v1/chat/completions", body(temperature=-0.1), {}, 400, None),
     ("temperature-string", "POST", "/v1/chat/completions", body(temperature="hot"), {}, 400, None),
-    ("temperature-nan", "POST", "/v1/chat/completions", b'{"model": "__model__", "messages": [{"role": "user", '
-     b'"content": "Hi"}], "temperature": NaN}', {}, 400, None),
+    (
+        "temperature-nan",
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "__model__", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+        {},
+        400,
+        None,
+    ),
     ("top-p-zero", "POST", "/v1/chat/completions", body(top_p=0), {}, 400, None),
     ("top-p-above-one", "POST", "/v1/chat/completions", body(top_p=1.5), {}, 400, None),
     ("top-k-float", "POST", "/v1/chat/completions", body(top_k=1.5), {}, 400, None),
@@ -104,35 +169,116 @@ CASES = [
     ("presence-penalty-3", "POST", "/v1/chat/completions", body(presence_penalty=3), {}, 400, None),
     ("frequency-penalty-minus-3", "POST", "/v1/chat/completions", body(frequency_penalty=-3), {}, 400, None),
     ("stream-string", "POST", "/v1/chat/completions", body(stream="true"), {}, 400, None),
-    ("stream-options-not-object", "POST", "/v1/chat/completions", body(stream=True, stream_options=True), {},
-     400, None),
-    ("include-usage-string", "POST", "/v1/chat/completions",
-     body(stream=True, stream_options={"include_usage": "yes"}), {}, 400, None),
-    ("response-format-json-schema", "POST", "/v1/chat/completions",
-     body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), {}, 400, None),
+    (
+        "stream-options-not-object",
+        "POST",
+        "/v1/chat/completions",
+        body(stream=True, stream_options=True),
+        {},
+        400,
+        None,
+    ),
+    (
+        "include-usage-string",
+        "POST",
+        "/v1/chat/completions",
+        body(stream=True, stream_options={"include_usage": "yes"}),
+        {},
+        400,
+        None,
+    ),
+    (
+        "response-format-json-schema",
+        "POST",
+        "/v1/chat/completions",
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        {},
+        400,
+        None,
+    ),
     ("response-format-string", "POST", "/v1/chat/completions", body(response_format="json_object"), {}, 400, None),
     ("ignore-eos-string", "POST", "/v1/chat/completions", body(ignore_eos="no"), {}, 400, None),
     # images
-    ("bad-data-uri", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@not-base64@@@"}}, TEXT)),
-     {}, 400, None),
-    ("non-image-data-uri", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGVsbG8="}}, TEXT)),
-     {}, 400, None),
-    ("png-data-uri-holding-text", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "image_url", "image_url": {"url": NOT_IMAGE}}, TEXT)), {}, 400, "invalid_image"),
-    ("image-url-not-a-url", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "image_url", "image_url": {"url": "not a url"}}, TEXT)), {}, 400, None),
-    ("extreme-aspect-ratio-image", "POST", "/v1/chat/completions",  # Qwen's processor refuses > 200:1
-     body(messages=user({"type": "image_url", "image_url": {"url": _png_uri(2, 500)}}, TEXT)), {}, 400,
-     "invalid_image"),
-    ("image-part-without-url", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "image_url", "image_url": {}}, TEXT)), {}, 400, "invalid_image_url"),
-    ("image-part-without-image-url", "POST", "/v1/chat/completions",
-     body(messages=user({"type": "image_url"}, TEXT)), {}, 400, "invalid_image_url"),
-    ("image-in-assistant-message", "POST", "/v1/chat/completions",
-     body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ["__image__"]},
-                    {"role": "user", "content": "And?"}]), {}, 400, None),
+    (
+        "bad-data-uri",
+        "POST",
+        "/v1/chat/completions",
+        body(
+            messages=user({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@not-base64@@@"}}, TEXT)
+        ),
+        {},
+        400,
+        None,
+    ),
+    (
+        "non-image-data-uri",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGVsbG8="}}, TEXT)),
+        {},
+        400,
+        None,
+    ),
+    (
+        "png-data-uri-holding-text",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user({"type": "image_url", "image_url": {"url": NOT_IMAGE}}, TEXT)),
+        {},
+        400,
+        "invalid_image",
+    ),
+    (
+        "image-url-not-a-url",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user({"type": "image_url", "image_url": {"url": "not a url"}}, TEXT)),
+        {},
+        400,
+        None,
+    ),
+    (
+        "extreme-aspect-ratio-image",
+        "POST",
+        "/v1/chat/completions",  # Qwen's processor refuses > 200:1
+        body(messages=user({"type": "image_url", "image_url": {"url": _png_uri(2, 500)}}, TEXT)),
+        {},
+        400,
+        "invalid_image",
+    ),
+    (
+        "image-part-without-url",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user({"type": "image_url", "image_url": {}}, TEXT)),
+        {},
+        400,
+        "invalid_image_url",
+    ),
+    (
+        "image-part-without-image-url",
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user({"type": "image_url"}, TEXT)),
+        {},
+        400,
+        "invalid_image_url",
+    ),
+    (
+        "image-in-assistant-message",
+        "POST",
+        "/v1/chat/completions",
+        body(
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": ["__image__"]},
+                {"role": "user", "content": "And?"},
+            ]
+        ),
+        {},
+        400,
+        None,
+    ),
     ("too-many-images", "POST", "/v1/chat/completions", "__too_many_images__", {}, 400, "invalid_image"),
     # routes and methods
     ("get-chat-completions", "GET", "/v1/chat/completions", None, {}, 405, None),
@@ -185,8 +331,10 @@ def test_malformed_request(qwen_server, name, method, path, payload, headers, st
             assert err["code"] == code, err
         assert r.headers.get("x-should-retry") == "false"
         # the server is still serving
-        ok = c.post("/v1/chat/completions", json={"model": qwen_server.model_id, "messages": USER,
-                                                   "max_tokens": 1, "temperature": 0})
+        ok = c.post(
+            "/v1/chat/completions",
+            json={"model": qwen_server.model_id, "messages": USER, "max_tokens": 1, "temperature": 0},
+        )
         assert ok.status_code == 200, ok.text
 
 
@@ -197,7 +345,7 @@ def test_a_large_body_is_parsed_off_the_event_loop(qwen_server, monkeypatch):
     import numpy as np
     from PIL import Image
 
-    from vlmserve.api import routes
+    from vlmserve.entrypoints.openai import routes
 
     parse, threads = routes._parse_json, []
 
@@ -211,9 +359,15 @@ def test_a_large_body_is_parsed_off_the_event_loop(qwen_server, monkeypatch):
     Image.fromarray(noise).save(buf, "PNG")
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     assert len(uri) > routes._PARSE_OFF_LOOP_BYTES
-    big = body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                                      {"type": "text", "text": "What is it?"}]}],
-               model=qwen_server.model_id)
+    big = body(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "What is it?"}],
+            }
+        ],
+        model=qwen_server.model_id,
+    )
     with qwen_server.client() as c:
         r = c.post("/v1/chat/completions", json=big)
         assert r.status_code == 200, r.text

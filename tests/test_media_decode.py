@@ -1,4 +1,5 @@
 """Decoding hostile image bytes: formats, bombs, truncation, frames, EXIF, alpha, base64, cache."""
+
 from __future__ import annotations
 
 import base64
@@ -11,8 +12,8 @@ import zlib
 import pytest
 from PIL import Image
 
-from vlmserve.media import ImageCache, MediaError, MediaPolicy, decode_image, load_image_bytes
-from vlmserve.media import cache as cache_mod
+from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, decode_image, load_image_bytes
+from vlmserve.inputs.media import cache as cache_mod
 
 POLICY = MediaPolicy()
 
@@ -164,6 +165,7 @@ def test_grayscale_and_cmyk_convert_to_rgb():
 
 # -- base64 / data URIs (through load_image_bytes, the caller's entry point) ------------------
 
+
 def test_data_uri_and_bare_base64_with_whitespace():
     png = encode(noisy(), "PNG")
     b64 = base64.b64encode(png).decode()
@@ -203,6 +205,7 @@ def test_data_uri_then_decode_roundtrip_pixels():
 
 
 # -- ImageCache --------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def counted(monkeypatch):

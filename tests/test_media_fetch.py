@@ -3,6 +3,7 @@
 The loopback server counts every request, so refusals can be shown to happen before any
 connection is made.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,11 +18,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
-from loopback_http import QuietHandler
 from PIL import Image
 
-from vlmserve.media import MediaError, MediaPolicy, decode_image, load_image_bytes
-from vlmserve.media import fetch
+from loopback_http import QuietHandler
+from vlmserve.inputs.media import MediaError, MediaPolicy, decode_image, fetch, load_image_bytes
 
 CAP = 100_000
 LOOP = MediaPolicy(allowed_hosts=("127.0.0.0/8",), fetch_timeout=5.0, max_image_bytes=CAP)
@@ -159,14 +159,15 @@ def fake_dns(monkeypatch, answers: dict[str, list[list[str]]]):
     return calls
 
 
-def refused(url, policy=MediaPolicy(), code="invalid_image_url"):
+def refused(url, policy=None, code="invalid_image_url"):
     with pytest.raises(MediaError) as info:
-        load_image_bytes(url, policy)
+        load_image_bytes(url, policy or MediaPolicy())
     assert info.value.code == code
     return info.value.message
 
 
 # -- default policy: nothing non-public is ever contacted ----------------------------------------
+
 
 @pytest.mark.parametrize(
     "url",
@@ -232,6 +233,7 @@ def test_scheme_relative_url_is_not_fetched():
 
 # -- allowed loopback: real fetches --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", sorted(IMAGES))
 def test_allowlisted_fetch_matches_data_uri(server, port, path):
     data = load_image_bytes(f"http://127.0.0.1:{port}{path}", LOOP)
@@ -293,6 +295,7 @@ def test_too_many_redirects(server, port):
 
 # -- caps, timeouts, upstream errors ---------------------------------------------------------------
 
+
 def test_oversized_by_content_length(server, port):
     start = time.monotonic()
     assert refused(f"http://127.0.0.1:{port}/big-declared", LOOP) == f"image exceeds {CAP} bytes"
@@ -338,6 +341,7 @@ def test_html_served_as_image_fails_at_decode(server, port):
 
 # -- file:// ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def file_tree(tmp_path):
     root = tmp_path / "root"
@@ -364,7 +368,8 @@ def test_file_allowed_under_root(file_tree):
 
 
 @pytest.mark.parametrize(
-    "rel", ["/sub/../sub/ok.png", "/../secret.png", "/sub/%2e%2e/%2e%2e/secret.png", "/escape.png", "/sub", "/nope.png", ""]
+    "rel",
+    ["/sub/../sub/ok.png", "/../secret.png", "/sub/%2e%2e/%2e%2e/secret.png", "/escape.png", "/sub", "/nope.png", ""],
 )
 def test_file_escapes_refused(file_tree, rel):
     root, outside = file_tree
@@ -386,6 +391,7 @@ def test_file_size_cap(file_tree):
 
 
 # -- https: connect to the pinned IP, verify the certificate for the hostname ---------------------
+
 
 def _self_signed(hostname: str, tmp_path):
     x509 = pytest.importorskip("cryptography.x509")

@@ -23,8 +23,12 @@ def family_server(request):
 
 def _cases():
     imgs = images()
-    return [("Describe the picture.", []), ("What is in this image?", [imgs[1]]),
-            ("Compare the two images.", [imgs[0], imgs[2]]), ("Name one colour.", [imgs[3]])]
+    return [
+        ("Describe the picture.", []),
+        ("What is in this image?", [imgs[1]]),
+        ("Compare the two images.", [imgs[0], imgs[2]]),
+        ("Name one colour.", [imgs[3]]),
+    ]
 
 
 def _text(response: httpx.Response) -> str:
@@ -33,14 +37,17 @@ def _text(response: httpx.Response) -> str:
 
 
 def test_family_matches_mlx_vlm_alone_and_batched(family_server):
-    bodies = [chat_body(family_server.model_id, t, [data_uri(p) for p in ps], max_tokens=MAX_TOKENS, temperature=0)
-              for t, ps in _cases()]
+    bodies = [
+        chat_body(family_server.model_id, t, [data_uri(p) for p in ps], max_tokens=MAX_TOKENS, temperature=0)
+        for t, ps in _cases()
+    ]
 
     async def run():
         async with httpx.AsyncClient(base_url=family_server.base_url, timeout=120) as c:
             alone = [_text(await c.post("/v1/chat/completions", json=b)) for b in bodies]
-            together = [_text(r) for r in await asyncio.gather(*(c.post("/v1/chat/completions", json=b)
-                                                                  for b in bodies))]
+            together = [
+                _text(r) for r in await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+            ]
             return alone, together
 
     alone, together = asyncio.run(run())
@@ -54,12 +61,13 @@ def test_images_of_several_requests_share_one_vision_call(family_server):
     embeddings and M-RoPE positions it gets alone; grid towers encode all images in one call."""
     import numpy as np
 
-    from vlmserve.api.openai import parse_chat_request
+    from vlmserve.entrypoints.openai.chat_schema import parse_chat_request
 
     st = family_server.state
     bodies = [chat_body(family_server.model_id, t, [data_uri(p) for p in ps], max_tokens=4) for t, ps in _cases()]
-    prepared = [asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length)))
-                for b in bodies]
+    prepared = [
+        asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length))) for b in bodies
+    ]
     vlm = st.engine.scheduler.vlm
 
     def compare():
@@ -83,8 +91,15 @@ def test_images_of_several_requests_share_one_vision_call(family_server):
         rows = []
         for a, b in zip(together, alone):
             pos = (None, None) if a.position_ids is None else (np.array(a.position_ids), np.array(b.position_ids))
-            rows.append((np.array(a.embeds.astype(mx.float32)), np.array(b.embeds.astype(mx.float32)),
-                         a.rope_delta, b.rope_delta, *pos))
+            rows.append(
+                (
+                    np.array(a.embeds.astype(mx.float32)),
+                    np.array(b.embeds.astype(mx.float32)),
+                    a.rope_delta,
+                    b.rope_delta,
+                    *pos,
+                )
+            )
         return n_together, len(calls) - n_together, rows
 
     n_together, n_alone, rows = family_server.on_worker(compare)
@@ -96,4 +111,3 @@ def test_images_of_several_requests_share_one_vision_call(family_server):
         assert delta_t == delta_a
         if pos_t is not None:
             np.testing.assert_array_equal(pos_t, pos_a)
-

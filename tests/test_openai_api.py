@@ -40,11 +40,17 @@ def _stream_text(stream):
 
 
 def test_streaming_include_usage(client, qwen_server):
-    kw = dict(model=qwen_server.model_id, messages=_user(image=True), max_completion_tokens=10, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=qwen_server.model_id,
+        messages=_user(image=True),
+        max_completion_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**kw)
     text, finish, usage, chunks = _stream_text(
-        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert text == whole.choices[0].message.content
     assert finish == "length"
     assert chunks[-1].choices == [] and usage is not None
@@ -58,8 +64,14 @@ def test_streaming_include_usage(client, qwen_server):
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client, qwen_server):
-    r = client.chat.completions.create(model=qwen_server.model_id, messages=_user(), temperature=0,
-                                       max_completion_tokens=3, max_tokens=7, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=qwen_server.model_id,
+        messages=_user(),
+        temperature=0,
+        max_completion_tokens=3,
+        max_tokens=7,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
@@ -72,27 +84,60 @@ def test_roles_and_assistant_history(client, qwen_server):
         {"role": "assistant", "content": None},
         {"role": "user", "content": "More?", "name": "bob"},
     ]
-    r = client.chat.completions.create(model=qwen_server.model_id, messages=messages, max_tokens=3, temperature=0,
-                                       user="someone", extra_body={"unknown_field": {"x": 1}})
+    r = client.chat.completions.create(
+        model=qwen_server.model_id,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        user="someone",
+        extra_body={"unknown_field": {"x": 1}},
+    )
     assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
 
 
 def test_explicit_nulls_mean_defaults(qwen_server):
     """Proxies (LiteLLM and others) send every optional field, unset ones as null."""
-    nulls = {k: None for k in ("max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n",
-                               "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "stream",
-                               "stream_options", "response_format", "user", "ignore_eos", "tools")}
+    nulls = {
+        k: None
+        for k in (
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop",
+            "seed",
+            "n",
+            "logprobs",
+            "top_logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "stream",
+            "stream_options",
+            "response_format",
+            "user",
+            "ignore_eos",
+            "tools",
+        )
+    }
     with qwen_server.client() as c:
-        r = c.post("/v1/chat/completions", json={"model": qwen_server.model_id, "messages": _user(), "max_tokens": 2,
-                                                 **nulls})
+        r = c.post(
+            "/v1/chat/completions", json={"model": qwen_server.model_id, "messages": _user(), "max_tokens": 2, **nulls}
+        )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None and len(r.json()["choices"]) == 1
 
 
 def _tokens(client, model, **kw):
     """Greedy output and its per-token texts (from logprobs)."""
-    r = client.chat.completions.create(model=model, messages=_user(), temperature=0, max_tokens=24,
-                                       logprobs=True, extra_body={"ignore_eos": True}, **kw)
+    r = client.chat.completions.create(
+        model=model,
+        messages=_user(),
+        temperature=0,
+        max_tokens=24,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
     return r.choices[0].message.content, [t.token for t in r.choices[0].logprobs.content]
 
 
@@ -129,8 +174,9 @@ def test_n_choices(client, qwen_server):
     r = client.chat.completions.create(model=model, messages=_user(), n=3, temperature=0, max_tokens=8)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) == 1
-    kw = dict(model=model, messages=_user(), n=3, temperature=1, seed=1234, max_tokens=12,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=model, messages=_user(), n=3, temperature=1, seed=1234, max_tokens=12, extra_body={"ignore_eos": True}
+    )
     a = client.chat.completions.create(**kw)
     b = client.chat.completions.create(**kw)
     texts = [c.message.content for c in a.choices]
@@ -138,8 +184,9 @@ def test_n_choices(client, qwen_server):
     assert texts == [c.message.content for c in b.choices]
     assert a.usage.completion_tokens == 36
     # streaming n=3: each index gets its own text, equal to the non-streaming choices
-    _, _, usage, chunks = _stream_text(client.chat.completions.create(**kw, stream=True,
-                                                                       stream_options={"include_usage": True}))
+    _, _, usage, chunks = _stream_text(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     per = {0: "", 1: "", 2: ""}
     for ch in chunks:
         for c in ch.choices:
@@ -149,8 +196,9 @@ def test_n_choices(client, qwen_server):
 
 
 def test_seed_reproducible(client, qwen_server):
-    kw = dict(model=qwen_server.model_id, messages=_user(), temperature=1, max_tokens=16,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=qwen_server.model_id, messages=_user(), temperature=1, max_tokens=16, extra_body={"ignore_eos": True}
+    )
     a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
     c = client.chat.completions.create(seed=8, **kw).choices[0].message.content
@@ -164,11 +212,18 @@ def test_seed_reproducible(client, qwen_server):
 def test_logprobs_match_direct_computation(client, qwen_server):
     import numpy as np
 
-    from vlmserve.api.openai import parse_chat_request
+    from vlmserve.entrypoints.openai.chat_schema import parse_chat_request
 
     model = qwen_server.model_id
-    r = client.chat.completions.create(model=model, messages=_user(), temperature=0, max_tokens=4, logprobs=True,
-                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=model,
+        messages=_user(),
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
@@ -178,8 +233,12 @@ def test_logprobs_match_direct_computation(client, qwen_server):
         assert tops[0].token == entry.token and math.isclose(tops[0].logprob, entry.logprob, abs_tol=1e-6)
         assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
 
-    chat = parse_chat_request({"model": model, "messages": _user(), "max_tokens": 4}, qwen_server.config,
-                              {model}, qwen_server.engine.info.context_length)
+    chat = parse_chat_request(
+        {"model": model, "messages": _user(), "max_tokens": 4},
+        qwen_server.config,
+        {model},
+        qwen_server.engine.info.context_length,
+    )
     prepared = qwen_server.state.preprocessor.prepare_sync(chat)
 
     def reference():
@@ -200,26 +259,43 @@ def test_logprobs_match_direct_computation(client, qwen_server):
 
 
 def test_logprobs_in_stream(client, qwen_server):
-    stream = client.chat.completions.create(model=qwen_server.model_id, messages=_user(), temperature=0,
-                                            max_tokens=4, logprobs=True, top_logprobs=2, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=qwen_server.model_id,
+        messages=_user(),
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     entries = [e for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_json_object(client, qwen_server):
-    r = client.chat.completions.create(model=qwen_server.model_id, temperature=0, max_tokens=400,
-                                       response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Reply with a JSON object."}])
+    r = client.chat.completions.create(
+        model=qwen_server.model_id,
+        temperature=0,
+        max_tokens=400,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Reply with a JSON object."}],
+    )
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop", text
     assert isinstance(json.loads(text), dict)
     # Sampled (seeds 0..3 via n=4): every choice that stopped is one complete JSON object, and
     # the constraint lets the model write non-empty ones. (With random weights, strings can run
     # on to max_tokens: those end with "length" and are not checked.)
-    r = client.chat.completions.create(model=qwen_server.model_id, temperature=1, seed=0, n=4, max_tokens=60,
-                                       response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Reply with a JSON object."}])
+    r = client.chat.completions.create(
+        model=qwen_server.model_id,
+        temperature=1,
+        seed=0,
+        n=4,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Reply with a JSON object."}],
+    )
     stopped = [json.loads(c.message.content) for c in r.choices if c.finish_reason == "stop"]
     assert len(stopped) >= 2 and all(isinstance(o, dict) for o in stopped)
     assert any(stopped), [c.message.content for c in r.choices]
@@ -256,8 +332,15 @@ def test_mid_stream_error_is_one_event(qwen_server):
 
     qwen_server.on_worker(setattr, sched, "_launch", failing_launch)
     try:
-        body = {"model": qwen_server.model_id, "messages": _user(), "max_tokens": 50, "temperature": 1,
-                "seed": marker, "stream": True, "ignore_eos": True}
+        body = {
+            "model": qwen_server.model_id,
+            "messages": _user(),
+            "max_tokens": 50,
+            "temperature": 1,
+            "seed": marker,
+            "stream": True,
+            "ignore_eos": True,
+        }
         events = []
         with qwen_server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -304,8 +387,7 @@ def test_served_model_name_and_context_length(small_server):
         c.chat.completions.create(model="qwen2_5_vl", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     steps_before = small_server.on_worker(lambda: small_server.engine.scheduler.stats.steps)
     with pytest.raises(openai.BadRequestError) as exc:
-        c.chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": "word " * 200}],
-                                  max_tokens=2)
+        c.chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": "word " * 200}], max_tokens=2)
     assert exc.value.body["code"] == "context_length_exceeded"
     assert exc.value.response.headers["x-should-retry"] == "false"
     # rejected before any MLX work: the scheduler never saw it
@@ -313,9 +395,24 @@ def test_served_model_name_and_context_length(small_server):
     # an image whose tokens alone overflow the context (224x160: 75 prompt tokens) is rejected the
     # same way, also when streaming (before the stream starts)
     large = [p for p in images() if p.name.startswith("large_")][0]
-    r = httpx.post(small_server.base_url + "/v1/chat/completions", timeout=60,
-                   json={"model": "tiny-vlm", "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": [
-                       {"type": "image_url", "image_url": {"url": data_uri(large)}}, {"type": "text", "text": "Hi"}]}]})
+    r = httpx.post(
+        small_server.base_url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "tiny-vlm",
+            "stream": True,
+            "max_tokens": 2,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_uri(large)}},
+                        {"type": "text", "text": "Hi"},
+                    ],
+                }
+            ],
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -331,11 +428,14 @@ def test_max_tokens_past_the_context_is_rejected(small_server):
         with pytest.raises(openai.BadRequestError) as exc:
             c.chat.completions.create(model="tiny-vlm", messages=messages, **{field: 64 - prompt + 1})
         assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "max_tokens"
-        assert f"you requested {65} tokens ({prompt} in the messages, {64 - prompt + 1} in the completion)" \
+        assert (
+            f"you requested {65} tokens ({prompt} in the messages, {64 - prompt + 1} in the completion)"
             in exc.value.body["message"]
+        )
     assert small_server.on_worker(lambda: small_server.engine.scheduler.stats.steps) == steps_before
-    exact = c.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=64 - prompt,
-                                      extra_body={"ignore_eos": True})
+    exact = c.chat.completions.create(
+        model="tiny-vlm", messages=messages, max_tokens=64 - prompt, extra_body={"ignore_eos": True}
+    )
     assert exact.choices[0].finish_reason == "length"
     assert exact.usage.completion_tokens <= 64 - prompt
     implicit = c.chat.completions.create(model="tiny-vlm", messages=messages, extra_body={"ignore_eos": True})

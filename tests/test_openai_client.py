@@ -14,15 +14,21 @@ def client(qwen_server):
 
 
 def _messages():
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_uri(images()[0])}},
-        {"type": "text", "text": "Describe the image."},
-    ]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(images()[0])}},
+                {"type": "text", "text": "Describe the image."},
+            ],
+        }
+    ]
 
 
 def test_openai_client_non_streaming(client, qwen_server):
-    reply = client.chat.completions.create(model=qwen_server.model_id, messages=_messages(),
-                                           max_completion_tokens=8, temperature=0)
+    reply = client.chat.completions.create(
+        model=qwen_server.model_id, messages=_messages(), max_completion_tokens=8, temperature=0
+    )
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content
     assert reply.usage.completion_tokens == 8
@@ -30,11 +36,17 @@ def test_openai_client_non_streaming(client, qwen_server):
 
 
 def test_openai_client_streaming(client, qwen_server):
-    reply = client.chat.completions.create(model=qwen_server.model_id, messages=_messages(),
-                                           max_completion_tokens=8, temperature=0)
-    stream = client.chat.completions.create(model=qwen_server.model_id, messages=_messages(),
-                                            max_completion_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    reply = client.chat.completions.create(
+        model=qwen_server.model_id, messages=_messages(), max_completion_tokens=8, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=qwen_server.model_id,
+        messages=_messages(),
+        max_completion_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage = "", None
     for chunk in stream:
         if chunk.choices:

@@ -37,14 +37,29 @@ def _delta(after, before, name):
 
 
 REQUIRED = [
-    "vlmserve:num_requests_running", "vlmserve:num_requests_waiting", "vlmserve:kv_cache_usage_tokens",
-    "vlmserve:prefix_cache_usage_perc", "vlmserve:prompt_tokens_total", "vlmserve:generation_tokens_total",
-    "vlmserve:prefix_cache_queries_total", "vlmserve:prefix_cache_hits_total",
+    "vlmserve:num_requests_running",
+    "vlmserve:num_requests_waiting",
+    "vlmserve:kv_cache_usage_tokens",
+    "vlmserve:prefix_cache_usage_perc",
+    "vlmserve:prompt_tokens_total",
+    "vlmserve:generation_tokens_total",
+    "vlmserve:prefix_cache_queries_total",
+    "vlmserve:prefix_cache_hits_total",
     "vlmserve:image_fetch_failures_total",
-] + [f"vlmserve:{h}_count" for h in (
-    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-    "request_queue_time_seconds", "preprocess_seconds", "vision_encode_seconds", "prefill_seconds",
-    "decode_step_seconds", "batch_size")]
+] + [
+    f"vlmserve:{h}_count"
+    for h in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "preprocess_seconds",
+        "vision_encode_seconds",
+        "prefill_seconds",
+        "decode_step_seconds",
+        "batch_size",
+    )
+]
 
 
 def test_metrics_parse_and_move(qwen_server):
@@ -54,9 +69,11 @@ def test_metrics_parse_and_move(qwen_server):
     model = qwen_server.model_id
     usages = []
     with qwen_server.client() as c:
-        for body in (chat_body(model, "Count to five.", max_tokens=8, ignore_eos=True),
-                     chat_body(model, "Count to five.", max_tokens=8, ignore_eos=True),  # prefix-cache hit
-                     chat_body(model, "What is this?", [data_uri(images()[0])], max_tokens=8, ignore_eos=True)):
+        for body in (
+            chat_body(model, "Count to five.", max_tokens=8, ignore_eos=True),
+            chat_body(model, "Count to five.", max_tokens=8, ignore_eos=True),  # prefix-cache hit
+            chat_body(model, "What is this?", [data_uri(images()[0])], max_tokens=8, ignore_eos=True),
+        ):
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             usages.append(r.json()["usage"])
@@ -96,6 +113,7 @@ def test_health_and_ready_fast_while_16_streams_decode(qwen_server):
 
     async def streams():
         async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+
             async def one():
                 n = 0
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -103,6 +121,7 @@ def test_health_and_ready_fast_while_16_streams_decode(qwen_server):
                     async for line in r.aiter_lines():
                         n += line.startswith("data: {")
                 counts.append(n)
+
             await asyncio.gather(*(one() for _ in range(16)))
         done.set()
 
@@ -128,8 +147,10 @@ def test_health_and_ready_fast_while_16_streams_decode(qwen_server):
     assert len(lat["/ready"]) >= 30, "the streams finished before enough samples"
     for path, values in lat.items():
         p99 = _p99(values)
-        print(f"{path}: n={len(values)} p50={sorted(values)[len(values) // 2] * 1000:.1f} ms "
-              f"p99={p99 * 1000:.1f} ms max={max(values) * 1000:.1f} ms")
+        print(
+            f"{path}: n={len(values)} p50={sorted(values)[len(values) // 2] * 1000:.1f} ms "
+            f"p99={p99 * 1000:.1f} ms max={max(values) * 1000:.1f} ms"
+        )
         assert p99 < 0.05, (path, sorted(values)[-5:])
 
 
@@ -138,8 +159,16 @@ def test_health_and_ready_fast_while_16_streams_decode(qwen_server):
 def keyed_server():
     from vlmserve.config import ServerConfig
 
-    config = ServerConfig(model=str(MODELS / "qwen2_vl"), port=free_port(), api_key=KEY, metrics_require_key=True,
-                          max_waiting=4, max_num_seqs=2, max_body_bytes=64 * 1024, preprocess_workers=2)
+    config = ServerConfig(
+        model=str(MODELS / "qwen2_vl"),
+        port=free_port(),
+        api_key=KEY,
+        metrics_require_key=True,
+        max_waiting=4,
+        max_num_seqs=2,
+        max_body_bytes=64 * 1024,
+        preprocess_workers=2,
+    )
     server = RunningServer(config).start()
     yield server
     server.stop()
@@ -160,10 +189,19 @@ def test_auth(keyed_server):
     s = keyed_server
     body = chat_body(s.model_id, "Hi", max_tokens=4)
     with s.client() as c:
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY},
-                        {"authorization": f"Basic {KEY}"}, {"authorization": f"Bearer {KEY}x"}):
-            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
-                                 ("GET", "/v1/nope")):
+        for headers in (
+            {},
+            {"authorization": "Bearer wrong"},
+            {"authorization": KEY},
+            {"authorization": f"Basic {KEY}"},
+            {"authorization": f"Bearer {KEY}x"},
+        ):
+            for method, path in (
+                ("POST", "/v1/chat/completions"),
+                ("GET", "/v1/models"),
+                ("GET", "/metrics"),
+                ("GET", "/v1/nope"),
+            ):
                 r = c.request(method, path, json=body if method == "POST" else None, headers=headers)
                 err = _assert_openai_error(r, 401, "invalid_api_key")
                 assert err["type"] == "authentication_error"
@@ -171,8 +209,7 @@ def test_auth(keyed_server):
         assert c.get("/health").status_code == 200
         assert c.get("/ready").status_code == 200
         assert c.post("/v1/chat/completions", json=body, headers=AUTH).status_code == 200
-        assert c.post("/v1/chat/completions", json=body,
-                      headers={"authorization": f"bearer {KEY}"}).status_code == 200
+        assert c.post("/v1/chat/completions", json=body, headers={"authorization": f"bearer {KEY}"}).status_code == 200
         assert c.get("/v1/models", headers=AUTH).status_code == 200
         assert c.get("/metrics", headers=AUTH).status_code == 200
         # No CORS unless --cors-origins.
@@ -180,8 +217,9 @@ def test_auth(keyed_server):
         assert "access-control-allow-origin" not in r.headers
 
     good = openai.OpenAI(base_url=s.base_url + "/v1", api_key=KEY, max_retries=0)
-    reply = good.chat.completions.create(model=s.model_id, messages=[{"role": "user", "content": "Hi"}],
-                                         max_completion_tokens=4, temperature=0)
+    reply = good.chat.completions.create(
+        model=s.model_id, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=4, temperature=0
+    )
     assert reply.usage.completion_tokens == 4
     bad = openai.OpenAI(base_url=s.base_url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -208,21 +246,34 @@ def test_request_log_never_has_image_bytes_or_key(keyed_server, caplog):
     payload = uri.split(",", 1)[1]
     caplog.set_level(logging.DEBUG)
     with s.client() as c:
-        r = c.post("/v1/chat/completions", headers=AUTH,
-                   json=chat_body(s.model_id, "What is this?", [uri], max_tokens=4))
+        r = c.post(
+            "/v1/chat/completions", headers=AUTH, json=chat_body(s.model_id, "What is this?", [uri], max_tokens=4)
+        )
         assert r.status_code == 200
-        assert c.post("/v1/chat/completions", json={"model": s.model_id, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": uri[:-40] + "!!!"}}]}]}, headers=AUTH).status_code == 400
+        assert (
+            c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": s.model_id,
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri[:-40] + "!!!"}}]}
+                    ],
+                },
+                headers=AUTH,
+            ).status_code
+            == 400
+        )
         assert c.get("/v1/models", headers={"authorization": f"Bearer {KEY[:-1]}"}).status_code == 401
     time.sleep(0.1)
     text = caplog.text + "".join(str(rec.args) for rec in caplog.records)
     lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request id=")]
     # A random model may stop early on another backend's numerics: either ending is logged the same.
-    assert any("image_count=1" in line and re.search(r"status=(length|stop) ", line) and "ttft_ms=" in line
-               for line in lines), lines
+    assert any(
+        "image_count=1" in line and re.search(r"status=(length|stop) ", line) and "ttft_ms=" in line for line in lines
+    ), lines
     assert KEY not in text and KEY[:-1] not in text
     for i in range(0, len(payload) - 32, 32):  # no 32-char window of the image's base64
-        assert payload[i:i + 32] not in text
+        assert payload[i : i + 32] not in text
 
 
 def test_flood_beyond_max_waiting(keyed_server):
@@ -233,7 +284,8 @@ def test_flood_beyond_max_waiting(keyed_server):
     async def flood():
         async with httpx.AsyncClient(base_url=s.base_url, timeout=60, headers=AUTH) as c:
             return await asyncio.wait_for(
-                asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(24))), 90)
+                asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(24))), 90
+            )
 
     results = asyncio.run(flood())
     statuses = [r.status_code for r in results]
@@ -268,6 +320,7 @@ def test_requests_waiting_for_the_cpu_pool_count(keyed_server):
     pre.encode_chat = slow
     body = chat_body(s.model_id, "Hi", max_tokens=4)
     try:
+
         async def flood():
             async with httpx.AsyncClient(base_url=s.base_url, timeout=60, headers=AUTH) as c:
                 tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=body)) for _ in range(10)]
@@ -290,8 +343,7 @@ def test_requests_waiting_for_the_cpu_pool_count(keyed_server):
 def test_ready_while_loading_then_worker_death():
     from vlmserve.config import ServerConfig
 
-    config = ServerConfig(model=str(MODELS / "qwen2_vl"), port=free_port(), listen_while_loading=True,
-                          max_num_seqs=2)
+    config = ServerConfig(model=str(MODELS / "qwen2_vl"), port=free_port(), listen_while_loading=True, max_num_seqs=2)
     server = RunningServer(config)
     state = server.state
     gate = threading.Event()
@@ -325,8 +377,14 @@ def test_ready_while_loading_then_worker_death():
 
         def stream(i):
             lines = []
-            with server.client() as c, c.stream("POST", "/v1/chat/completions", json=chat_body(
-                    server.model_id, "Go on.", max_tokens=20000, ignore_eos=True, stream=True)) as r:
+            with (
+                server.client() as c,
+                c.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json=chat_body(server.model_id, "Go on.", max_tokens=20000, ignore_eos=True, stream=True),
+                ) as r,
+            ):
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         lines.append(line[6:])
@@ -347,7 +405,7 @@ def test_ready_while_loading_then_worker_death():
         for t in threads:
             t.join(15)
             assert not t.is_alive(), "a request hung after the worker died"
-        for i, lines in results.items():
+        for _i, lines in results.items():
             assert lines[-1] != "[DONE]"
             assert "error" in json.loads(lines[-1]), lines[-1]
         with server.client() as c:
@@ -374,7 +432,7 @@ def test_warmup_images_take_the_clients_path():
 def test_warmup_prefills_every_length_bucket_in_full(monkeypatch):
     """Each prompt-length bucket is compiled as a whole prefill: the warm-up prompts share a
     prefix, and a prefix-cache hit would otherwise leave the longer buckets uncompiled."""
-    from vlmserve.engine.model import VLM
+    from vlmserve.models.generic import VLM
 
     padded = []
     real = VLM.prefill_batch
@@ -480,8 +538,13 @@ def test_first_request_after_warmup_imports_nothing():
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-c", _FIRST_REQUEST_IMPORTS], cwd=Path(__file__).parent,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_REQUEST_IMPORTS],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
 

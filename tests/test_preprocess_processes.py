@@ -38,8 +38,12 @@ def test_processes_answer_as_the_thread_pool_does(process_server, qwen_server):
 
 
 def _jobs(server, pool: str) -> float:
-    return server.state.metrics.registry.get_sample_value(
-        "vlmserve:preprocess_requests_total", {"model_name": server.model_id, "pool": pool}) or 0.0
+    return (
+        server.state.metrics.registry.get_sample_value(
+            "vlmserve:preprocess_requests_total", {"model_name": server.model_id, "pool": pool}
+        )
+        or 0.0
+    )
 
 
 def test_a_lone_request_stays_on_the_threads_and_a_burst_overflows_to_the_processes(process_server):
@@ -103,7 +107,7 @@ def test_a_killed_process_fails_its_request_and_a_new_pool_serves_the_next(proce
 
 def test_a_process_that_cannot_load_the_processor_fails_the_start_with_a_reason(tmp_path):
     from vlmserve.config import ServerConfig
-    from vlmserve.preprocess_processes import PreprocessProcesses
+    from vlmserve.inputs.pool import PreprocessProcesses
 
     pool = PreprocessProcesses(tmp_path / "no-model-here", 4096, ServerConfig(preprocess_processes=1), None)
     with pytest.raises(RuntimeError, match="preprocessing process failed to start"):

@@ -15,7 +15,8 @@ def _steps(lm, step_fn, steps: int = 3, capacity: int = 256):
     """`steps` greedy steps from a random slot cache; returns each step's logits and the final caches."""
     import mlx.core as mx
 
-    from vlmserve.engine.slot_cache import SlotBatch, SlotLayerCache
+    from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
+    from vlmserve.engine.runner.slot_cache import SlotBatch
 
     attn = lm.model.layers[0].self_attn
     layers = len(lm.model.layers)
@@ -52,8 +53,15 @@ def _language_model(name: str, tied: bool, dtype: str):
 
     family = importlib.import_module(f"mlx_vlm.models.{name}")
     config = json.loads((MODELS / name / "config.json").read_text())
-    text = dict(config, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}, tie_word_embeddings=tied)
+    text = dict(
+        config,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+        tie_word_embeddings=tied,
+    )
     mx.random.seed(0)
     lm = family.LanguageModel(family.TextConfig.from_dict(text), family.ModelConfig.from_dict(config))
     lm.set_dtype(getattr(mx, dtype))
@@ -66,7 +74,8 @@ def _language_model(name: str, tied: bool, dtype: str):
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
 def test_step_equals_mlx_vlm(name, fused, tied, dtype):
     def work():
-        from vlmserve.engine import cuda_kernels, fused_projections, qwen_decode
+        from vlmserve.engine.ops import cuda_kernels, fused_projections
+        from vlmserve.models.qwen2_vl import decode as qwen_decode
 
         lm = _language_model(name, tied, dtype)
         if fused:
@@ -82,8 +91,12 @@ def test_step_equals_mlx_vlm(name, fused, tied, dtype):
             return qwen_decode.forward(lm, tokens, caches, pos, kernels=True)
 
         on_cuda = cuda_kernels.enabled()
-        return (qwen_decode.supports(lm), _steps(lm, reference), _steps(lm, composed),
-                _steps(lm, kernels) if on_cuda else None)
+        return (
+            qwen_decode.supports(lm),
+            _steps(lm, reference),
+            _steps(lm, composed),
+            _steps(lm, kernels) if on_cuda else None,
+        )
 
     supported, reference, composed, kernels = on_own_thread(work)
     assert supported
@@ -99,12 +112,14 @@ def test_which_models_take_the_step():
     def work():
         from mlx_vlm.utils import load_model
 
-        from vlmserve.engine import qwen_decode
+        from vlmserve.models.qwen2_vl import decode as qwen_decode
 
         lms = {n: load_model(MODELS / n, lazy=False).language_model for n in ("qwen2_vl", "llava", "gemma3")}
-        return ([qwen_decode.same_layers(lm) for lm in lms.values()],
-                qwen_decode.supports(lms["qwen2_vl"]),  # 16-wide heads: not for the attention kernel
-                qwen_decode.supports(_language_model("qwen2_vl", False, "float32")))
+        return (
+            [qwen_decode.same_layers(lm) for lm in lms.values()],
+            qwen_decode.supports(lms["qwen2_vl"]),  # 16-wide heads: not for the attention kernel
+            qwen_decode.supports(_language_model("qwen2_vl", False, "float32")),
+        )
 
     assert on_own_thread(work) == ([True, False, False], False, True)
 
@@ -114,7 +129,8 @@ def test_rope_split_kernel_is_bit_identical(dtype):
     def work():
         import mlx.core as mx
 
-        from vlmserve.engine import cuda_kernels, qwen_decode
+        from vlmserve.engine.ops import cuda_kernels
+        from vlmserve.models.qwen2_vl import decode as qwen_decode
 
         if not cuda_kernels.enabled():
             return None
@@ -139,7 +155,7 @@ def test_server_step_routes_through_forward(monkeypatch):
     """VLM.decode (the scheduler's step) hands a Qwen slot-cache step to qwen_decode.forward with
     the positions mlx_vlm would get, and the logits match mlx_vlm's step. The kernels are
     swapped for the composed ops so this runs on any backend."""
-    from vlmserve.engine import qwen_decode
+    from vlmserve.models.qwen2_vl import decode as qwen_decode
 
     calls = []
     original = qwen_decode.forward
@@ -154,14 +170,15 @@ def test_server_step_routes_through_forward(monkeypatch):
     def work():
         import mlx.core as mx
 
-        from vlmserve.engine.model import VLM
-        from vlmserve.engine.slot_cache import SlotBatch, make_decode_step
+        from vlmserve.engine.runner.slot_cache import SlotBatch, make_decode_step
+        from vlmserve.models.generic import VLM
 
         vlm = VLM(MODELS / "qwen2_vl")
         kv = SlotBatch(*vlm.kv_layout(), slots=4, capacity=64)
         kv.keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(k.dtype) for i, k in enumerate(kv.keys)]
-        kv.values = [mx.random.normal(v.shape, key=mx.random.key(50 + i)).astype(v.dtype)
-                     for i, v in enumerate(kv.values)]
+        kv.values = [
+            mx.random.normal(v.shape, key=mx.random.key(50 + i)).astype(v.dtype) for i, v in enumerate(kv.values)
+        ]
         tokens = mx.array([3, 17, 101, 0], dtype=mx.int32)
         lengths = mx.array([5, 40, 1, 0], dtype=mx.int32)
         positions = lengths + mx.array([0, 12, -1, 0], dtype=mx.int32)

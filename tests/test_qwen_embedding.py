@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import images, start_server
-from vlmserve.engine import qwen_embedding
-from vlmserve.media import MediaPolicy, decode_image
-from vlmserve.preprocess import Preprocessor
-from vlmserve.qwen_patches import to_bfloat16_bits
+from vlmserve.inputs.media import MediaPolicy, decode_image
+from vlmserve.inputs.preprocess import Preprocessor
+from vlmserve.models.qwen2_vl import embedding as qwen_embedding
+from vlmserve.models.qwen2_vl.image_processor import to_bfloat16_bits
 from vlmserve.protocol import ChatMessage, ImageRef
 
 GRIDS = [(1, 16, 16), (1, 8, 12), (1, 16, 16), (2, 4, 4)]
@@ -34,8 +34,7 @@ def _ids(cfg, layout, merge):
             ids += text_ids[:value]
         else:
             t, h, w = value
-            ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // merge ** 2) \
-                + [text_ids[-1]]
+            ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // merge**2) + [text_ids[-1]]
     return np.array(ids, dtype=np.int32)
 
 
@@ -57,9 +56,14 @@ def test_mrope_positions_match_get_rope_index(grid_server):
     def both(layout):
         ids = _ids(cfg, layout, merge)
         grid = np.array([v for k, v in layout if k == "image"])
-        ours = qwen_embedding.mrope_positions(ids, grid, image_token=cfg.image_token_id,
-                                              video_token=cfg.video_token_id,
-                                              vision_start=cfg.vision_start_token_id, merge=merge)
+        ours = qwen_embedding.mrope_positions(
+            ids,
+            grid,
+            image_token=cfg.image_token_id,
+            video_token=cfg.video_token_id,
+            vision_start=cfg.vision_start_token_id,
+            merge=merge,
+        )
         pos, delta = lm.get_rope_index(mx.array(ids)[None], mx.array(grid), None, mx.ones((1, len(ids)), mx.int32))
         return ours, np.array(pos)[:, 0], int(np.array(delta).reshape(-1)[0])
 
@@ -70,8 +74,12 @@ def test_mrope_positions_match_get_rope_index(grid_server):
         assert ours[0].dtype == np.int32 and ours[1] == ref_delta
 
     text_only = np.arange(100, 120, dtype=np.int32)
-    kw = dict(image_token=cfg.image_token_id, video_token=cfg.video_token_id,
-              vision_start=cfg.vision_start_token_id, merge=merge)
+    kw = dict(
+        image_token=cfg.image_token_id,
+        video_token=cfg.video_token_id,
+        vision_start=cfg.vision_start_token_id,
+        merge=merge,
+    )
     assert qwen_embedding.mrope_positions(text_only, np.zeros((0, 3), int), **kw) is None
     with_video = np.concatenate([_ids(cfg, LAYOUTS[0], merge), [cfg.video_token_id]]).astype(np.int32)
     assert qwen_embedding.mrope_positions(with_video, np.array([(1, 8, 8)]), **kw) is None  # mlx_vlm's own path
@@ -85,7 +93,7 @@ def test_qwen2_vl_tower_with_host_indices_equals_mlx_vlm(qwen_server):
 
         tower = vlm.model.vision_tower
         vc = vlm.model.config.vision_config
-        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         pixels = mx.random.normal((sum(t * h * w for t, h, w in GRIDS), dim), key=mx.random.key(1))
         ours = qwen_embedding.qwen2_vl_tower(tower, pixels, np.array(GRIDS))
         ref = tower(pixels, mx.array(GRIDS), output_hidden_states=False)
@@ -99,8 +107,12 @@ def test_qwen2_vl_tower_with_host_indices_equals_mlx_vlm(qwen_server):
 def _prepared(server, preprocessor=None):
     pre = preprocessor or server.state.preprocessor
     imgs = [decode_image(p.read_bytes(), MediaPolicy()) for p in images()]
-    cases = [("What is in this image?", imgs[1:2]), ("Describe the picture.", []),
-             ("Compare the two images.", [imgs[0], imgs[2]]), ("Name one colour.", imgs[3:4])]
+    cases = [
+        ("What is in this image?", imgs[1:2]),
+        ("Describe the picture.", []),
+        ("Compare the two images.", [imgs[0], imgs[2]]),
+        ("Name one colour.", imgs[3:4]),
+    ]
     out = []
     for text, ims in cases:
         parts = [("image", ImageRef("x", "x")) for _ in ims] + [("text", text)]
@@ -110,7 +122,7 @@ def _prepared(server, preprocessor=None):
 
 def test_embed_prompts_equal_mlx_vlm_get_input_embeddings(grid_server):
     """The scheduler's path against mlx_vlm's get_input_embeddings fed the same tower features."""
-    from vlmserve.engine.model import _device_inputs
+    from vlmserve.models.generic import _device_inputs
 
     vlm = grid_server.engine.scheduler.vlm
     prepared = _prepared(grid_server)
@@ -134,8 +146,9 @@ def test_embed_prompts_equal_mlx_vlm_get_input_embeddings(grid_server):
             inputs = _device_inputs(p)
             features = vlm.model.vision_tower(inputs["pixel_values"].astype(mx.float32), inputs["image_grid_thw"])
             refs.append(vlm.embed_prompt(p, features, inputs))
-        return [(np.array(s.embeds), np.array(s.position_ids), s.rope_delta) for s in ours], \
-               [(np.array(s.embeds), np.array(s.position_ids), s.rope_delta) for s in refs]
+        return [(np.array(s.embeds), np.array(s.position_ids), s.rope_delta) for s in ours], [
+            (np.array(s.embeds), np.array(s.position_ids), s.rope_delta) for s in refs
+        ]
 
     ours, refs = grid_server.on_worker(compare)
     for (e, pos, delta), (re, rpos, rdelta) in zip(ours, refs):
@@ -157,7 +170,8 @@ def test_merge_equals_mlx_vlm_merge(qwen_server):
         features = mx.random.normal((n, 16), key=mx.random.key(3))
         ours = qwen_embedding.merge_image_features(embeds, features, ids, cfg.image_token_id)
         ref = type(vlm.model).merge_input_ids_with_image_features(
-            cfg.image_token_id, cfg.video_token_id, features, embeds, mx.array(ids)[None])
+            cfg.image_token_id, cfg.video_token_id, features, embeds, mx.array(ids)[None]
+        )
         return np.array(ours), np.array(ref)
 
     def one_feature_short():
@@ -173,12 +187,14 @@ def test_merge_equals_mlx_vlm_merge(qwen_server):
 
 def test_bfloat16_bits_round_as_mlx_casts(qwen_server):
     rng = np.random.default_rng(0)
-    x = np.concatenate([
-        rng.normal(0, 2, 20000).astype(np.float32),
-        # exact ties between two bfloat16 values (round to even both ways), subnormals, extremes
-        (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
-        np.array([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, np.inf, -np.inf, 65504.0], np.float32),
-    ])
+    x = np.concatenate(
+        [
+            rng.normal(0, 2, 20000).astype(np.float32),
+            # exact ties between two bfloat16 values (round to even both ways), subnormals, extremes
+            (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
+            np.array([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, np.inf, -np.inf, 65504.0], np.float32),
+        ]
+    )
 
     def mlx_bits():
         import mlx.core as mx
@@ -221,7 +237,7 @@ def test_pixels_shipped_as_bfloat16_embed_as_cast_on_device(qwen_server):
 
 def test_pixels_copied_in_pieces_are_the_same_array(grid_server):
     # The worker copies large inputs in pieces (the event loop waits out one piece, not one image).
-    from vlmserve.engine.model import _COPY_PIECE_BYTES, host_to_mx
+    from vlmserve.models.generic import _COPY_PIECE_BYTES, host_to_mx
 
     def compare(array):
         import mlx.core as mx
@@ -242,8 +258,8 @@ def test_pixels_copied_in_pieces_are_the_same_array(grid_server):
 def test_packed_frames_expand_on_the_worker_to_the_processors_pixels(qwen_server, dtype):
     """Preprocessing ships uint8 frames and a value table; the worker's patches (engine/packed_pixels.py)
     are the processor's own pixel values, cast as the model casts them, for every image of a request."""
-    from vlmserve.engine.model import _device_inputs
-    from vlmserve.qwen_patches import cast_pixels
+    from vlmserve.models.generic import _device_inputs
+    from vlmserve.models.qwen2_vl.image_processor import cast_pixels
 
     st = qwen_server.state
     pre = Preprocessor(st.preprocessor.processor, st.context_length, st.config, pixel_dtype=dtype)
@@ -251,8 +267,10 @@ def test_packed_frames_expand_on_the_worker_to_the_processors_pixels(qwen_server
     assert {p.num_images for p in prepared} == {1, 2} and all("pixel_bytes" in p.model_inputs for p in prepared)
     inner = pre.processor.image_processor.inner  # mlx_vlm's processor, unwrapped
     imgs = [decode_image(p.read_bytes(), MediaPolicy()) for p in images()]
-    want = [cast_pixels(np.asarray(inner(images=ims)["pixel_values"]), dtype)
-            for ims in (imgs[1:2], [imgs[0], imgs[2]], imgs[3:4])]
+    want = [
+        cast_pixels(np.asarray(inner(images=ims)["pixel_values"]), dtype)
+        for ims in (imgs[1:2], [imgs[0], imgs[2]], imgs[3:4])
+    ]
 
     def expand():
         import mlx.core as mx

@@ -7,9 +7,9 @@ import pytest
 from PIL import Image
 
 from conftest import MODELS
-from vlmserve.engine.processor import load_processor
+from vlmserve.models.processor import load_processor
+from vlmserve.models.qwen2_vl.image_processor import QwenImages, cast_pixels, fast_qwen_images, unpack_patches
 from vlmserve.protocol import ChatMessage
-from vlmserve.qwen_patches import QwenImages, cast_pixels, fast_qwen_images, unpack_patches
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,14 @@ def test_same_bits_as_the_processor(image_processor, dtype, packed):
     rng = np.random.default_rng(7)
     # Sizes the processor keeps, shrinks (fixture max 224x224) and grows; RGBA and grey too;
     # several images in one call (concatenated in order).
-    cases = [[_image(rng, 56, 84, "RGB")], [_image(rng, 300, 410, "RGB")], [_image(rng, 20, 33, "RGB")],
-             [_image(rng, 131, 77, "RGBA")], [_image(rng, 90, 90, "L")],
-             [_image(rng, 56, 56, "RGB"), _image(rng, 170, 99, "RGB"), _image(rng, 28, 140, "RGB")]]
+    cases = [
+        [_image(rng, 56, 84, "RGB")],
+        [_image(rng, 300, 410, "RGB")],
+        [_image(rng, 20, 33, "RGB")],
+        [_image(rng, 131, 77, "RGBA")],
+        [_image(rng, 90, 90, "L")],
+        [_image(rng, 56, 56, "RGB"), _image(rng, 170, 99, "RGB"), _image(rng, 28, 140, "RGB")],
+    ]
     for images in cases:
         want = image_processor(images=images)
         got = fast(images=images)
@@ -93,7 +98,7 @@ def test_a_wrapped_processor_is_rewrapped_for_another_dtype(image_processor):
 
 def test_preprocessors_sharing_a_processor_keep_their_own_dtypes():
     from vlmserve.config import ServerConfig
-    from vlmserve.preprocess import Preprocessor
+    from vlmserve.inputs.preprocess import Preprocessor
 
     processor = load_processor(MODELS / "qwen2_vl")
     plain = Preprocessor(processor, 4096, ServerConfig(), pixel_dtype=None)

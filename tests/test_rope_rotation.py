@@ -14,7 +14,7 @@ def with_and_without_gather(run) -> dict:
     (a server of this session may have installed ours)."""
     from mlx_vlm.models import rope_utils
 
-    from vlmserve.engine import rope_rotation
+    from vlmserve.engine.ops import rope_rotation
 
     installed = rope_utils.rotate_half is rope_rotation.rotate_half
     rope_rotation.uninstall()
@@ -66,6 +66,7 @@ def test_mrope_language_model_logits_are_unchanged(name):
         lm = load_model(MODELS / name, lazy=False).language_model
         ids = mx.array([[5, 17, 42, 7, 99, 3, 11]], dtype=mx.int32)
         pos = mx.array([[[0, 1, 2, 2, 2, 5, 6]], [[0, 1, 2, 3, 3, 5, 6]], [[0, 1, 2, 3, 4, 5, 6]]], dtype=mx.int32)
+
         def run():
             cache = vlm_cache.make_prompt_cache(lm)
             logits = [lm(ids, cache=cache, position_ids=pos).logits]

@@ -41,8 +41,7 @@ async def _post(client, body):
 
 
 def _body(server, text, paths, **kw):
-    return chat_body(server.model_id, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS,
-                     temperature=0, **kw)
+    return chat_body(server.model_id, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS, temperature=0, **kw)
 
 
 def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
@@ -58,6 +57,7 @@ def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
         gate = threading.Event()
         any_server.engine.worker.submit(gate.wait, 30)
         async with httpx.AsyncClient(base_url=any_server.base_url, timeout=120) as c:
+
             async def one(i, t, p):
                 if i >= 8:
                     await asyncio.sleep(0.01 * (i - 7))
@@ -83,8 +83,9 @@ def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
 
 
 def test_new_request_is_admitted_while_others_decode(qwen_server):
-    long_body = chat_body(qwen_server.model_id, "Tell a very long story.", max_tokens=300, temperature=0,
-                          ignore_eos=True)
+    long_body = chat_body(
+        qwen_server.model_id, "Tell a very long story.", max_tokens=300, temperature=0, ignore_eos=True
+    )
 
     async def scenario():
         async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
@@ -116,12 +117,14 @@ def test_new_request_is_admitted_while_others_decode(qwen_server):
 
 def test_prefix_cache_never_serves_image_requests(qwen_server):
     text = "Prefix cache probe: what colour is the dominant object in the picture?"
+
     async def run():
         async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
             first = await _post(c, _body(qwen_server, text, []))
             again = await _post(c, _body(qwen_server, text, []))
-            a, b = await asyncio.gather(_post(c, _body(qwen_server, text, [images()[0]])),
-                                        _post(c, _body(qwen_server, text, [images()[2]])))
+            a, b = await asyncio.gather(
+                _post(c, _body(qwen_server, text, [images()[0]])), _post(c, _body(qwen_server, text, [images()[2]]))
+            )
             return first, again, a, b
 
     pc = qwen_server.engine.scheduler.prefix_cache
@@ -166,13 +169,15 @@ def test_disconnect_and_cancel_free_rows(qwen_server):
     body = chat_body(qwen_server.model_id, "Go on forever.", max_tokens=2000, temperature=0, ignore_eos=True)
 
     async def stream_then_leave():
-        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
-            async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                n = 0
-                async for line in r.aiter_lines():
-                    n += line.startswith("data: ")
-                    if n > 5:
-                        break  # leaving the block closes the connection
+        async with (
+            httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c,
+            c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r,
+        ):
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if n > 5:
+                    break  # leaving the block closes the connection
 
     async def post_then_cancel():
         async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
@@ -200,6 +205,7 @@ def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
             if "POISON" in tokenizer.decode(prepared.prompt_ids.tolist()):
                 raise RuntimeError("injected failure")
             return real(prepared, *args)
+
         return embed
 
     good = [_body(qwen_server, f"healthy {i}", [images()[i % 3]]) for i in range(4)]
@@ -216,8 +222,9 @@ def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
     alone, results = asyncio.run(run())
     assert results[0].status_code == 500
     assert results[0].json()["error"]["message"]
-    assert [r["choices"][0]["message"]["content"] for r in results[1:]] == \
-        [r["choices"][0]["message"]["content"] for r in alone]
+    assert [r["choices"][0]["message"]["content"] for r in results[1:]] == [
+        r["choices"][0]["message"]["content"] for r in alone
+    ]
 
 
 def test_compiled_decode_matches_eager():
@@ -235,8 +242,12 @@ def test_compiled_decode_matches_eager():
 
         async def run(target, concurrent):
             async with httpx.AsyncClient(base_url=target.base_url, timeout=120) as c:
-                bodies = [chat_body(target.model_id, t, [data_uri(x) for x in p], temperature=0,
-                                    max_tokens=MAX_TOKENS + 4 * (i % 3)) for i, (t, p) in enumerate(reqs)]
+                bodies = [
+                    chat_body(
+                        target.model_id, t, [data_uri(x) for x in p], temperature=0, max_tokens=MAX_TOKENS + 4 * (i % 3)
+                    )
+                    for i, (t, p) in enumerate(reqs)
+                ]
                 if concurrent:
                     outs = await asyncio.gather(*(_post(c, b) for b in bodies))
                 else:
@@ -264,8 +275,7 @@ def test_running_rows_get_their_tokens_before_a_prefill_step(qwen_server, monkey
         return real()
 
     monkeypatch.setattr(sched, "_prefill", watched)
-    long_body = chat_body(qwen_server.model_id, "Tell a long story.", max_tokens=120, temperature=0,
-                          ignore_eos=True)
+    long_body = chat_body(qwen_server.model_id, "Tell a long story.", max_tokens=120, temperature=0, ignore_eos=True)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
@@ -317,7 +327,9 @@ def test_a_request_whose_output_cannot_be_decoded_ends_alone(qwen_server, monkey
             alone = [await _post(c, b) for b in good]
             made.clear()
             monkeypatch.setattr(codec, "new_detokenizer", new_detokenizer)
-            first = asyncio.create_task(c.post("/v1/chat/completions", json=_body(qwen_server, "broken", [images()[0]])))
+            first = asyncio.create_task(
+                c.post("/v1/chat/completions", json=_body(qwen_server, "broken", [images()[0]]))
+            )
             while not made:  # admitted first, so it gets the broken detokenizer
                 await asyncio.sleep(0.002)
             results = await asyncio.gather(first, *(c.post("/v1/chat/completions", json=b) for b in good))
@@ -325,8 +337,9 @@ def test_a_request_whose_output_cannot_be_decoded_ends_alone(qwen_server, monkey
 
     alone, results = asyncio.run(run())
     assert results[0].status_code == 500 and "decoding the output failed" in results[0].json()["error"]["message"]
-    assert [r.json()["choices"][0]["message"]["content"] for r in results[1:]] == \
-        [r["choices"][0]["message"]["content"] for r in alone]
+    assert [r.json()["choices"][0]["message"]["content"] for r in results[1:]] == [
+        r["choices"][0]["message"]["content"] for r in alone
+    ]
     assert qwen_server.engine.worker.healthy
 
 
@@ -354,7 +367,7 @@ def test_idle_buffers_are_handed_back_after_a_pause_not_between_requests():
 def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_server, monkeypatch):
     # Time to first token must not include launching another decode step (the host's share of a
     # step is ~5 ms on the H100); later tokens are read back while the next step runs.
-    from vlmserve.engine.scheduler import MLLMScheduler
+    from vlmserve.engine.sched.scheduler import MLLMScheduler
 
     accept = MLLMScheduler._accept
     launched_meanwhile: dict[int, bool] = {}
@@ -364,8 +377,9 @@ def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_serve
         return accept(self, seq, token, logprobs)
 
     monkeypatch.setattr(MLLMScheduler, "_accept", record)
-    body = chat_body(qwen_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=6,
-                     temperature=0, ignore_eos=True)
+    body = chat_body(
+        qwen_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=6, temperature=0, ignore_eos=True
+    )
     with qwen_server.client() as c:
         assert c.post("/v1/chat/completions", json=body).status_code == 200
     assert launched_meanwhile[0] is False  # the first token: read before the next launch
@@ -375,7 +389,7 @@ def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_serve
 def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
     """Slots grow their KV capacity for the longest row; once a long request ends, the rows still
     running go back to a small capacity (not when the batch empties) with the same tokens."""
-    from vlmserve.engine.slot_cache import SlotBatch
+    from vlmserve.engine.runner.slot_cache import SlotBatch
 
     fits = []
     original = SlotBatch.fit_capacity
@@ -391,12 +405,16 @@ def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
         long_text = "Tell me everything about this long list: " + " ".join(f"item{i}" for i in range(300))
         bodies = [chat_body(server.model_id, long_text, [], max_tokens=2, temperature=0)] + [
             chat_body(server.model_id, f"Short request {i}.", [], max_tokens=24, temperature=0, ignore_eos=True)
-            for i in range(2)]
+            for i in range(2)
+        ]
 
         async def run(concurrent):
             async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
-                outs = await asyncio.gather(*(_post(c, b) for b in bodies)) if concurrent else \
-                    [await _post(c, b) for b in bodies]
+                outs = (
+                    await asyncio.gather(*(_post(c, b) for b in bodies))
+                    if concurrent
+                    else [await _post(c, b) for b in bodies]
+                )
                 return [o["choices"][0]["message"]["content"] for o in outs], outs[0]["usage"]["prompt_tokens"]
 
         alone, prompt_tokens = asyncio.run(run(False))
@@ -412,7 +430,7 @@ def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
 def test_fit_capacity_keeps_rows_and_only_halves_or_more():
     import mlx.core as mx
 
-    from vlmserve.engine.slot_cache import SlotBatch
+    from vlmserve.engine.runner.slot_cache import SlotBatch
 
     def work():
         kv = SlotBatch(2, (2, 4, 4), mx.float32, slots=2, capacity=1000)
@@ -436,7 +454,7 @@ def test_pixels_of_the_next_steps_requests_are_staged_once_and_used(monkeypatch)
     """Requests the next step will embed have their pixels copied into MLX at the end of this
     step (`_stage_upcoming`, overlapping device work); their embedding uses that copy, never a
     second one, and the tokens are those of each request alone."""
-    from vlmserve.engine import model
+    from vlmserve.models import generic as model
 
     copies, staged = [], []
     device_inputs, stage = model._device_inputs, model.VLM.stage_inputs
@@ -486,7 +504,7 @@ def test_staging_counts_the_next_chunk_of_prompts_already_embedded():
     from collections import deque
     from types import SimpleNamespace
 
-    from vlmserve.engine.scheduler import MLLMScheduler
+    from vlmserve.engine.sched.scheduler import MLLMScheduler
 
     def request(name):
         prepared = SimpleNamespace(num_prompt_tokens=40, has_pixels=True)
@@ -497,8 +515,10 @@ def test_staging_counts_the_next_chunk_of_prompts_already_embedded():
         s.prefill_budget, s.prefill_chunk, s.max_num_seqs = 64, 64, 8
         s.vlm = SimpleNamespace(stage_inputs=lambda prepared: "copied")
         long = SimpleNamespace(req=request("long"), prompt="embedded", num_prompt=300, prefilled=prefilled)
-        s.prefilling, s.running = [long, SimpleNamespace(req=request("next"), prompt=None, num_prompt=40,
-                                                         prefilled=0)], []
+        s.prefilling, s.running = (
+            [long, SimpleNamespace(req=request("next"), prompt=None, num_prompt=40, prefilled=0)],
+            [],
+        )
         s.inbox, s.waiting = deque([request("waiting")]), deque()
         s._stage_upcoming()
         return [r.request_id for r in [q.req for q in s.prefilling] + list(s.waiting) if r.staged_inputs]

@@ -19,9 +19,18 @@ DRAIN = 5.0
 def _stream(base, max_tokens, out, started, accepted):
     lines = []
     try:
-        with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
-                "model": "qwen2_vl", "messages": [{"role": "user", "content": "Tell me a story."}],
-                "max_tokens": max_tokens, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": "qwen2_vl",
+                "messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             lines.append(f"status {r.status_code}")
             accepted.set()
             for line in r.iter_lines():
@@ -38,9 +47,24 @@ def _stream(base, max_tokens, out, started, accepted):
 def test_sigterm_drains_and_exits_zero():
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port",
-                             str(port), "--drain-timeout", str(DRAIN), "--max-num-seqs", "6"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vlmserve.cli",
+            "serve",
+            str(MODELS / "qwen2_vl"),
+            "--port",
+            str(port),
+            "--drain-timeout",
+            str(DRAIN),
+            "--max-num-seqs",
+            "6",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -72,7 +96,7 @@ def test_sigterm_drains_and_exits_zero():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             body = httpx.get(base + "/metrics").text
-            if "vlmserve:num_requests_waiting{model_name=\"qwen2_vl\"} 2.0" in body:
+            if 'vlmserve:num_requests_waiting{model_name="qwen2_vl"} 2.0' in body:
                 break
             time.sleep(0.02)
 
@@ -82,8 +106,11 @@ def test_sigterm_drains_and_exits_zero():
         r = httpx.get(base + "/ready", timeout=2)
         assert r.status_code == 503 and r.json()["reason"] == "draining"
         assert httpx.get(base + "/health", timeout=2).status_code == 200
-        r = httpx.post(base + "/v1/chat/completions", timeout=5,
-                       json={"model": "qwen2_vl", "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=5,
+            json={"model": "qwen2_vl", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
         for t in threads:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vlmserve.api import sse
+from vlmserve.entrypoints.openai import sse
 
 TEXTS = [" word", "", 'a "quoted" \\ back\\slash', "line\nbreak\ttab", "héllo 日本 🙂", "\x00\x1f", "</s>"]
 
@@ -19,7 +19,8 @@ def test_content_line_equals_full_chunk(model, include_usage):
         for text in TEXTS:
             fast = lines.content(index, text)
             assert fast == lines.choice(index, {"content": text})
-            body = json.loads(fast[len("data: "):])
-            assert body["choices"] == [{"index": index, "delta": {"content": text}, "logprobs": None,
-                                        "finish_reason": None}]
+            body = json.loads(fast[len("data: ") :])
+            assert body["choices"] == [
+                {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+            ]
             assert ("usage" in body) == include_usage and body["model"] == model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmserve.engine.text_stream import TextStream
+from vlmserve.engine.runner.text_stream import TextStream
 
 
 class PieceDetokenizer:
@@ -21,7 +21,7 @@ class PieceDetokenizer:
 
     @property
     def last_segment(self):
-        seg = self.text[self.offset:]
+        seg = self.text[self.offset :]
         self.offset = len(self.text)
         return seg
 
@@ -37,14 +37,17 @@ def run(pieces, stop):
     return out, stream.stopped
 
 
-@pytest.mark.parametrize("pieces,stop,text", [
-    (["Hello", " wor", "ld", "!", " more"], ["world"], "Hello "),
-    (["a", "b", "END", "c"], ["END"], "ab"),
-    (["x", "E", "N", "D", "y"], ["END"], "x"),
-    (["abc", "de"], ["zz"], "abcde"),
-    (["one ", "tw", "o three"], ["two", "three"], "one "),
-    (["E", "N", "x"], ["END"], "ENx"),  # a partial stop that never completes is released
-])
+@pytest.mark.parametrize(
+    "pieces,stop,text",
+    [
+        (["Hello", " wor", "ld", "!", " more"], ["world"], "Hello "),
+        (["a", "b", "END", "c"], ["END"], "ab"),
+        (["x", "E", "N", "D", "y"], ["END"], "x"),
+        (["abc", "de"], ["zz"], "abcde"),
+        (["one ", "tw", "o three"], ["two", "three"], "one "),
+        (["E", "N", "x"], ["END"], "ENx"),  # a partial stop that never completes is released
+    ],
+)
 def test_stop_strings(pieces, stop, text):
     out, stopped = run(pieces, stop)
     assert "".join(out) == text
@@ -61,18 +64,32 @@ def test_partial_stop_is_held_back_while_streaming():
 
 # ---- byte-level BPE: text as soon as its characters are complete, same text as mlx_vlm ----------
 
+
 def _byte_level_detokenizers():
     """mlx_vlm's BPEStreamingDetokenizer and ours over one toy vocabulary whose tokens are
     pieces of byte-level strings (GPT-2's bytes-to-unicode map), split inside multi-byte
     characters on purpose."""
     from mlx_vlm.tokenizer_utils import BPEStreamingDetokenizer
 
-    from vlmserve.engine.tokenizer import ByteLevelStream
+    from vlmserve.engine.runner.tokenizer import ByteLevelStream
 
     BPEStreamingDetokenizer.make_byte_decoder()
     to_unicode = {b: c for c, b in BPEStreamingDetokenizer._byte_decoder.items()}
-    raw = [b"He", b"llo", b" w", b"\xc3", b"\xb6rld", b" \xe4", b"\xbd\xa0", b"\xe5\xa5\xbd", b"!", b" \xff", b"x",
-           b" ok", b" \xe4\xbd"]
+    raw = [
+        b"He",
+        b"llo",
+        b" w",
+        b"\xc3",
+        b"\xb6rld",
+        b" \xe4",
+        b"\xbd\xa0",
+        b"\xe5\xa5\xbd",
+        b"!",
+        b" \xff",
+        b"x",
+        b" ok",
+        b" \xe4\xbd",
+    ]
     vocab = {"".join(to_unicode[b] for b in piece): i for i, piece in enumerate(raw)}
 
     class Tok:
@@ -84,11 +101,14 @@ def _byte_level_detokenizers():
     return raw, theirs, ByteLevelStream(theirs, lambda token: f"<{token}>")
 
 
-@pytest.mark.parametrize("ids", [
-    [0, 1, 2, 3, 4, 5, 6, 7, 8],  # "Hello wörld 你好!" split inside characters
-    [2, 3, 4, 9, 10, 11],  # an invalid byte mid-text
-    [0, 1, 11, 12],  # ends inside a character
-])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [0, 1, 2, 3, 4, 5, 6, 7, 8],  # "Hello wörld 你好!" split inside characters
+        [2, 3, 4, 9, 10, 11],  # an invalid byte mid-text
+        [0, 1, 11, 12],  # ends inside a character
+    ],
+)
 def test_byte_level_stream_matches_mlx_vlm_text_and_is_never_later(ids):
     raw, theirs, ours = _byte_level_detokenizers()
     theirs.reset()
@@ -119,11 +139,10 @@ def test_byte_level_stream_emits_a_complete_first_token_at_once():
 
 
 def test_byte_level_tokenizers_stream_eagerly():
-    from conftest import MODELS
-
-    from vlmserve.engine.tokenizer import ByteLevelStream, TextCodec
-
     from mlx_vlm.tokenizer_utils import NaiveStreamingDetokenizer
+
+    from conftest import MODELS
+    from vlmserve.engine.runner.tokenizer import ByteLevelStream, TextCodec
 
     codec = TextCodec(MODELS / "qwen2_vl")
     assert isinstance(codec.new_detokenizer(), ByteLevelStream)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import start_server
-from vlmserve.engine import vision_attention
-from vlmserve.engine.vision_attention import segment_runs
+from vlmserve.models.qwen2_vl import vision_attention
+from vlmserve.models.qwen2_vl.vision_attention import segment_runs
 
 # Equal sizes (batched together), an odd size between them, and a two-frame grid.
 GRIDS = [(1, 16, 16), (1, 16, 16), (1, 8, 12), (1, 16, 16), (1, 16, 16), (2, 4, 4)]
@@ -35,7 +35,7 @@ def test_batched_segments_equal_per_segment_attention(grid_server):
 
         tower = vlm.model.vision_tower
         vc = vlm.model.config.vision_config
-        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         pixels = mx.random.normal((sum(t * h * w for t, h, w in GRIDS), dim), key=mx.random.key(0))
         grid = mx.array(GRIDS)
         names = [type(block.attn).__name__ for block in tower.blocks]
@@ -90,10 +90,15 @@ def test_rotate_qk_equals_mlx_vlm_rotation_of_q_and_k(grid_server, dtype):
 
 
 def test_power_of_two_pieces_cut_runs_largest_first():
-    from vlmserve.engine.vision_attention import power_of_two_pieces
+    from vlmserve.models.qwen2_vl.vision_attention import power_of_two_pieces
 
     assert power_of_two_pieces([(0, 13, 4), (52, 2, 3), (58, 1, 5)]) == [
-        (0, 8, 4), (32, 4, 4), (48, 1, 4), (52, 2, 3), (58, 1, 5)]
+        (0, 8, 4),
+        (32, 4, 4),
+        (48, 1, 4),
+        (52, 2, 3),
+        (58, 1, 5),
+    ]
     assert power_of_two_pieces([(0, 32, 10)]) == [(0, 32, 10)]
 
 
@@ -114,7 +119,7 @@ def _sdpa_batches(monkeypatch):
 def test_cudnn_attention_takes_power_of_two_image_counts(grid_server, monkeypatch):
     """With cuDNN on, 7 equal images go to attention in power-of-two batches (4 + 2 + 1: bounded
     plan shapes), and the features are the same as from one call over all 7."""
-    from vlmserve.engine import cuda_kernels
+    from vlmserve.engine.ops import cuda_kernels
 
     vlm = grid_server.state.engine.scheduler.vlm
     batches = _sdpa_batches(monkeypatch)
@@ -124,7 +129,7 @@ def test_cudnn_attention_takes_power_of_two_image_counts(grid_server, monkeypatc
 
         monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: cudnn)
         vc = vlm.model.config.vision_config
-        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         grid = np.array([[1, 8, 8]] * 7)
         pixels = mx.random.normal((7 * 64, dim), key=mx.random.key(3))
         return np.array(vlm._tower(pixels, grid).astype(mx.float32))
@@ -143,7 +148,7 @@ def _power_of_two(n: int) -> bool:
 
 
 def test_warm_vision_plans_runs_each_power_of_two_a_step_can_batch(grid_server, monkeypatch):
-    from vlmserve.engine import cuda_kernels
+    from vlmserve.engine.ops import cuda_kernels
 
     scheduler = grid_server.state.engine.scheduler
     monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: False)
@@ -160,8 +165,8 @@ def test_warm_vision_plans_runs_each_power_of_two_a_step_can_batch(grid_server, 
 
 
 def test_warm_up_builds_the_tower_shapes_of_its_image_sizes(monkeypatch):
-    from vlmserve.engine import cuda_kernels
-    from vlmserve.engine.scheduler import MLLMScheduler
+    from vlmserve.engine.ops import cuda_kernels
+    from vlmserve.engine.sched.scheduler import MLLMScheduler
 
     monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: True)
     grids = []

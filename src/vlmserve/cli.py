@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from .config import DEFAULT_MODEL_DIR, ServerConfig
-from .log_queue import start_logging
+from vlmserve.config import DEFAULT_MODEL_DIR, ServerConfig
+from vlmserve.logging import start_logging
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -18,63 +18,133 @@ def _csv(value: str) -> tuple[str, ...]:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
-    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL_DIR),
-                   help="local model directory or Hugging Face repo id (default: the embedded tiny qwen2_vl)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=str(DEFAULT_MODEL_DIR),
+        help="local model directory or Hugging Face repo id (default: the embedded tiny qwen2_vl)",
+    )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="rows decoded together")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="longest prompt piece prefilled in one forward")
-    p.add_argument("--prefill-token-budget", type=int, default=d.prefill_token_budget,
-                   help="prompt tokens per scheduler step over all requests; short prompts that fit are prefilled together in one forward")
-    p.add_argument("--prefill-bucket", type=int, default=d.prefill_bucket,
-                   help="pad prompt lengths to multiples of this so new lengths reuse compiled kernels (0: exact)")
-    p.add_argument("--mlx-cache-limit-gb", type=float, default=d.mlx_cache_limit_gb,
-                   help="GiB of freed device buffers MLX keeps for reuse")
-    p.add_argument("--release-cache-after-idle", dest="release_cache_after_idle_s", type=float,
-                   default=d.release_cache_after_idle_s, metavar="SECONDS",
-                   help="hand those buffers back after this long without work")
-    p.add_argument("--compile-decode", choices=["auto", "on", "off"], default=d.compile_decode,
-                   help="run each decode step as one compiled graph (auto: on GPU)")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=d.prefill_chunk, help="longest prompt piece prefilled in one forward"
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=d.prefill_token_budget,
+        help="prompt tokens per scheduler step over all requests; short prompts that fit share one forward",
+    )
+    p.add_argument(
+        "--prefill-bucket",
+        type=int,
+        default=d.prefill_bucket,
+        help="pad prompt lengths to multiples of this so new lengths reuse compiled kernels (0: exact)",
+    )
+    p.add_argument(
+        "--mlx-cache-limit-gb",
+        type=float,
+        default=d.mlx_cache_limit_gb,
+        help="GiB of freed device buffers MLX keeps for reuse",
+    )
+    p.add_argument(
+        "--release-cache-after-idle",
+        dest="release_cache_after_idle_s",
+        type=float,
+        default=d.release_cache_after_idle_s,
+        metavar="SECONDS",
+        help="hand those buffers back after this long without work",
+    )
+    p.add_argument(
+        "--compile-decode",
+        choices=["auto", "on", "off"],
+        default=d.compile_decode,
+        help="run each decode step as one compiled graph (auto: on GPU)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
-    p.add_argument("--preprocess-processes", type=int, default=d.preprocess_processes,
-                   help="preprocess in this many spawned processes instead of threads (0: threads)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the MLX worker in a process of its own, off the HTTP process's GIL "
-                        "(--no-engine-process: one process)")
-    p.add_argument("--max-pending-preprocess", type=int, default=d.max_pending_preprocess,
-                   help="requests queued for or inside the CPU pool before 429")
+    p.add_argument(
+        "--preprocess-processes",
+        type=int,
+        default=d.preprocess_processes,
+        help="preprocess in this many spawned processes instead of threads (0: threads)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the MLX worker in a process of its own, off the HTTP process's GIL "
+        "(--no-engine-process: one process)",
+    )
+    p.add_argument(
+        "--max-pending-preprocess",
+        type=int,
+        default=d.max_pending_preprocess,
+        help="requests queued for or inside the CPU pool before 429",
+    )
     p.add_argument("--image-fetch-timeout", type=float, default=d.image_fetch_timeout)
     p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
     p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
     p.add_argument("--max-pixels", type=int, default=None, help="downscale images above this many pixels")
-    p.add_argument("--allowed-image-hosts", type=_csv, default=(), help="comma list of hosts/CIDRs allowed despite being non-public")
+    p.add_argument(
+        "--allowed-image-hosts",
+        type=_csv,
+        default=(),
+        help="comma list of hosts/CIDRs allowed despite being non-public",
+    )
     p.add_argument("--allow-local-image-files", default=None, metavar="DIR", help="allow file:// URLs under DIR")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)"
+    )
     p.add_argument("--metrics-require-key", action="store_true", help="also require the key on /metrics")
     p.add_argument("--cors-origins", type=_csv, default=(), help="comma list of allowed origins (default: no CORS)")
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
-                   help="waiting requests (queued + preprocessing) before 429")
+    p.add_argument(
+        "--max-waiting", type=int, default=d.max_waiting, help="waiting requests (queued + preprocessing) before 429"
+    )
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
-                   help="seconds running requests may take to finish after SIGTERM/SIGINT")
-    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
-                   help="/health turns 503 when the worker's heartbeat is older than this")
-    p.add_argument("--gil-switch-interval-ms", type=float, default=d.gil_switch_interval_ms,
-                   help="CPython GIL switch interval for this process (CPython's default is 5)")
-    p.add_argument("--event-loop", default=d.event_loop, choices=["asyncio", "uvloop"],
-                   help="uvicorn's event loop (asyncio's measured faster under load: docs/operations.md)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout,
+        help="seconds running requests may take to finish after SIGTERM/SIGINT",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=d.stall_timeout,
+        help="/health turns 503 when the worker's heartbeat is older than this",
+    )
+    p.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=d.gil_switch_interval_ms,
+        help="CPython GIL switch interval for this process (CPython's default is 5)",
+    )
+    p.add_argument(
+        "--event-loop",
+        default=d.event_loop,
+        choices=["asyncio", "uvloop"],
+        help="uvicorn's event loop (asyncio's measured faster under load: docs/operations.md)",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--warmup-image-sizes", type=lambda v: tuple(int(x) for x in _csv(v)), default=d.warmup_image_sizes,
-                   help="comma list of square image sizes to compile before reporting ready")
-    p.add_argument("--listen-while-loading", action=argparse.BooleanOptionalAction, default=True,
-                   help="bind before the model is loaded (/health 200, /ready 503 until warm)")
+    p.add_argument(
+        "--warmup-image-sizes",
+        type=lambda v: tuple(int(x) for x in _csv(v)),
+        default=d.warmup_image_sizes,
+        help="comma list of square image sizes to compile before reporting ready",
+    )
+    p.add_argument(
+        "--listen-while-loading",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bind before the model is loaded (/health 200, /ready 503 until warm)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -100,7 +170,7 @@ def _make_server(app, config: ServerConfig):
 
     import uvicorn
 
-    from .api.http_protocol import BulkBodyProtocol
+    from vlmserve.entrypoints.openai.http_protocol import BulkBodyProtocol
 
     state = app.state.server
 
@@ -136,9 +206,18 @@ def _make_server(app, config: ServerConfig):
 
     state.on_fatal = fatal
     # log_config=None: uvicorn's loggers propagate to the root's queue (log_queue.py).
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                   log_config=None, loop=config.event_loop, http=BulkBodyProtocol,
-                                   timeout_graceful_shutdown=max(1, int(config.graceful_shutdown_extra))))
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            log_config=None,
+            loop=config.event_loop,
+            http=BulkBodyProtocol,
+            timeout_graceful_shutdown=max(1, int(config.graceful_shutdown_extra)),
+        )
+    )
     return server
 
 
@@ -149,7 +228,7 @@ def set_process_settings(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> int:
-    from .api.app import create_app
+    from vlmserve.entrypoints.openai.app import create_app
 
     set_process_settings(config)
     logs = start_logging(config.log_level)
@@ -179,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("caption", help="caption images through one or more servers", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "caption":
-        from .caption import main as caption_main
+        from vlmserve.caption import main as caption_main
 
         return caption_main(rest, hard_exit=True)  # MLX may abort in interpreter teardown after --in-process
     if rest:

@@ -6,7 +6,27 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 _BATCH = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 
@@ -40,11 +60,14 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries_total", "Prefix cache lookups (text-only requests)")
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix cache lookups that reused KV")
         self.image_fetch_failures = counter("image_fetch_failures_total", "Images that could not be fetched or decoded")
-        self.preprocess_jobs = counter("preprocess_requests_total",
-                                       "Requests preprocessed, by pool (threads, or --preprocess-processes)", ["pool"])
+        self.preprocess_jobs = counter(
+            "preprocess_requests_total", "Requests preprocessed, by pool (threads, or --preprocess-processes)", ["pool"]
+        )
         self.ttft = hist("time_to_first_token_seconds", "Request arrival to first token")
-        self.itl = hist("inter_token_latency_seconds",
-                        "Time between deliveries of one request's tokens (a reader behind gets several at once)")
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between deliveries of one request's tokens (a reader behind gets several at once)",
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token")
         self.queue_time = hist("request_queue_time_seconds", "Time waiting for admission")
         self.preprocess = hist("preprocess_seconds", "CPU preprocessing time (template, images, tokenize)")

@@ -140,8 +140,6 @@ class EngineError(Exception):
         self.param = param
 
 
-
-
 def new_request_id(prefix: str = "chatcmpl") -> str:
     import uuid
 

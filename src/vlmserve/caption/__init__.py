@@ -6,6 +6,6 @@ Nothing here imports MLX; only `--in-process` loads the engine (lazily, in `inpr
 
 from __future__ import annotations
 
-from .cli import add_arguments, build_parser, main
+from vlmserve.caption.cli import add_arguments, build_parser, main
 
 __all__ = ["add_arguments", "build_parser", "main"]

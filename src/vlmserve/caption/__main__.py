@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from vlmserve.caption import main
 
 sys.exit(main(hard_exit=True))

@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from .client import normalize_server
-from .inputs import InputError, dedupe, discover
-from .output import RecordWriter, format_for, load_existing, rewrite
-from .progress import Progress, Stats, summary
-from .runner import Options, Runner
+from vlmserve.caption.client import normalize_server
+from vlmserve.caption.inputs import InputError, dedupe, discover
+from vlmserve.caption.output import RecordWriter, format_for, load_existing, rewrite
+from vlmserve.caption.progress import Progress, Stats, summary
+from vlmserve.caption.runner import Options, Runner
 
 DEFAULT_PROMPT = "Describe this image in one or two sentences."
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -32,40 +32,69 @@ a trailing partial line left by a hard kill is dropped. A finished run holds one
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="a directory (recursive), a glob, an image, an http(s) URL, a text file of paths/URLs, "
-                        "or a JSONL/CSV/TSV manifest with a path (or url/image/file) column and optional prompt")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="a directory (recursive), a glob, an image, an http(s) URL, a text file of paths/URLs, "
+        "or a JSONL/CSV/TSV manifest with a path (or url/image/file) column and optional prompt",
+    )
     p.add_argument("-o", "--out", required=True, help="output file (one record per image)")
-    p.add_argument("--format", choices=("jsonl", "csv"), default=None,
-                   help="output format (default: csv for *.csv, else jsonl)")
+    p.add_argument(
+        "--format", choices=("jsonl", "csv"), default=None, help="output format (default: csv for *.csv, else jsonl)"
+    )
     g = p.add_argument_group("servers")
-    g.add_argument("--server", action="append", default=None, metavar="URL",
-                   help="OpenAI-compatible server; repeat (or comma-separate) for several replicas, used "
-                        f"together with --concurrency each (default: $VLMSERVE_URL or {DEFAULT_SERVER})")
-    g.add_argument("--in-process", metavar="MODEL", default=None,
-                   help="no server: load MODEL (local dir or Hugging Face id) into a vlmserve engine in this process")
+    g.add_argument(
+        "--server",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="OpenAI-compatible server; repeat (or comma-separate) for several replicas, used "
+        f"together with --concurrency each (default: $VLMSERVE_URL or {DEFAULT_SERVER})",
+    )
+    g.add_argument(
+        "--in-process",
+        metavar="MODEL",
+        default=None,
+        help="no server: load MODEL (local dir or Hugging Face id) into a vlmserve engine in this process",
+    )
     g.add_argument("--model", default=None, help="model name to request (default: ask each server's /v1/models)")
-    g.add_argument("--api-key", default=None,
-                   help="bearer token (default: $VLMSERVE_API_KEY, then $OPENAI_API_KEY)")
-    g.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight per server (default 16; --in-process: the engine's batch size, 32)")
+    g.add_argument("--api-key", default=None, help="bearer token (default: $VLMSERVE_API_KEY, then $OPENAI_API_KEY)")
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="requests in flight per server (default 16; --in-process: the engine's batch size, 32)",
+    )
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    g.add_argument("--retries", type=int, default=5,
-                   help="retries per image on 429/5xx/connection errors/timeouts; never on other 4xx (default 5)")
-    g.add_argument("--backoff", type=float, default=1.0,
-                   help="first retry delay in seconds, doubled per retry, jittered, Retry-After honoured (default 1)")
+    g.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="retries per image on 429/5xx/connection errors/timeouts; never on other 4xx (default 5)",
+    )
+    g.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        help="first retry delay in seconds, doubled per retry, jittered, Retry-After honoured (default 1)",
+    )
     g.add_argument("--backoff-max", type=float, default=60.0, help="longest retry delay (default 60)")
     r = p.add_argument_group("request")
     pr = r.add_mutually_exclusive_group()
-    pr.add_argument("--prompt", default=None, help=f"instruction sent with every image (default: {DEFAULT_PROMPT!r}); "
-                                                   "a manifest's per-row prompt wins")
+    pr.add_argument(
+        "--prompt",
+        default=None,
+        help=f"instruction sent with every image (default: {DEFAULT_PROMPT!r}); a manifest's per-row prompt wins",
+    )
     pr.add_argument("--prompt-file", default=None, metavar="F", help="read the prompt from a file")
     r.add_argument("--system", default=None, help="optional system message")
     r.add_argument("--max-tokens", type=int, default=256, help="caption length cap (default 256)")
     r.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     r.add_argument("--detail", choices=("auto", "low", "high"), default=None, help="image_url detail")
-    r.add_argument("--extra-body", default=None, metavar="JSON",
-                   help='extra request fields, e.g. \'{"top_p": 0.9, "seed": 0}\'')
+    r.add_argument(
+        "--extra-body", default=None, metavar="JSON", help='extra request fields, e.g. \'{"top_p": 0.9, "seed": 0}\''
+    )
     i = p.add_argument_group("input and output")
     i.add_argument("--path-column", default=None, help="manifest column holding the path/URL (default: auto)")
     i.add_argument("--prompt-column", default="prompt", help="manifest column holding a per-row prompt")
@@ -73,15 +102,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--resume", action="store_true", help="continue an interrupted run: skip images already captioned")
     i.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     i.add_argument("--fsync-every", type=float, default=2.0, help="seconds between fsyncs of the output (default 2)")
-    i.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: when stderr is a terminal)")
+    i.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when stderr is a terminal)",
+    )
     i.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
 
 
 def build_parser(prog: str = "vlmserve caption") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Caption many images through OpenAI-compatible "
-                                "vision-language servers, resumably.", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Caption many images through OpenAI-compatible vision-language servers, resumably.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return p
 
@@ -151,9 +187,16 @@ def run(args: argparse.Namespace) -> int:
         if existing.needs_rewrite:
             rewrite(out, fmt, existing.rows)
             if not args.quiet:
-                notes = [f"{n} {what}" for n, what in ((existing.failed, "failed rows (retrying)"),
-                         (existing.duplicates, "duplicate rows"), (existing.corrupt, "corrupt lines"),
-                         (int(existing.partial_tail), "partial last line")) if n]
+                notes = [
+                    f"{n} {what}"
+                    for n, what in (
+                        (existing.failed, "failed rows (retrying)"),
+                        (existing.duplicates, "duplicate rows"),
+                        (existing.corrupt, "corrupt lines"),
+                        (int(existing.partial_tail), "partial last line"),
+                    )
+                    if n
+                ]
                 _eprint(f"caption: resume dropped {', '.join(notes)} from {out}")
         done_keys = existing.done_keys
     todo = [it for it in items if it.key not in done_keys]
@@ -170,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         if args.in_process:
-            from .inprocess import in_process_server
+            from vlmserve.caption.inprocess import in_process_server
 
             if not args.quiet:
                 _eprint(f"caption: loading {args.in_process} in-process ...")
@@ -182,10 +225,22 @@ def run(args: argparse.Namespace) -> int:
             servers, model, concurrency = [url], args.model or model_id, args.concurrency or 32
         else:
             servers, model, concurrency = _servers(args), args.model, args.concurrency or 16
-        opts = Options(servers=servers, prompt=prompt, model=model, max_tokens=args.max_tokens,
-                       temperature=args.temperature, concurrency=concurrency, retries=args.retries,
-                       backoff_base=args.backoff, backoff_max=args.backoff_max, timeout=args.timeout,
-                       api_key=api_key, detail=args.detail, system=args.system, extra=extra)
+        opts = Options(
+            servers=servers,
+            prompt=prompt,
+            model=model,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            concurrency=concurrency,
+            retries=args.retries,
+            backoff_base=args.backoff,
+            backoff_max=args.backoff_max,
+            timeout=args.timeout,
+            api_key=api_key,
+            detail=args.detail,
+            system=args.system,
+            extra=extra,
+        )
         writer = RecordWriter(out, fmt, fsync_every=args.fsync_every)
         progress = Progress(stats, args.progress, quiet=args.quiet)
         stats.started = time.monotonic()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from .retry import FATAL_STATUSES, is_retriable_status, parse_retry_after
+from vlmserve.caption.retry import FATAL_STATUSES, is_retriable_status, parse_retry_after
 
 
 def normalize_server(url: str) -> str:
@@ -59,9 +59,14 @@ def parse_completion(payload: dict) -> Outcome:
     if isinstance(content, list):  # some servers return content parts
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     usage = payload.get("usage") or {}
-    return Outcome(True, caption=(content or "").strip(), model=payload.get("model"),
-                   finish_reason=choices[0].get("finish_reason"),
-                   prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"))
+    return Outcome(
+        True,
+        caption=(content or "").strip(),
+        model=payload.get("model"),
+        finish_reason=choices[0].get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+    )
 
 
 async def post_chat(client: httpx.AsyncClient, server: str, body: dict, headers: dict) -> Outcome:
@@ -78,15 +83,26 @@ async def post_chat(client: httpx.AsyncClient, server: str, body: dict, headers:
             except (ValueError, json.JSONDecodeError):
                 out = Outcome(False, error="HTTP 200 with an invalid JSON body", retriable=True)
         else:
-            out = Outcome(False, error=_error_message(response), status=status,
-                          retriable=is_retriable_status(status), fatal=status in FATAL_STATUSES,
-                          retry_after=parse_retry_after(response.headers.get("retry-after")))
+            out = Outcome(
+                False,
+                error=_error_message(response),
+                status=status,
+                retriable=is_retriable_status(status),
+                fatal=status in FATAL_STATUSES,
+                retry_after=parse_retry_after(response.headers.get("retry-after")),
+            )
     out.latency_s = time.perf_counter() - t0
     return out
 
 
-async def discover_model(client: httpx.AsyncClient, server: str, headers: dict, wait_loading: float = 600.0,
-                         connect_attempts: int = 5, delay: float = 1.0) -> str:
+async def discover_model(
+    client: httpx.AsyncClient,
+    server: str,
+    headers: dict,
+    wait_loading: float = 600.0,
+    connect_attempts: int = 5,
+    delay: float = 1.0,
+) -> str:
     """The first model id from GET {server}/v1/models. Waits (up to `wait_loading` s) while the
     server answers 503/5xx (still loading its model); gives up after `connect_attempts` refused connections."""
     import asyncio

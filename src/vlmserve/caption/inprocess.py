@@ -21,27 +21,42 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def in_process_server(model: str, max_num_seqs: int | None = None, api_key: str | None = None,
-                      log_level: str = "warning") -> Iterator[tuple[str, str]]:
+def in_process_server(
+    model: str, max_num_seqs: int | None = None, api_key: str | None = None, log_level: str = "warning"
+) -> Iterator[tuple[str, str]]:
     """Yield (base_url, model_id) of a vlmserve server running `model` in this process."""
     try:
         import uvicorn
 
-        from ..api.app import create_app
-        from ..api.http_protocol import BulkBodyProtocol
-        from ..config import ServerConfig
+        from vlmserve.config import ServerConfig
+        from vlmserve.entrypoints.openai.app import create_app
+        from vlmserve.entrypoints.openai.http_protocol import BulkBodyProtocol
     except ImportError as exc:  # pragma: no cover - a partial install
         raise RuntimeError(f"--in-process needs the vlmserve server and its engine ({exc})") from exc
 
     port = free_port()
-    wanted = {"model": model, "host": "127.0.0.1", "port": port, "log_level": log_level, "api_key": api_key,
-              "max_num_seqs": max_num_seqs}
+    wanted = {
+        "model": model,
+        "host": "127.0.0.1",
+        "port": port,
+        "log_level": log_level,
+        "api_key": api_key,
+        "max_num_seqs": max_num_seqs,
+    }
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     config = ServerConfig(**{k: v for k, v in wanted.items() if k in names and v is not None})
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level,
-                                           loop=config.event_loop, http=BulkBodyProtocol,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level=log_level,
+            loop=config.event_loop,
+            http=BulkBodyProtocol,
+            timeout_graceful_shutdown=5,
+        )
+    )
     errors: list[BaseException] = []
 
     def serve() -> None:

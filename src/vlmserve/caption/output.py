@@ -16,8 +16,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FIELDS = ("path", "prompt", "caption", "model", "finish_reason", "prompt_tokens", "completion_tokens",
-          "latency_s", "server", "attempts", "error")
+FIELDS = (
+    "path",
+    "prompt",
+    "caption",
+    "model",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "latency_s",
+    "server",
+    "attempts",
+    "error",
+)
 
 
 def format_for(out: str, explicit: str | None) -> str:

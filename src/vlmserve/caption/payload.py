@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import mimetypes
 
-from .inputs import Item
+from vlmserve.caption.inputs import Item
 
 # Sniff the bytes first: extensions lie (a .png that is really a JPEG is common in scraped data).
 _MAGIC = (
@@ -42,16 +42,25 @@ def read_image_url(item: Item) -> str:
     return data_uri(data, item.source)
 
 
-def chat_body(model: str, image_url: str, prompt: str, max_tokens: int | None, temperature: float | None,
-              detail: str | None = None, system: str | None = None, extra: dict | None = None) -> dict:
+def chat_body(
+    model: str,
+    image_url: str,
+    prompt: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    detail: str | None = None,
+    system: str | None = None,
+    extra: dict | None = None,
+) -> dict:
     image: dict = {"url": image_url}
     if detail:
         image["detail"] = detail
     messages = []
     if system:
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": [{"type": "image_url", "image_url": image},
-                                                 {"type": "text", "text": prompt}]})
+    messages.append(
+        {"role": "user", "content": [{"type": "image_url", "image_url": image}, {"type": "text", "text": prompt}]}
+    )
     body: dict = {"model": model, "messages": messages}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens

@@ -70,8 +70,12 @@ class Progress:
             n = s.done + s.failed
             rate = n / s.elapsed
             eta = f"{s.remaining / rate / 60:.1f} min" if rate > 0 else "?"
-            print(f"caption: {n}/{s.total} ({s.done} ok, {s.failed} failed, {s.retries} retries), "
-                  f"{rate:.2f} images/s, ETA {eta}", file=sys.stderr, flush=True)
+            print(
+                f"caption: {n}/{s.total} ({s.done} ok, {s.failed} failed, {s.retries} retries), "
+                f"{rate:.2f} images/s, ETA {eta}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write(self, message: str) -> None:
         """A message that does not tear the bar."""

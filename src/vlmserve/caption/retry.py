@@ -34,8 +34,9 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | None = None,
-                  rng: random.Random | None = None) -> float:
+def backoff_delay(
+    attempt: int, base: float, cap: float, retry_after: float | None = None, rng: random.Random | None = None
+) -> float:
     """Delay before retry number `attempt` (1-based): a random 50-100% of base*2^(attempt-1), capped;
     never less than the server's Retry-After (which is itself capped at 10*cap against silly values)."""
     rng = rng or random

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .client import Outcome, discover_model, post_chat
-from .inputs import Item
-from .output import RecordWriter
-from .payload import chat_body, read_image_url
-from .progress import Progress, Stats
-from .retry import backoff_delay
+from vlmserve.caption.client import Outcome, discover_model, post_chat
+from vlmserve.caption.inputs import Item
+from vlmserve.caption.output import RecordWriter
+from vlmserve.caption.payload import chat_body, read_image_url
+from vlmserve.caption.progress import Progress, Stats
+from vlmserve.caption.retry import backoff_delay
 
 
 @dataclass
@@ -83,8 +83,11 @@ class Runner:
             servers = await self._open_servers()
             for item in self.items:
                 self.queue.put_nowait(_Entry(item))
-            workers = [asyncio.create_task(self._worker(s), name=f"caption-{s.url}-{i}")
-                       for s in servers for i in range(self.opts.concurrency)]
+            workers = [
+                asyncio.create_task(self._worker(s), name=f"caption-{s.url}-{i}")
+                for s in servers
+                for i in range(self.opts.concurrency)
+            ]
             ticker = asyncio.create_task(self._tick())
             try:
                 await self.finished.wait()
@@ -115,12 +118,17 @@ class Runner:
         for url in opts.servers:
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(opts.timeout, connect=min(30.0, opts.timeout)),
-                limits=httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency))
+                limits=httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency),
+            )
             servers.append(_Server(url, opts.model or "", client))
         if not opts.model:
-            models = await asyncio.gather(*(discover_model(s.client, s.url, self.headers, delay=min(opts.backoff_base, opts.backoff_max))
-                                            for s in servers),
-                                          return_exceptions=True)
+            models = await asyncio.gather(
+                *(
+                    discover_model(s.client, s.url, self.headers, delay=min(opts.backoff_base, opts.backoff_max))
+                    for s in servers
+                ),
+                return_exceptions=True,
+            )
             alive = []
             for s, m in zip(servers, models):
                 if isinstance(m, BaseException):
@@ -157,8 +165,9 @@ class Runner:
         except OSError as exc:  # missing/unreadable file: no server can help
             self._record(entry, server, Outcome(False, error=f"cannot read {item.source}: {exc.strerror or exc}"))
             return
-        body = chat_body(server.model, url, prompt, opts.max_tokens, opts.temperature, opts.detail, opts.system,
-                         opts.extra)
+        body = chat_body(
+            server.model, url, prompt, opts.max_tokens, opts.temperature, opts.detail, opts.system, opts.extra
+        )
         del url
         outcome = await post_chat(server.client, server.url, body, self.headers)
         self.stats.per_server[server.url] += 1

@@ -4,10 +4,10 @@ the engine-process client. No MLX here: the client's process never imports it.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import AsyncIterator, Callable
 
-from ..protocol import FinishReason, TokenEvent
+from vlmserve.protocol import FinishReason, TokenEvent
 
 
 async def read_events(queue: asyncio.Queue, on_early_exit: Callable[[], None]) -> AsyncIterator[TokenEvent]:
@@ -41,8 +41,12 @@ async def read_events(queue: asyncio.Queue, on_early_exit: Callable[[], None]) -
 
 def joined(first: TokenEvent, then: TokenEvent) -> TokenEvent:
     """Two consecutive events of one request as one; `first` is not its last."""
-    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
-                   logprobs=first.logprobs + then.logprobs)
+    return replace(
+        then,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=first.logprobs + then.logprobs,
+    )
 
 
 def deliver(items) -> None:

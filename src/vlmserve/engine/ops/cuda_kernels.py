@@ -1,0 +1,35 @@
+"""Whether vlmserve's own CUDA kernels (vision q/k rotation, decode attention,
+the Qwen decode step's q/k/v split and its few-row matmuls) run, and whether MLX's cuDNN
+attention does.
+
+They do on MLX's CUDA backend when the GPU is the default device, unless the environment
+sets VLMSERVE_CUDA_KERNELS=0; then, and on every other backend, mlx_vlm's ops run instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+
+def on_cuda() -> bool:
+    """MLX's CUDA backend, with the GPU as the default device."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def cudnn_enabled() -> bool:
+    """Whether MLX may route attention to cuDNN in this process (MLX reads it once, at first use)."""
+    return on_cuda() and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0"
+
+
+def enabled() -> bool:
+    return os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0" and on_cuda() and hasattr(mx.fast, "cuda_kernel")
+
+
+@functools.cache
+def kernel(name: str, input_names: tuple[str, ...], source: str, output_names: tuple[str, ...] = ("out",)):
+    """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread)."""
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names), source=source)

@@ -1,0 +1,205 @@
+"""The engine process (`--engine-process`): model, scheduler and MLX worker, served over a pipe.
+
+A spawned process of its own, so the MLX thread's Python (graph building, detokenizing) never
+competes with the HTTP process's event loop for one GIL. Its main thread reads the server's
+messages; the MLX worker thread runs the scheduler and, after every step, sends that step's
+events, metric samples and counts back as one message. engine_client.py is the other side.
+
+Server -> engine: ("add", key, request_id, PreparedRequest, SamplingParams), ("cancel", key),
+("call", call_id, name, args) for the start-up and shutdown jobs in `_CALLS`, ("stop",).
+Engine -> server: ("ready", ModelInfo, model_path) or ("failed", reason) once, then
+("events", [(key, TokenEvent)], [(hook, args)], stats) and ("result", call_id, error, value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from vlmserve.config import ServerConfig
+from vlmserve.protocol import FinishReason, TokenEvent
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5  # an idle engine still reports this often (the server's stall check)
+_STOP_WAIT_S = 10.0
+
+
+class ForwardedHooks:
+    """Scheduler hooks, recorded on the worker and sent with the step's events; the server
+    applies them to its own SchedulerHooks (its Prometheus registry)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, tuple]] = []
+
+    def on_admit(self, req) -> None:
+        self.records.append(("on_queue_time", (time.monotonic() - req.arrival,)))
+
+    def on_vision(self, seconds: float) -> None:
+        self.records.append(("on_vision", (seconds,)))
+
+    def on_prefill(self, seconds: float) -> None:
+        self.records.append(("on_prefill", (seconds,)))
+
+    def on_decode_step(self, seconds: float, batch: int) -> None:
+        self.records.append(("on_decode_step", (seconds, batch)))
+
+    def on_prefix_lookup(self, hit: bool) -> None:
+        self.records.append(("on_prefix_lookup", (hit,)))
+
+    def take(self) -> list[tuple[str, tuple]]:
+        records, self.records = self.records, []
+        return records
+
+
+class EngineServer:
+    def __init__(self, engine, conn, thread_guard: bool):
+        self.engine = engine
+        self.conn = conn
+        self.thread_guard = thread_guard
+        self.requests: dict[int, object] = {}  # key -> EngineRequest, until its final event
+        self._outbox: list[tuple[int, TokenEvent]] = []  # worker thread only
+        self._send_lock = threading.Lock()
+        self._last_sent = 0.0
+        self._violations_sent = 0
+        engine.worker.after_work = self.flush
+        engine.scheduler.flush_events = self.flush
+
+    def send(self, message) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError):
+            pass  # the server is gone: the main thread sees the pipe close and stops
+
+    # ---- worker thread --------------------------------------------------------------
+    def _emitter(self, key: int):
+        def emit(event: TokenEvent) -> None:
+            self._outbox.append((key, event))
+            if event.finish_reason is not None:
+                self.requests.pop(key, None)
+
+        return emit
+
+    def flush(self) -> None:
+        """One message per step: its events, metric samples and the counts admission needs."""
+        records = self.engine.hooks.take()
+        now = time.monotonic()
+        if not self._outbox and not records and now - self._last_sent < HEARTBEAT_S:
+            return
+        events, self._outbox = self._outbox, []
+        self._last_sent = now
+        self.send(("events", events, records, self._stats()))
+
+    def _stats(self) -> dict:
+        engine, sched = self.engine, self.engine.scheduler
+        stats = {
+            "running": sched.num_running,
+            "gauges": engine.cache_gauges(),
+            "died": engine.worker.error is not None,
+            "violations": [],
+        }
+        if self.thread_guard:
+            from vlmserve.engine.thread_guard import GUARD
+
+            stats["violations"] = GUARD.violations[self._violations_sent :]
+            self._violations_sent += len(stats["violations"])
+            stats["guard_calls"] = sum(GUARD.calls.values())
+        return stats
+
+    # ---- main thread ----------------------------------------------------------------
+    def serve(self) -> None:
+        """Read the server's messages until it says stop or goes away; then stop the worker."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "add":
+                self._add(*message[1:])
+            elif kind == "cancel":
+                req = self.requests.get(message[1])
+                if req is not None:
+                    req.cancelled = True
+                    self.engine.worker.wake()
+            elif kind == "call":
+                self._call(*message[1:])
+            elif kind == "stop":
+                break
+        self.engine.worker.stop(_STOP_WAIT_S)  # its last act fails what is left and flushes
+
+    def _add(self, key: int, request_id: str, prepared, sampling) -> None:
+        from vlmserve.engine.sched.scheduler import EngineRequest
+
+        req = EngineRequest(request_id, prepared, sampling, self._emitter(key))
+        self.requests[key] = req
+        sched, worker = self.engine.scheduler, self.engine.worker
+        sched.add(req)
+        worker.wake()
+        if not worker.healthy:  # it died (or stopped) meanwhile: nobody would answer
+            try:
+                sched.inbox.remove(req)
+            except ValueError:
+                return  # the exiting worker took it and emits its error
+            self.requests.pop(key, None)
+            error = TokenEvent(finish_reason=FinishReason.ERROR, error="the inference worker is not running")
+            self.send(
+                ("events", [(key, error)], [], {"running": 0, "gauges": (None, 0), "died": True, "violations": []})
+            )
+
+    def _call(self, call_id: int, name: str, args: tuple) -> None:
+        future = self.engine.worker.submit(getattr(self.engine, _CALLS[name]), *args)
+
+        def answer(done) -> None:
+            exc = done.exception()
+            if exc is not None:
+                self.send(("result", call_id, f"{type(exc).__name__}: {exc}", None))
+            else:
+                self.send(("result", call_id, None, done.result()))
+
+        future.add_done_callback(answer)
+
+
+# Jobs the server may run on the worker, by name: Engine's worker-thread methods.
+_CALLS = {
+    "forget_prefixes": "_forget_prefixes",
+    "warm_decode": "_warm_decode",
+    "warm_vision": "_warm_vision",
+    "fail_all": "_fail_all",
+}
+
+
+def main(conn, config: ServerConfig) -> None:
+    """The spawned process's entry point."""
+    # Ctrl-C and SIGTERM reach the whole process group: the server drains on them and still
+    # needs this process meanwhile; it stops it itself (or, gone, closes the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from vlmserve.engine.inprocess import Engine
+    from vlmserve.logging import start_logging
+
+    logs = start_logging(config.log_level)
+    if config.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+    engine = Engine(config, hooks=ForwardedHooks())
+    code = 0
+    try:
+        asyncio.run(engine.start())
+    except BaseException as exc:  # noqa: BLE001 - the reason goes to the server, which exits with it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        code = 1
+    else:
+        server = EngineServer(engine, conn, config.thread_guard)
+        conn.send(("ready", engine.info, str(engine.model_path)))
+        server.serve()
+    logs.stop()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    # Not the interpreter's teardown: with MLX streams made on the worker it can abort (cli._exit_now).
+    os._exit(code)

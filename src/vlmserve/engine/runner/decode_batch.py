@@ -1,0 +1,152 @@
+"""The running batch's KV caches, behind one interface the scheduler drives.
+
+- `SlotDecodeBatch` (plain KV-cache families): fixed-shape slots, so a decode step keeps its
+  shapes from step to step and can run as one compiled graph (see slot_cache.py).
+- `PaddedDecodeBatch` (anything else, e.g. sliding-window or SSM caches): mlx_vlm's batch
+  caches, left-padded, extended on join and filtered on leave.
+
+`layout()` gives the row order of the next step: a list of the rows' owners (any object with
+`cache_len`, and `prompt.rope_delta`), `None` for an empty slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.models import cache as vlm_cache
+
+from vlmserve.engine.runner.slot_cache import SlotBatch, buckets_up_to, make_decode_step, round_up
+from vlmserve.models.generic import VLM
+
+
+def uses_plain_kv_cache(vlm: VLM) -> bool:
+    return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(vlm.language_model))
+
+
+def decode_positions(vlm: VLM, rows: list[Any]) -> mx.array | None:
+    """Each row's M-RoPE position for its next token (0 for an empty slot); None without M-RoPE."""
+    if not vlm.uses_mrope:
+        return None
+    return mx.array([0 if r is None else r.cache_len + r.prompt.rope_delta for r in rows], dtype=mx.int32)
+
+
+def _positions_needed(rows: list[Any]) -> int:
+    """KV positions the next step needs: it writes each live row's position `cache_len`."""
+    return max(r.cache_len for r in rows if r is not None) + 1
+
+
+class PaddedDecodeBatch:
+    def __init__(self, vlm: VLM):
+        self.vlm = vlm
+        self.rows: list[Any] = []
+        self.cache: list[Any] | None = None
+
+    def layout(self) -> list[Any]:
+        return list(self.rows)
+
+    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+        """rows_cache: per-layer batch caches (from a prefill) holding `owners` in order."""
+        if self.cache is None:
+            self.cache = rows_cache
+        else:
+            for batch_layer, row_layer in zip(self.cache, rows_cache):
+                batch_layer.extend(row_layer)
+        self.rows.extend(owners)
+
+    def remove(self, owners: list[Any]) -> None:
+        keep = [i for i, r in enumerate(self.rows) if r not in owners]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+        else:
+            index = mx.array(keep, dtype=mx.int32)
+            for layer in self.cache:
+                layer.filter(index)
+
+    def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
+        return self.vlm.decode(tokens, self.cache, decode_positions(self.vlm, rows))
+
+
+class SlotDecodeBatch:
+    def __init__(self, vlm: VLM, step: Callable):
+        self.vlm = vlm
+        self.step = step  # make_decode_step(...), compiled or not; shared across batches
+        self.slots: list[Any] = []
+        self.kv: SlotBatch | None = None
+
+    def layout(self) -> list[Any]:
+        return list(self.slots)
+
+    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
+        if self.kv is None:
+            self.kv = SlotBatch(*self.vlm.kv_layout(), slots=len(owners), capacity=1)
+            self.slots = [None] * self.kv.slots
+        for i, owner in enumerate(owners):
+            n, end = owner.cache_len, rows_cache[0]._idx
+            layer_kv = (
+                [(c.keys[i : i + 1, :, end - n : end, :], c.values[i : i + 1, :, end - n : end, :]) for c in rows_cache]
+                if n
+                else []
+            )
+            slot = self._free_slot()
+            self.kv.write(slot, layer_kv, n)
+            self.slots[slot] = owner
+
+    def _free_slot(self) -> int:
+        if None not in self.slots:
+            self.kv.ensure(len(self.slots) + 1, 1)
+            self.slots += [None] * (self.kv.slots - len(self.slots))
+        return self.slots.index(None)
+
+    def remove(self, owners: list[Any]) -> None:
+        self.slots = [None if s is not None and s in owners else s for s in self.slots]
+        live = [i for i, s in enumerate(self.slots) if s is not None]
+        if not live:
+            self.slots, self.kv = [], None
+            return
+        if round_up(len(live), SlotBatch.SLOT_BUCKETS) * 2 <= self.kv.slots:  # mostly empty: fewer rows per step
+            self.kv.compact(live)
+            self.slots = [self.slots[i] for i in live] + [None] * (self.kv.slots - len(live))
+        # forward() grows the capacity back when a row needs it.
+        self.kv.fit_capacity(_positions_needed(self.slots))
+
+    def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
+        kv = self.kv
+        kv.ensure(kv.slots, _positions_needed(rows))
+        lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
+        out = self.step(tokens, decode_positions(self.vlm, rows), lengths, *kv.arrays())
+        n = len(kv.keys)
+        kv.keys, kv.values = list(out[1 : 1 + n]), list(out[1 + n :])
+        return out[0]
+
+
+class DecodeBatches:
+    """Makes the running batch for this model, and pre-compiles its decode shapes."""
+
+    def __init__(self, vlm: VLM, compiled: bool):
+        self.vlm = vlm
+        self.slotted = uses_plain_kv_cache(vlm)
+        self.compiled = compiled and self.slotted
+        self.step = make_decode_step(vlm.decode, self.compiled) if self.slotted else None
+
+    def new(self):
+        return SlotDecodeBatch(self.vlm, self.step) if self.slotted else PaddedDecodeBatch(self.vlm)
+
+    def warm(self, max_slots: int, max_capacity: int) -> int:
+        """Trace the compiled step at every (slots, capacity) bucket up to these bounds, so no
+        request pays a trace (~0.1 s each on CUDA once kernels are built). Returns shapes traced."""
+        if not self.compiled:
+            return 0
+        slot_counts = buckets_up_to(max_slots, SlotBatch.SLOT_BUCKETS)
+        capacities = buckets_up_to(max_capacity, SlotBatch.CAPACITY_BUCKETS)
+        for n in slot_counts:
+            zeros = mx.zeros((n,), dtype=mx.int32)
+            for cap in capacities:
+                kv = SlotBatch(*self.vlm.kv_layout(), slots=n, capacity=cap).arrays()
+                mx.eval(self.step(zeros, zeros if self.vlm.uses_mrope else None, zeros, *kv))
+        return len(slot_counts) * len(capacities)

@@ -1,0 +1,486 @@
+"""Starlette app factory and lifespan: load + warm the model, report ready, drain on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from vlmserve.config import ServerConfig
+from vlmserve.engine.process_client import EngineProcessClient
+from vlmserve.entrypoints.openai import chat_schema as oai
+from vlmserve.entrypoints.openai.errors import APIError
+from vlmserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeMiddleware
+from vlmserve.entrypoints.openai.routes import method_not_allowed, not_found, routes
+from vlmserve.inputs.pool import PreprocessProcesses
+from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
+from vlmserve.metrics import Metrics, SchedulerHooks
+from vlmserve.models.processor import load_processor
+from vlmserve.protocol import ChatRequest, EngineError, FinishReason, PreparedRequest, SamplingParams
+
+log = logging.getLogger("vlmserve")
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+_LOOP_EXECUTOR_THREADS = 4
+
+
+def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start a pool's n threads now. A pool starts one thread per submit while none is idle, and
+    Thread.start() waits until the new thread runs: on the event loop, under load, that means
+    waiting for the GIL (loop stalls during the first big burst, seen on the H100)."""
+    barrier = threading.Barrier(n + 1)
+    for _ in range(n):
+        pool.submit(barrier.wait, 10)
+    barrier.wait(10)
+
+
+async def _warm_streaming_response() -> None:
+    """Stream one response through a throwaway Starlette app, in-process.
+
+    Starlette runs a streamed response in an anyio task group, and anyio imports its asyncio
+    backend on first use: 30-50 ms on the event loop of the first real request (its TTFT, and
+    any /health probe beside it), seen on the H100. Warm-up's own jobs never touch HTTP.
+    """
+    app = Starlette(routes=[Route("/", lambda request: StreamingResponse(iter([b"warm"])))])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warmup") as client:
+        await client.get("/")
+
+
+class ServerState:
+    """Everything a route needs, in one object on app.state.server."""
+
+    # With --preprocess-processes, this many requests at a time still preprocess on the thread
+    # pool, the rest go to the processes: alone, a request pays no pickling (c=1 TTFT), and one
+    # thread's GIL share is small; a burst is what the processes are for.
+    in_process_preprocess_limit = 1
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics(config.model_id)
+        hooks = SchedulerHooks(self.metrics)
+        # --engine-process: the MLX worker in a process of its own (engine_client.py), and this
+        # process never imports the engine's model, scheduler or worker
+        if config.engine_process:
+            self.engine = EngineProcessClient(config, hooks)
+        else:
+            from vlmserve.engine.inprocess import Engine
+
+            self.engine = Engine(config, hooks=hooks)
+        self.preprocessor: Preprocessor | None = None
+        self.preprocess_processes: PreprocessProcesses | None = None  # --preprocess-processes
+        self.ready = False
+        self.loading = True
+        self.load_error: str | None = None
+        self.draining = False  # stop admitting; /ready 503
+        self.closed = False  # drain over: anything still arriving gets an error
+        self.created = int(time.time())
+        # Once, not per request: deriving them stats the model path (the event loop's time).
+        self._model_id = config.model_id
+        self._model_names = frozenset(oai.model_aliases(config))  # the served name is one of them
+        # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
+        # Counted in choices (`n`) against max_waiting and in requests against max_pending_preprocess.
+        self._pending_lock = threading.Lock()
+        self.pending_choices = 0
+        self.pending_requests = 0
+        self._in_process_jobs = 0  # of those, preprocessing on this process's thread pool
+        self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
+        self._load_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    # ---- identity ----------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Names a request may use (the served name and its aliases)."""
+        return self._model_names
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.info.context_length
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Load, warm up, report ready. Raises with the reason if any of it fails."""
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        # The loop's own executor (large request bodies are parsed there, routes.py): GIL-bound
+        # work, so a few threads, all started now.
+        executor = ThreadPoolExecutor(_LOOP_EXECUTOR_THREADS, thread_name_prefix="loop-executor")
+        loop.set_default_executor(executor)
+        _start_threads(executor, _LOOP_EXECUTOR_THREADS)
+        try:
+            await self.engine.start()
+            processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
+            self.preprocessor = Preprocessor(
+                processor, self.engine.info.context_length, self.config, pixel_dtype=self.engine.info.pixel_dtype
+            )
+            _start_threads(self.preprocessor.pool, self.config.preprocess_workers)
+            _start_threads(self.preprocessor.fetch_pool, self.preprocessor.fetch_workers)
+            if self.config.preprocess_processes > 0:
+                self.preprocess_processes = PreprocessProcesses(
+                    self.engine.model_path, self.engine.info.context_length, self.config, self.engine.info.pixel_dtype
+                )
+                await self.preprocess_processes.start()
+            if self.config.warmup:
+                await self.warmup()
+        finally:
+            self.loading = False
+        if self.draining:
+            return
+        # The ~100k long-lived objects of the model, tokenizer and processor would make every
+        # full GC pass a 50-150 ms stop-the-world pause (seen as /health spikes); freeze them.
+        gc.freeze()
+        self.ready = True
+        log.info("ready: %s (%s) in %.2f s", self.model_id, self.engine.info.model_type, time.perf_counter() - t0)
+
+    def start_in_background(self) -> None:
+        """Listen while loading: /health 200, /ready and /v1 503 until the model is warm."""
+
+        async def load() -> None:
+            try:
+                await self.start()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - reported, then the process exits non-zero
+                self.load_error = f"{type(exc).__name__}: {exc}"
+                log.error("failed to load %s: %s", self.config.model, exc)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+
+        self._load_task = asyncio.create_task(load(), name="vlmserve-load")
+
+    async def warmup(self) -> None:
+        """Compile the shapes real traffic will use before reporting ready.
+
+        A text and an image generation (at each --warmup-image-sizes), then one prefill per
+        prompt-length bucket up to a chunk: on CUDA a shape seen for the first time costs a
+        kernel compile (tens of ms for a prompt length, ~0.6 s for an image size). The images
+        go in as PNG data URIs through the same fetch/decode/process path as a client's, so
+        the first real request does not pay that path's first use (decoder plugins, caches).
+        """
+        await _warm_streaming_response()
+        loop = asyncio.get_running_loop()
+        prepared_jobs = []
+        for name, chat in warmup_chats(self.config.warmup_image_sizes):
+            images = await self.preprocessor.fetch_images(chat)
+            prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode_chat, chat, images)
+            prepared_jobs.append((name, prepared))
+        bucket = self.config.prefill_bucket
+        if bucket > 0:
+            filler = int(prepared_jobs[0][1].prompt_ids[-1])
+            for length in range(bucket, self.config.prefill_chunk + 1, bucket):
+                ids = np.full(length + 1, filler, dtype=np.int32)
+                prepared_jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=ids)))
+        for name, prepared in prepared_jobs:  # one at a time: each must be its own shape
+            # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
+            # shape this job is here to compile.
+            await self.engine.forget_prefixes()
+            async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
+                if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                    raise RuntimeError(f"warm-up generation failed: {event.error}")
+        await self.engine.forget_prefixes()
+        await self._warm_vision_plans([p for _, p in prepared_jobs if p.has_pixels])
+        # The compiled decode step: every slot-count bucket up to --max-num-seqs, at the KV
+        # capacities prompts up to two prefill chunks use (longer ones trace once, when they come).
+        t0 = time.perf_counter()
+        capacity = min(self.context_length, 2 * self.config.prefill_chunk)
+        traced = await self.engine.warm_decode(self.config.max_num_seqs, capacity)
+        if traced:
+            log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
+
+    async def _warm_vision_plans(self, image_jobs: list[PreparedRequest]) -> None:
+        """The tower at every image count one step can batch, per warm-up image size (cuDNN
+        builds an attention plan per shape: engine/vision_attention.py)."""
+        t0, runs = time.perf_counter(), 0
+        for prepared in image_jobs:
+            runs += await self.engine.warm_vision(prepared)
+        if runs:
+            log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
+
+    @property
+    def in_flight(self) -> int:
+        return self.engine.num_running + self.engine.num_waiting + self.pending_choices
+
+    async def drain(self) -> None:
+        """Stop admitting, let admitted requests finish (up to drain_timeout), then end the rest.
+
+        Idempotent: the signal handler and the lifespan shutdown may both call it.
+        """
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain(), name="vlmserve-drain")
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> None:
+        self.draining = True
+        self.ready = False
+        t0 = time.monotonic()
+        deadline = t0 + self.config.drain_timeout
+        if self.in_flight:
+            log.info("draining: %d request(s) in flight, up to %.1f s", self.in_flight, self.config.drain_timeout)
+        while self.in_flight > 0 and time.monotonic() < deadline and (self.loading or self.engine.healthy):
+            await asyncio.sleep(0.05)
+        self.closed = True
+        left = self.in_flight
+        if left:
+            log.warning("drain timeout: ending %d request(s) with an error", left)
+        with contextlib.suppress(Exception):
+            await self.engine.fail_all(SHUTDOWN_MESSAGE)
+        log.info("drained in %.2f s", time.monotonic() - t0)
+
+    async def stop(self) -> None:
+        await self.drain()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            await asyncio.gather(self._load_task, return_exceptions=True)
+        await self.engine.stop()
+        if self.preprocessor is not None:
+            self.preprocessor.close()
+        if self.preprocess_processes is not None:
+            self.preprocess_processes.close()
+
+    # ---- admission -------------------------------------------------------------------
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, SHUTDOWN_MESSAGE, code="shutting_down")
+        if not self.ready:
+            if self.load_error is not None:
+                raise APIError(503, "the model failed to load", code="worker_unavailable")
+            raise APIError(503, "the model is not ready yet", code="not_ready", headers={"retry-after": "1"})
+        if not self.engine.healthy:
+            raise APIError(503, "the inference worker is not running", code="worker_unavailable")
+
+    def _queue_full(self) -> APIError:
+        return APIError(
+            429, "too many requests are waiting; retry later", code="queue_full", headers={"retry-after": "1"}
+        )
+
+    def check_capacity(self, n: int) -> None:
+        """429 when n more choices would push the waiting work past max_waiting."""
+        if self.engine.num_waiting + self.pending_choices + n > self.config.max_waiting:
+            raise self._queue_full()
+
+    def _reserve(self, n: int) -> bool:
+        """Count the request as pending; True when it is to preprocess on the thread pool."""
+        # Runs on the event loop with no await between check and increment: a burst cannot
+        # all pass the check before any of it is counted.
+        with self._pending_lock:
+            self.check_capacity(n)
+            if self.pending_requests + 1 > self.config.max_pending_preprocess:
+                raise self._queue_full()
+            self.pending_choices += n
+            self.pending_requests += 1
+            in_process = self.preprocess_processes is None or self._in_process_jobs < self.in_process_preprocess_limit
+            self._in_process_jobs += in_process
+        self.metrics.preprocessed("threads" if in_process else "processes")
+        return in_process
+
+    def _release(self, n: int, in_process: bool) -> None:  # when the pool job ends (any thread)
+        with self._pending_lock:
+            self.pending_choices -= n
+            self.pending_requests -= 1
+            self._in_process_jobs -= in_process
+
+    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
+        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing.
+
+        The reservation is released when the pool job ends, not when this await is cancelled,
+        so a client that leaves cannot make room while its work still occupies the pool.
+        """
+        in_process = self._reserve(chat.n)
+        t0 = time.perf_counter()
+
+        def done() -> None:
+            self.metrics.preprocess.observe(time.perf_counter() - t0)
+            self._release(chat.n, in_process)
+
+        if in_process:
+            return await self._prepare_in_process(chat, done)
+        return await self.preprocess_processes.prepare(chat, on_done=done)
+
+    async def _prepare_in_process(self, chat: ChatRequest, done: Callable[[], None]) -> PreparedRequest:
+        try:
+            images = await self.preprocessor.fetch_images(chat)
+        except BaseException:
+            done()
+            raise
+
+        def job() -> PreparedRequest:
+            try:
+                return self.preprocessor.encode_chat(chat, images)
+            finally:
+                done()
+
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self.preprocessor.pool, job)
+        except BaseException:
+            done()
+            raise
+        return await future
+
+    async def generate(self, request_id, prepared, sampling, arrival: float | None = None):
+        """Engine events for one choice, with latency metrics and one log line per request.
+
+        Latencies count from `arrival` (perf_counter when the request came in, as in vLLM's
+        metrics), so TTFT and E2E include reading the body and CPU preprocessing."""
+        m = self.metrics
+        start = arrival if arrival is not None else time.perf_counter()
+        last = start
+        ttft = None
+        final = None
+        try:
+            if self.closed:
+                raise EngineError(SHUTDOWN_MESSAGE, code="shutting_down", status=503)
+            async for event in self.engine.generate(request_id, prepared, sampling):
+                now = time.perf_counter()
+                if event.token_ids:
+                    if ttft is None:
+                        ttft = now - start
+                        m.ttft.observe(ttft)
+                    else:
+                        m.itl.observe(now - last)
+                    last = now
+                if event.finish_reason is not None:
+                    final = event
+                yield event
+        finally:
+            self._account(request_id, prepared, final, ttft, time.perf_counter() - start)
+
+    def _account(self, request_id, prepared, final, ttft, elapsed) -> None:
+        m = self.metrics
+        if final is not None:
+            m.prompt_tokens.inc(final.prompt_tokens)
+            m.generation_tokens.inc(final.completion_tokens)
+        if final is not None and final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            status = final.finish_reason.value
+            m.succeed(status)
+            m.e2e.observe(elapsed)
+        else:
+            status = final.finish_reason.value if final is not None else "cancelled"
+            m.fail(status)
+        done = final.completion_tokens if final is not None else 0
+        image_tokens = 0
+        image_token = self.engine.info.image_token_id if self.engine.info is not None else None
+        if prepared.num_images and image_token is not None:
+            image_tokens = int((prepared.prompt_ids == image_token).sum())
+        decode_s = elapsed - ttft if ttft is not None else 0.0
+        # Counts and timings only: never the prompt, image bytes/URLs or headers.
+        log.info(
+            "request id=%s status=%s prompt_tokens=%d cached_tokens=%d image_count=%d image_tokens=%d "
+            "completion_tokens=%d ttft_ms=%s tok_per_s=%.1f e2e_ms=%.0f",
+            request_id,
+            status,
+            prepared.num_prompt_tokens,
+            final.cached_tokens if final else 0,
+            prepared.num_images,
+            image_tokens,
+            done,
+            f"{ttft * 1000:.0f}" if ttft is not None else "-",
+            (done - 1) / decode_s if done > 1 and decode_s > 0 else 0.0,
+            elapsed * 1000,
+        )
+
+    # ---- health ------------------------------------------------------------------------
+    def liveness(self) -> tuple[bool, str | None]:
+        if self.load_error is not None:
+            return False, "model failed to load"
+        problem = self.engine.problem(self.config.stall_timeout, self.loading)
+        return problem is None, problem
+
+    def readiness(self) -> tuple[bool, str | None]:
+        if self.draining:
+            return False, "draining"
+        if not self.ready:
+            return False, "load failed" if self.load_error else "loading"
+        return self.liveness()
+
+    # ---- observability hooks (metrics land here) -----------------------------------------
+    def observe_preprocess(self, seconds: float) -> None:  # kept for callers timing outside prepare()
+        self.metrics.preprocess.observe(seconds)
+
+    def count_failure(self, exc: APIError) -> None:
+        self.metrics.fail(exc.code or str(exc.status))
+        if exc.code in ("invalid_image_url", "invalid_image"):
+            self.metrics.image_fetch_failures.inc()
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(self.engine.num_running)
+        m.waiting.set(self.engine.num_waiting + self.pending_choices)
+        prefix_usage, kv_tokens = self.engine.cache_gauges()
+        if prefix_usage is not None:
+            m.prefix_cache_usage.set(prefix_usage)
+        m.kv_cache_tokens.set(kv_tokens)
+
+
+async def watch_event_loop(histogram, period: float = 0.05) -> None:
+    """Observe how late the loop wakes a timer: what every request (and /health) waits on top."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(period)
+        histogram.observe(max(0.0, time.perf_counter() - t0 - period))
+
+
+def create_app(config: ServerConfig) -> Starlette:
+    state = ServerState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        if config.listen_while_loading:
+            state.start_in_background()
+        else:
+            try:
+                await state.start()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await state.engine.stop()
+                raise
+        watcher = asyncio.create_task(watch_event_loop(state.metrics.loop_lag))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await state.stop()
+
+    middleware = []
+    if config.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    if config.api_key:
+        middleware.append(
+            Middleware(APIKeyMiddleware, api_key=config.api_key, protect_metrics=config.metrics_require_key)
+        )
+    middleware.append(Middleware(BodySizeMiddleware, max_bytes=config.max_body_bytes))
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=middleware,
+        exception_handlers={404: not_found, 405: method_not_allowed},
+    )
+    app.state.server = state
+    return app
+
+
+__all__ = ["create_app", "ServerState"]

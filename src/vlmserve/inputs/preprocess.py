@@ -1,0 +1,176 @@
+"""CPU preprocessing on a bounded thread pool: chat template, images, tokenization.
+
+Produces a PreparedRequest holding token ids and NumPy arrays only; the MLX worker turns
+them into mx.arrays. Nothing here runs on the event loop or on the MLX thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import inspect
+import io
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from vlmserve.config import ServerConfig
+from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, load_image_bytes
+from vlmserve.models.qwen2_vl.image_processor import cast_pixels, fast_qwen_images
+from vlmserve.protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def media_policy(config: ServerConfig) -> MediaPolicy:
+    return MediaPolicy(
+        fetch_timeout=config.image_fetch_timeout,
+        max_image_bytes=config.max_image_bytes,
+        max_image_pixels=config.max_image_pixels,
+        allowed_hosts=tuple(config.allowed_image_hosts),
+        local_files_root=config.allow_local_image_files,
+    )
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Internal messages -> the content-part form that VLM chat templates expect."""
+    out = []
+    for msg in messages:
+        role = "system" if msg.role == "developer" else msg.role
+        content = [{"type": "text", "text": p} if kind == "text" else {"type": "image"} for kind, p in msg.parts]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def warmup_chats(image_sizes) -> list[tuple[str, ChatRequest]]:
+    """Warm-up's requests: a text one and one per square image size, as PNG data URIs, so they
+    take the same fetch/decode/process path as a client's."""
+    jobs = [("warmup-text", [("text", "Hello")])]
+    for size in image_sizes:
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), (127, 127, 127)).save(buf, format="PNG")
+        uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        jobs.append((f"warmup-image-{size}", [("image", ImageRef(uri, "warmup")), ("text", "Hi")]))
+    return [
+        (name, ChatRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=2, temperature=0)))
+        for name, parts in jobs
+    ]
+
+
+def cap_pixels(image: Image.Image, max_pixels: int | None) -> Image.Image:
+    """Operator resize cap: shrink (never grow) so that width*height <= max_pixels."""
+    if not max_pixels or image.width * image.height <= max_pixels:
+        return image
+    scale = (max_pixels / (image.width * image.height)) ** 0.5
+    size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+class Preprocessor:
+    def __init__(self, processor, context_length: int, config: ServerConfig, pixel_dtype: str | None = None):
+        self.config = config
+        self.context_length = context_length
+        self.pixel_dtype = pixel_dtype  # ModelInfo.pixel_dtype: ship pixel_values already cast
+        # Same bits in far fewer passes, packed for the worker to finish on the device
+        # (qwen_patches.py); on a copy of the processor, as it may serve another dtype elsewhere.
+        fast = fast_qwen_images(getattr(processor, "image_processor", None), pixel_dtype, packed=True)
+        if fast is not None:
+            processor = copy.copy(processor)
+            processor.image_processor = fast
+        self.processor = processor
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        call = getattr(processor, "process", processor)
+        self._takes_special_tokens_flag = "add_special_tokens" in inspect.signature(call).parameters
+        self.policy = media_policy(config)
+        self.images = ImageCache(max_entries=config.image_cache_entries)
+        self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
+        self.fetch_workers = max(4, config.preprocess_workers * 2)
+        self.fetch_pool = ThreadPoolExecutor(self.fetch_workers, thread_name_prefix="fetch")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def fetch_images(self, chat: ChatRequest) -> list[Image.Image]:
+        """Fetch + decode a request's images concurrently on the fetch pool.
+
+        Kept off the CPU pool, so a slow image server cannot hold a preprocessing worker
+        for its whole timeout and stall every other request's tokenization."""
+        self.check_image_count(chat)
+        loop = asyncio.get_running_loop()
+        return list(
+            await asyncio.gather(*(loop.run_in_executor(self.fetch_pool, self._load_image, ref) for ref in chat.images))
+        )
+
+    # ---- pool threads ------------------------------------------------------------
+    def render(self, messages: list[ChatMessage]) -> str:
+        # Some processors keep the chat template on their tokenizer only.
+        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        return owner.apply_chat_template(to_template_messages(messages), add_generation_prompt=True, tokenize=False)
+
+    def check_image_count(self, chat: ChatRequest) -> None:
+        if len(chat.images) > self.config.max_images_per_request:
+            raise EngineError(
+                f"too many images: {len(chat.images)} > {self.config.max_images_per_request} per request",
+                code="invalid_image",
+                param="messages",
+            )
+
+    def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
+        """Both stages from one thread, for callers outside an event loop (tools, tests)."""
+        self.check_image_count(chat)
+        return self.encode_chat(chat, list(self.fetch_pool.map(self._load_image, chat.images)))
+
+    def encode_chat(self, chat: ChatRequest, images: list[Image.Image]) -> PreparedRequest:
+        return self.encode(self.render(chat.messages), images)
+
+    def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:
+        kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
+        if self._takes_special_tokens_flag:  # others forward unknown kwargs to the image processor, which rejects them
+            kwargs["add_special_tokens"] = self._add_special_tokens(prompt)
+        if images:
+            kwargs["images"] = images
+        try:
+            enc = self.processor(**kwargs)
+        except ValueError as exc:  # the image processor rejects some images (e.g. Qwen: aspect ratio > 200)
+            if not images:
+                raise
+            raise EngineError(
+                f"an image could not be processed: {exc}", code="invalid_image", param="messages"
+            ) from None
+        ids = np.asarray(enc["input_ids"], dtype=np.int32).reshape(-1)
+        if ids.shape[0] + 1 > self.context_length:
+            raise EngineError(
+                f"prompt is {ids.shape[0]} tokens; this model's context is {self.context_length} tokens",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        inputs = {
+            k: np.asarray(v) for k, v in enc.items() if k not in ("input_ids", "attention_mask") and v is not None
+        }
+        pixels = inputs.get("pixel_values")
+        if pixels is not None and pixels.dtype == np.float32:
+            # The cast happens here, on a pool thread, instead of on the MLX thread; the worker
+            # copies half the bytes. Same rounding as the model's own astype, so same values.
+            inputs["pixel_values"] = pixels = cast_pixels(pixels, self.pixel_dtype)
+        bf16 = frozenset()
+        if self.pixel_dtype == "bfloat16":  # pixels, or the packed path's table, as bfloat16 bits
+            bf16 = frozenset(k for k in ("pixel_values", "pixel_table") if k in inputs and inputs[k].dtype == np.uint16)
+        return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images), bfloat16_inputs=bf16)
+
+    def _add_special_tokens(self, prompt: str) -> bool:
+        """Add BOS only when the chat template did not already put it there."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return not (bos and prompt.startswith(bos))
+
+    def _load_image(self, ref: ImageRef) -> Image.Image:
+        try:
+            data = load_image_bytes(ref.url, self.policy)
+            image = self.images.get_or_decode(data, self.policy)
+        except MediaError as exc:
+            raise EngineError(exc.message, code=exc.code, param=ref.param) from None
+        return cap_pixels(image, self.config.max_pixels)

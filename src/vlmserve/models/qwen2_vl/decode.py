@@ -1,0 +1,168 @@
+"""A Qwen2-VL / Qwen2.5-VL decode step over the slot cache in few kernels (CUDA).
+
+On CUDA a compiled decode step is bound by the host's cost per primitive, not by the
+weights' bandwidth. Through mlx_vlm's modules each layer's attention is ~35 primitives:
+reshapes and transposes of q/k/v, the rotary embedding's expand/slice/rotate ops, the
+cache's index broadcasts, the mask, the attention and the transpose back. Here the layer
+reads the same weights in the same order and takes:
+  - the fused q/k/v matmul (fused_projections);
+  - one kernel that splits q/k/v into heads and rotates q and k, with each product and the
+    sum rounded to the activation dtype as mlx_vlm's eager ops round them;
+  - the cache write (engine/slot_cache.py) and the one-query attention kernel
+    (engine/decode_attention.py), whose output is already laid out for o_proj.
+The cos/sin tables come from the model's own rotary module, once per step; norms, MLP and
+logits are the model's modules. Off CUDA, and for any other model, mlx_vlm's forward runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_vlm.models.mlp import SwiGLUMLP, swiglu
+from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
+
+from vlmserve.engine.ops import cuda_kernels, decode_attention, few_row_matmul
+from vlmserve.engine.ops.fused_projections import FusedPart
+from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
+
+# The language modules whose layers this step reproduces (their attention and decoder layer
+# are the same code in both families).
+_FAMILIES = {"mlx_vlm.models.qwen2_vl.language", "mlx_vlm.models.qwen2_5_vl.language"}
+
+# qkv (B, 1, (HQ + 2*HKV) * D) -> q (B, HQ, 1, D), k and v (B, HKV, 1, D); q and k rotated:
+# x*cos + rotate_half(x)*sin, each product and the sum rounded to T (no fused multiply-add).
+# One thread per element, one block per head (blockDim.x == D).
+_ROPE_SPLIT_SOURCE = """
+    const size_t i = (size_t)blockIdx.x * D + threadIdx.x;
+    constexpr int N = (HQ + 2 * HKV) * D;
+    const size_t b = i / N;
+    const int j = i % N, head = j / D, d = j % D;
+    if (head >= HQ + HKV) { v[b * HKV * D + j - (HQ + HKV) * D] = qkv[i]; return; }
+    const float c = static_cast<float>(cos_t[b * D + d]), s = static_cast<float>(sin_t[b * D + d]);
+    const float x = static_cast<float>(qkv[i]);
+    const float other = d < D / 2 ? -static_cast<float>(qkv[i + D / 2]) : static_cast<float>(qkv[i - D / 2]);
+    const float a = static_cast<float>(static_cast<T>(__fmul_rn(x, c)));
+    const float r = static_cast<float>(static_cast<T>(__fmul_rn(other, s)));
+    const T out = static_cast<T>(__fadd_rn(a, r));
+    if (head < HQ) q[b * HQ * D + j] = out; else k[b * HKV * D + j - HQ * D] = out;
+"""
+
+
+def same_layers(language_model: nn.Module) -> bool:
+    """Whether `forward` reproduces this language model's step: a Qwen2-VL / Qwen2.5-VL
+    language model whose rotary embedding covers the whole head, chunked."""
+    if type(language_model).__module__ not in _FAMILIES:
+        return False
+    attn = language_model.model.layers[0].self_attn
+    rotary = attn.rotary_emb
+    return rotary.dim == attn.head_dim and getattr(rotary, "style", None) == "chunked" and not rotary.fused_apply
+
+
+def supports(language_model: nn.Module) -> bool:
+    """Whether the server takes `forward` for this model's steps (on CUDA): the same layers, and
+    heads the attention kernel serves."""
+    if not same_layers(language_model):
+        return False
+    attn = language_model.model.layers[0].self_attn
+    return decode_attention.serves_heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
+
+
+def applies(caches: list) -> bool:
+    """Per step (with M-RoPE positions given): kernels on, and the slot cache."""
+    return isinstance(caches[0], SlotLayerCache) and cuda_kernels.enabled()
+
+
+def _linear(layer: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    return few_row_matmul.linear(layer, x) if kernels else layer(x)
+
+
+def _fused(part: nn.Module, size: int) -> nn.Module | None:
+    """The fused layer behind a group's first projection (fused_projections), if it has `size` members."""
+    return part._group.fused if isinstance(part, FusedPart) and part._group.size == size else None
+
+
+def _qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    fused = _fused(attn.q_proj, 3)
+    if fused is not None:
+        return _linear(fused, x, kernels)
+    return mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
+
+
+def _mlp(mlp: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul."""
+    fused = _fused(mlp.gate_proj, 2)
+    if fused is None or type(mlp) is not SwiGLUMLP:
+        return mlp(x)
+    gate, up = mx.split(_linear(fused, x, kernels), [mlp.gate_proj._stop], axis=-1)
+    return _linear(mlp.down_proj, swiglu(gate, up), kernels)
+
+
+def rope_split(
+    qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int, kernel: bool
+) -> tuple[mx.array, mx.array, mx.array]:
+    """qkv (B, 1, (Hq + 2 Hkv) D); cos, sin (B, 1, D) -> rotated q (B, Hq, 1, D), k, v (B, Hkv, 1, D)."""
+    batch = qkv.shape[0]
+    dim = cos.shape[-1]
+    if not kernel:  # mlx_vlm's own ops
+        q, k, v = mx.split(qkv, [q_heads * dim, (q_heads + kv_heads) * dim], axis=-1)
+        q, k, v = (t.reshape(batch, 1, -1, dim).transpose(0, 2, 1, 3) for t in (q, k, v))
+        q, k = apply_multimodal_rotary_pos_emb(q, k, cos, sin, style="chunked", unsqueeze_dim=1)
+        return q, k, v
+    run = cuda_kernels.kernel(
+        "vlmserve_rope_split", ("qkv", "cos_t", "sin_t"), _ROPE_SPLIT_SOURCE, output_names=("q", "k", "v")
+    )
+    return tuple(
+        run(
+            inputs=[qkv, cos, sin],
+            template=[("T", qkv.dtype), ("D", dim), ("HQ", q_heads), ("HKV", kv_heads)],
+            grid=(qkv.size, 1, 1),
+            threadgroup=(dim, 1, 1),
+            output_shapes=[(batch, q_heads, 1, dim), (batch, kv_heads, 1, dim), (batch, kv_heads, 1, dim)],
+            output_dtypes=[qkv.dtype] * 3,
+        )
+    )
+
+
+def forward(
+    language_model: nn.Module,
+    tokens: mx.array,
+    caches: list[SlotLayerCache],
+    position_ids: mx.array,
+    kernels: bool = True,
+) -> mx.array:
+    """One token per row: tokens (B,), position_ids (3, B, 1) -> logits (B, V); caches updated.
+
+    The same computation as mlx_vlm's LanguageModel call for this step. `kernels=False` runs
+    the composed ops (mlx_vlm's rotation and attention), for comparison on any backend."""
+    model = language_model.model
+    h = model.embed_tokens(tokens[:, None])
+    cos, sin = model.layers[0].self_attn.rotary_emb(h, position_ids)
+    lengths = caches[0].offset + 1  # each row attends to its cache and the new token
+    batch = tokens.shape[0]
+    for layer, cache in zip(model.layers, caches):
+        attn = layer.self_attn
+        q, k, v = rope_split(
+            _qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels
+        )
+        keys, values = cache.update_and_fetch(k, v)
+        if kernels:
+            out = decode_attention.attend(
+                q, keys, values, lengths, attn.scale, out_shape=(batch, 1, attn.n_heads * attn.head_dim)
+            )
+        else:
+            # The attention function the model's module calls (rebound or not), as its layer would.
+            sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
+            out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
+            out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
+        h = h + _linear(attn.o_proj, out, kernels)
+        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
+    h = model.norm(h)
+    if not language_model.args.tie_word_embeddings:
+        logits = _linear(language_model.lm_head, h, kernels)
+    elif kernels and few_row_matmul.serves(h, model.embed_tokens.weight):
+        logits = few_row_matmul.matmul(h, model.embed_tokens.weight)
+    else:
+        logits = model.embed_tokens.as_linear(h)
+    return logits[:, -1, :]

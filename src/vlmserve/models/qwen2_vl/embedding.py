@@ -1,0 +1,84 @@
+"""Qwen2-VL / Qwen2.5-VL image prompts embedded without reading the device back.
+
+mlx_vlm reads its own device arrays back while it embeds an image prompt: `mx.sum(...).item()`
+per row in the feature merge; the prompt, mask and grid (`.tolist()`, `.item()`) in
+`get_rope_index`; and `int(t)` per image plus `seqlen.tolist()` in Qwen2-VL's tower. Each read
+waits for whatever the GPU stream holds (a decode step, the previous request's tower), and a
+burst of 32 requests makes hundreds of them. The prompt ids and image grids are on the host
+already, so the same integers (M-RoPE positions, image-token positions, rotary and segment
+indices) come from NumPy here. The device runs the same ops on the same values, so the
+embeddings, positions and features are bit-identical to mlx_vlm's (tests compare them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+def mrope_positions(
+    ids: np.ndarray, grids: np.ndarray, *, image_token: int, video_token: int, vision_start: int, merge: int
+) -> tuple[np.ndarray, int] | None:
+    """(3, L) int32 positions and the rope delta of one unpadded image prompt, computed as
+    mlx_vlm's `get_rope_index` does; None where that function would not take its image path
+    (no image, or video tokens), so the caller keeps mlx_vlm's own."""
+    tokens = ids.tolist()
+    if image_token not in tokens or video_token in tokens:
+        return None
+    starts = np.flatnonzero(ids[:-1] == vision_start)
+    images = int((ids[starts + 1] == image_token).sum())  # mlx_vlm counts the images this way
+    if images == 0 or images > len(grids):
+        return None
+    pieces: list[np.ndarray] = []
+    st = 0
+    for t, h, w in np.asarray(grids[:images], dtype=np.int64).tolist():
+        ed = tokens.index(image_token, st)
+        h, w = h // merge, w // merge
+        base = int(pieces[-1].max()) + 1 if pieces else 0
+        text = ed - st
+        pieces.append(np.broadcast_to(np.arange(text) + base, (3, text)))
+        grid = np.stack(
+            [np.repeat(np.arange(t), h * w), np.tile(np.repeat(np.arange(h), w), t), np.tile(np.arange(w), t * h)]
+        )
+        pieces.append(grid + text + base)
+        st = ed + t * h * w
+    if st < len(tokens):
+        base = int(pieces[-1].max()) + 1
+        text = len(tokens) - st
+        pieces.append(np.broadcast_to(np.arange(text) + base, (3, text)))
+    positions = np.concatenate(pieces, axis=1).astype(np.int32)
+    if positions.shape[1] != len(tokens):
+        return None  # an image block runs past the prompt: leave it to mlx_vlm
+    return positions, int(positions.max()) + 1 - len(tokens)
+
+
+def merge_image_features(embeds: mx.array, features: mx.array, ids: np.ndarray, image_token: int) -> mx.array:
+    """mlx_vlm's `merge_input_ids_with_image_features` for one row, with the indices from the host."""
+    mask = ids == image_token
+    if int(mask.sum()) != features.shape[0]:
+        raise ValueError(f"{int(mask.sum())} image tokens in the prompt but {features.shape[0]} image features")
+    indices = np.where(mask, np.cumsum(mask, dtype=np.int32) - 1, 0).astype(np.int32)
+    row = mx.where(mx.array(mask)[:, None], features[mx.array(indices)], embeds[0])
+    return row[None]
+
+
+def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray) -> mx.array:
+    """Qwen2-VL's `VisionModel.__call__` with its rotary and segment indices built on the host."""
+    merge = tower.spatial_merge_size
+    pos = []
+    for t, h, w in np.asarray(grids, dtype=np.int64).tolist():
+        hpos = np.repeat(np.arange(h)[:, None], w, axis=1)
+        wpos = np.repeat(np.arange(w)[None, :], h, axis=0)
+        pair = [p.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1) for p in (hpos, wpos)]
+        pos.append(np.tile(np.stack(pair, axis=-1), (t, 1)))
+    pos_ids = np.concatenate(pos).astype(np.int32)
+    table = tower.rotary_pos_emb(mx.array(int(grids[:, 1:].max())))  # a host scalar: no device read
+    rotary = table[mx.array(pos_ids)].reshape(pos_ids.shape[0], -1)
+    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    cu_seqlens = mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
+    hidden = tower.patch_embed(pixels)
+    for block in tower.blocks:
+        hidden = block(hidden, cu_seqlens=cu_seqlens, rotary_pos_emb=rotary)
+    return tower.merger(hidden)

@@ -1,0 +1,150 @@
+"""Qwen-VL vision attention with one SDPA per run of equal-length segments.
+
+mlx_vlm's Qwen2-VL / Qwen2.5-VL towers split the patches of all images (and, in Qwen2.5-VL,
+of every attention window) at `cu_seqlens` and launch one attention kernel per segment, in
+every block. With the images of many requests in one call, that is thousands of small
+launches, and on the GPU the tower becomes bound by launching them. Segments of equal
+length (images of one size; Qwen2.5-VL's full windows) are stacked on the batch axis
+instead, so each run of them costs one kernel. q and k are rotated in one pass (one CUDA
+kernel on that backend). The arithmetic per element is unchanged.
+
+On CUDA that kernel is cuDNN's fused attention (a third off the tower at 32 W1 images on an
+H100), which builds a plan per shape (~70 ms). So a run is cut into power-of-two image
+counts (13 = 8 + 4 + 1): a segment length then needs at most log2(max images) plans, which
+warm-up builds for its image sizes (`MLLMScheduler.warm_vision_plans`).
+
+The swap is per module instance (its class is replaced by a subclass), so only the model
+the server loaded changes, never another copy of mlx_vlm's classes in the process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vlmserve.engine.ops import cuda_kernels
+
+
+def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """Cumulative bounds [0, a, b, ...] -> (start, count, length) runs of equal-length segments."""
+    runs: list[tuple[int, int, int]] = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        length = hi - lo
+        if length <= 0:
+            continue
+        if runs and runs[-1][2] == length:
+            start, count, _ = runs[-1]
+            runs[-1] = (start, count + 1, length)
+        else:
+            runs.append((lo, 1, length))
+    return runs
+
+
+def power_of_two_pieces(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Each (start, count, length) run cut into runs of power-of-two counts, largest first."""
+    pieces = []
+    for start, count, length in runs:
+        while count:
+            piece = 1 << (count.bit_length() - 1)
+            pieces.append((start, piece, length))
+            start, count = start + piece * length, count - piece
+    return pieces
+
+
+def segment_attention(q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float) -> mx.array:
+    """Attention within each segment of q, k, v (S, H, D); segments are given by `bounds`."""
+    _, heads, dim = q.shape
+    runs = segment_runs(bounds)
+    if cuda_kernels.cudnn_enabled():
+        runs = power_of_two_pieces(runs)
+    outs = []
+    for start, count, length in runs:
+        end = start + count * length
+        # (n*L, H, D) -> (n, H, L, D)
+        q_run, k_run, v_run = (t[start:end].reshape(count, length, heads, dim).transpose(0, 2, 1, 3) for t in (q, k, v))
+        out = mx.fast.scaled_dot_product_attention(q_run, k_run, v_run, scale=scale, mask=None)
+        outs.append(out.transpose(0, 2, 1, 3).reshape(count * length, heads, dim))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+# mlx_vlm's apply_rotary_pos_emb_vision as one CUDA kernel over q and k: out = x*cos + rotate_half(x)*sin
+# in float32, rounded once to x's dtype. The eager form is six full passes over q and k, and
+# on CUDA the tower spent about half its attention time there. The products and the sum are
+# rounded explicitly (no fused multiply-add), so the result is bit-identical to the eager ops.
+_ROTATE_QK_SOURCE = """
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)qkv_shape[0] * 2 * HD) return;  // the size from the launch, not a tiny array (managed memory)
+    const unsigned int half = D / 2;
+    size_t row = i / (2 * HD);                 // position: q and k of one row are 2*HD apart in out
+    size_t src = row * (3 * HD) + i % (2 * HD);  // the same element in qkv (S, 3, H, D)
+    unsigned int d = i % D;
+    float c = cos_t[row * half + d % half];
+    float s = sin_t[row * half + d % half];
+    float x = static_cast<float>(qkv[src]);
+    float other = d < half ? -static_cast<float>(qkv[src + half]) : static_cast<float>(qkv[src - half]);
+    out[i] = static_cast<T>(__fadd_rn(__fmul_rn(x, c), __fmul_rn(other, s)));
+"""
+
+
+def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
+    """q and k of qkv (S, 3, H, D) rotated as mlx_vlm's `rotary` (apply_rotary_pos_emb_vision) does: (S, 2, H, D)."""
+    seq, _, heads, dim = qkv.shape
+    if freqs.dtype != mx.float32 or not cuda_kernels.enabled():
+        # One call for q and k together: (S, 2H, D) rows share a position, as q's and k's heads do.
+        return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
+    kernel = cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t"), _ROTATE_QK_SOURCE)
+    total = seq * 2 * heads * dim
+    return kernel(
+        inputs=[qkv, mx.cos(freqs), mx.sin(freqs)],
+        template=[("T", qkv.dtype), ("D", dim), ("HD", heads * dim)],
+        grid=(total, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(seq, 2, heads, dim)],
+        output_dtypes=[qkv.dtype],
+    )[0]
+
+
+def _make_class(base: type) -> type:
+    rotary = sys.modules[base.__module__].apply_rotary_pos_emb_vision
+
+    def __call__(self, x: mx.array, cu_seqlens: mx.array, rotary_pos_emb: mx.array = None) -> mx.array:
+        seq_length = x.shape[0]
+        qkv = self.qkv(x).reshape(seq_length, 3, self.num_heads, -1)
+        qk = rotate_qk(qkv, rotary_pos_emb, rotary)
+        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens.tolist(), self.scale)
+        return self.proj(out.reshape(seq_length, -1))
+
+    return type(f"Segment{base.__name__}", (base,), {"__call__": __call__})
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def install(tower: nn.Module) -> int:
+    """Swap the tower's per-segment attention modules for the run-batched version; returns how many."""
+    swapped = 0
+    for block in getattr(tower, "blocks", []):
+        attn = getattr(block, "attn", None)
+        if attn is None or not hasattr(attn, "qkv") or type(attn) in _CLASSES.values():
+            continue
+        base = type(attn)
+        if not hasattr(sys.modules.get(base.__module__), "apply_rotary_pos_emb_vision"):
+            continue
+        if base not in _CLASSES:
+            _CLASSES[base] = _make_class(base)
+        attn.__class__ = _CLASSES[base]
+        swapped += 1
+    return swapped
+
+
+def uninstall(tower: nn.Module) -> int:
+    """Give the tower back mlx_vlm's own attention modules (for comparisons); returns how many."""
+    swapped = 0
+    for block in getattr(tower, "blocks", []):
+        attn = getattr(block, "attn", None)
+        if type(attn) in _CLASSES.values():
+            attn.__class__ = type(attn).__mro__[1]
+            swapped += 1
+    return swapped
