@@ -129,7 +129,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--event-loop",
         default=d.event_loop,
         choices=["asyncio", "uvloop"],
-        help="uvicorn's event loop (asyncio's measured faster under load: docs/operations.md)",
+        help="uvicorn's event loop (asyncio's measured faster under load: docs/deployment.md)",
     )
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")

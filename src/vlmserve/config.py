@@ -59,11 +59,11 @@ class ServerConfig:
     log_level: str = "info"
     # CPython's GIL switch interval for the `vlmserve serve` process. After each launch the MLX
     # thread waits for the GIL; with CPython's 5 ms default a busy preprocessing or event-loop
-    # thread can hold every decode step up by that much (docs/operations.md).
+    # thread can hold every decode step up by that much (docs/deployment.md).
     gil_switch_interval_ms: float = 0.5
     # uvicorn's event loop. asyncio's, not uvloop: uvloop writes to sockets while holding the
-    # GIL, and at 32-64 streams that held each decode step's Python back (W1 on the H100:
-    # +4-8% tok/s at c=32, +16% at c=64; docs/benchmarks.md, session 11).
+    # GIL, and at 32-64 streams that held each decode step's Python back (on an H100:
+    # +4-8% tok/s at 32 streams, +16% at 64).
     event_loop: str = "asyncio"
     # Bind before the model is loaded: /health 200 and /ready 503 ("loading") until warm.
     # The CLI turns this on; in-process servers (tests) keep the blocking lifespan.
@@ -72,7 +72,7 @@ class ServerConfig:
 
     # Run the MLX worker (model, scheduler, detokenizing) in a spawned process of its own; this
     # process keeps HTTP, admission and preprocessing. The event loop then never waits for the GIL
-    # behind the MLX thread's Python (vLLM's API-server / engine-core split; engine_client.py).
+    # behind the MLX thread's Python (vLLM's API-server / engine-core split; engine/process_client.py).
     # `vlmserve serve` turns it on unless given --no-engine-process; a config built in code (tests,
     # embedding the app) keeps one process.
     engine_process: bool = False

@@ -93,7 +93,8 @@ class PreparedRequest:
 
     @property
     def has_pixels(self) -> bool:
-        return any(k.startswith("pixel_values") or k == "pixel_bytes" for k in self.model_inputs)
+        """The request carries images (in whatever form its model's preprocessing ships them)."""
+        return self.num_images > 0 or any(k.startswith("pixel_values") for k in self.model_inputs)
 
     @property
     def num_prompt_tokens(self) -> int:

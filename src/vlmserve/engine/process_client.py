@@ -3,7 +3,7 @@
 In one process the event loop and the MLX thread share a GIL. Every socket read or write on
 the loop releases it, and getting it back can mean waiting a switch interval while the MLX
 thread builds its next graph in Python: at 64 streams that stalled the loop (and `/health`)
-by 16-66 ms on the H100. Here the MLX worker lives in a spawned process (engine_process.py,
+by 16-66 ms on the H100. Here the MLX worker lives in a spawned process (process_main.py,
 vLLM's engine-core split), and this process keeps HTTP, admission and preprocessing.
 
 Two threads of this process talk to it: a writer (pickling a request's pixels off the loop)
@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from vlmserve.config import ServerConfig
+from vlmserve.engine import messages as msg
 from vlmserve.engine import process_main as engine_process
 from vlmserve.engine.event_stream import read_events
 from vlmserve.protocol import EngineError, FinishReason, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
@@ -35,7 +36,7 @@ _JOIN_S = 15.0
 
 
 class EngineProcessClient:
-    """Engine's interface (start, generate, warm-up jobs, health, stop) for an engine process."""
+    """The EngineClient (engine/client.py) of an engine in its own process."""
 
     def __init__(self, config: ServerConfig, hooks=None):
         self.config = config
@@ -51,6 +52,7 @@ class EngineProcessClient:
         self._reap_lock = threading.Lock()  # one thread at a time waits for the process (waitpid)
         self._streams: dict[int, asyncio.Queue] = {}  # event loop only, like everything below
         self._calls: dict[int, asyncio.Future] = {}
+        self._inputs: dict[int, list[int]] = {}  # id(PreparedRequest) -> [inputs_key, requests using it]
         self._ready: asyncio.Future | None = None
         self._next_key = 0
         self._running = 0
@@ -90,7 +92,7 @@ class EngineProcessClient:
                 await asyncio.wait_for(self.fail_all("the server is shutting down"), _JOIN_S)
             except Exception:  # noqa: BLE001 - it may be gone already
                 pass
-        self._outgoing.put(("stop",))
+        self._outgoing.put(msg.Stop())
         self._outgoing.put(None)  # the writer's end
         await asyncio.get_running_loop().run_in_executor(None, self._end_process, _JOIN_S)
 
@@ -140,23 +142,36 @@ class EngineProcessClient:
         self._next_key += 1
         events_in: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[key] = events_in
-        self._outgoing.put(("add", key, request_id, prepared, sampling))
-        events = read_events(events_in, lambda: self._outgoing.put(("cancel", key)))
+        self._outgoing.put(msg.AddRequest(key, request_id, sampling, *self._share_inputs(prepared)))
+        events = read_events(events_in, lambda: self._outgoing.put(msg.CancelRequest(key)))
         try:
             async for event in events:
                 yield event
         finally:
             await events.aclose()  # now, not when collected: a reader that left cancels at once
             self._streams.pop(key, None)
+            self._unshare_inputs(prepared)
 
-    async def forget_prefixes(self) -> None:
-        await self._call("forget_prefixes")
+    def _share_inputs(self, prepared: PreparedRequest) -> tuple[int, PreparedRequest | None]:
+        """(inputs_key, the inputs or None when the engine has them already): the choices of one
+        request pass one PreparedRequest, and its arrays cross the pipe once."""
+        entry = self._inputs.get(id(prepared))
+        if entry is not None:
+            entry[1] += 1
+            return entry[0], None
+        self._inputs[id(prepared)] = [self._next_key, 1]
+        self._next_key += 1
+        return self._inputs[id(prepared)][0], prepared
 
-    async def warm_decode(self, max_rows: int, capacity: int) -> int:
-        return await self._call("warm_decode", max_rows, capacity)
+    def _unshare_inputs(self, prepared: PreparedRequest) -> None:
+        entry = self._inputs[id(prepared)]
+        entry[1] -= 1
+        if entry[1] == 0:  # the object stays alive while counted, so its id is not reused meanwhile
+            del self._inputs[id(prepared)]
+            self._outgoing.put(msg.ReleaseInputs(entry[0]))
 
-    async def warm_vision(self, prepared: PreparedRequest) -> int:
-        return await self._call("warm_vision", prepared)
+    async def warm_up(self, prompts: list[PreparedRequest]) -> None:
+        await self._call("warm_up", prompts)
 
     async def fail_all(self, message: str) -> None:
         if self.healthy:
@@ -169,7 +184,7 @@ class EngineProcessClient:
         self._next_key += 1
         answer = asyncio.get_running_loop().create_future()
         self._calls[call_id] = answer
-        self._outgoing.put(("call", call_id, name, args))
+        self._outgoing.put(msg.Call(call_id, name, args))
         try:
             return await answer
         finally:
@@ -205,38 +220,37 @@ class EngineProcessClient:
 
     # ---- event loop ------------------------------------------------------------------------
     def _on_message(self, message) -> None:
-        kind = message[0]
         self._last_heard = time.monotonic()
-        if kind == "events":
-            _, events, records, stats = message
-            for key, event in events:
+        if isinstance(message, msg.StepOutput):
+            for key, event in message.events:
                 stream = self._streams.get(key)
                 if stream is not None:
                     stream.put_nowait(event)
             if self.hooks is not None:
-                for name, args in records:
+                for name, args in message.hook_records:
                     if name in _HOOKS:
                         getattr(self.hooks, name)(*args)
-            self._running = stats["running"]
-            self._gauges = stats["gauges"]
-            self._worker_died = self._worker_died or stats["died"]
-            self.guard_calls = stats.get("guard_calls", self.guard_calls)
-            if stats["violations"]:
-                self.guard_violations.extend(stats["violations"])
-                log.error("MLX calls off the engine's worker thread: %s", stats["violations"][:5])
-        elif kind == "result":
-            _, call_id, error, value = message
-            answer = self._calls.get(call_id)
+            stats = message.stats
+            self._running = stats.running
+            self._gauges = stats.gauges
+            self._worker_died = self._worker_died or stats.died
+            if stats.guard_calls is not None:
+                self.guard_calls = stats.guard_calls
+            if stats.violations:
+                self.guard_violations.extend(stats.violations)
+                log.error("MLX calls off the engine's worker thread: %s", stats.violations[:5])
+        elif isinstance(message, msg.CallResult):
+            answer = self._calls.get(message.call_id)
             if answer is not None and not answer.done():
-                if error is not None:
-                    answer.set_exception(RuntimeError(error))
+                if message.error is not None:
+                    answer.set_exception(RuntimeError(message.error))
                 else:
-                    answer.set_result(value)
-        elif kind == "ready":
+                    answer.set_result(message.value)
+        elif isinstance(message, msg.Ready):
             if not self._ready.done():
-                self._ready.set_result(message[1:])
-        elif kind == "failed" and not self._ready.done():
-            self._ready.set_exception(RuntimeError(message[1]))
+                self._ready.set_result((message.info, message.model_path))
+        elif isinstance(message, msg.LoadFailed) and not self._ready.done():
+            self._ready.set_exception(RuntimeError(message.reason))
 
     def _on_gone(self, exit_code: int | None) -> None:
         self._gone = True

@@ -1,14 +1,10 @@
-"""The engine process (`--engine-process`): model, scheduler and MLX worker, served over a pipe.
+"""The engine process (`--engine-process`): model, core and MLX worker, served over a pipe.
 
 A spawned process of its own, so the MLX thread's Python (graph building, detokenizing) never
-competes with the HTTP process's event loop for one GIL. Its main thread reads the server's
-messages; the MLX worker thread runs the scheduler and, after every step, sends that step's
-events, metric samples and counts back as one message. engine_client.py is the other side.
-
-Server -> engine: ("add", key, request_id, PreparedRequest, SamplingParams), ("cancel", key),
-("call", call_id, name, args) for the start-up and shutdown jobs in `_CALLS`, ("stop",).
-Engine -> server: ("ready", ModelInfo, model_path) or ("failed", reason) once, then
-("events", [(key, TokenEvent)], [(hook, args)], stats) and ("result", call_id, error, value).
+competes with the serving process's event loop for one GIL. Its main thread reads the
+server's messages (engine/messages.py); the MLX worker thread steps the engine core and,
+after every step, sends that step's events, metric samples and counts back as one
+StepOutput. process_client.py is the other side.
 """
 
 from __future__ import annotations
@@ -22,7 +18,8 @@ import threading
 import time
 
 from vlmserve.config import ServerConfig
-from vlmserve.protocol import FinishReason, TokenEvent
+from vlmserve.engine import messages as msg
+from vlmserve.protocol import FinishReason, PreparedRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +60,13 @@ class EngineServer:
         self.conn = conn
         self.thread_guard = thread_guard
         self.requests: dict[int, object] = {}  # key -> EngineRequest, until its final event
+        self.inputs: dict[int, PreparedRequest] = {}  # inputs_key -> inputs, until released
         self._outbox: list[tuple[int, TokenEvent]] = []  # worker thread only
         self._send_lock = threading.Lock()
         self._last_sent = 0.0
         self._violations_sent = 0
         engine.worker.after_work = self.flush
-        engine.scheduler.flush_events = self.flush
+        engine.core.flush_events = self.flush
 
     def send(self, message) -> None:
         try:
@@ -94,22 +92,19 @@ class EngineServer:
             return
         events, self._outbox = self._outbox, []
         self._last_sent = now
-        self.send(("events", events, records, self._stats()))
+        self.send(msg.StepOutput(events, records, self._stats()))
 
-    def _stats(self) -> dict:
-        engine, sched = self.engine, self.engine.scheduler
-        stats = {
-            "running": sched.num_running,
-            "gauges": engine.cache_gauges(),
-            "died": engine.worker.error is not None,
-            "violations": [],
-        }
+    def _stats(self) -> msg.EngineStats:
+        engine = self.engine
+        stats = msg.EngineStats(
+            running=engine.core.num_running, gauges=engine.core.cache_gauges(), died=engine.worker.error is not None
+        )
         if self.thread_guard:
             from vlmserve.engine.thread_guard import GUARD
 
-            stats["violations"] = GUARD.violations[self._violations_sent :]
-            self._violations_sent += len(stats["violations"])
-            stats["guard_calls"] = sum(GUARD.calls.values())
+            stats.violations = GUARD.violations[self._violations_sent :]
+            self._violations_sent += len(stats.violations)
+            stats.guard_calls = sum(GUARD.calls.values())
         return stats
 
     # ---- main thread ----------------------------------------------------------------
@@ -120,59 +115,55 @@ class EngineServer:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "add":
-                self._add(*message[1:])
-            elif kind == "cancel":
-                req = self.requests.get(message[1])
+            if isinstance(message, msg.AddRequest):
+                self._add(message)
+            elif isinstance(message, msg.CancelRequest):
+                req = self.requests.get(message.key)
                 if req is not None:
                     req.cancelled = True
                     self.engine.worker.wake()
-            elif kind == "call":
-                self._call(*message[1:])
-            elif kind == "stop":
+            elif isinstance(message, msg.ReleaseInputs):
+                self.inputs.pop(message.inputs_key, None)
+            elif isinstance(message, msg.Call):
+                self._call(message)
+            elif isinstance(message, msg.Stop):
                 break
         self.engine.worker.stop(_STOP_WAIT_S)  # its last act fails what is left and flushes
 
-    def _add(self, key: int, request_id: str, prepared, sampling) -> None:
-        from vlmserve.engine.sched.scheduler import EngineRequest
+    def _add(self, add: msg.AddRequest) -> None:
+        from vlmserve.engine.sched.request import EngineRequest
 
-        req = EngineRequest(request_id, prepared, sampling, self._emitter(key))
-        self.requests[key] = req
-        sched, worker = self.engine.scheduler, self.engine.worker
-        sched.add(req)
+        if add.prepared is not None:
+            self.inputs[add.inputs_key] = add.prepared
+        req = EngineRequest(add.request_id, self.inputs[add.inputs_key], add.sampling, self._emitter(add.key))
+        self.requests[add.key] = req
+        core, worker = self.engine.core, self.engine.worker
+        core.add(req)
         worker.wake()
         if not worker.healthy:  # it died (or stopped) meanwhile: nobody would answer
             try:
-                sched.inbox.remove(req)
+                core.sched.inbox.remove(req)
             except ValueError:
                 return  # the exiting worker took it and emits its error
-            self.requests.pop(key, None)
+            self.requests.pop(add.key, None)
             error = TokenEvent(finish_reason=FinishReason.ERROR, error="the inference worker is not running")
-            self.send(
-                ("events", [(key, error)], [], {"running": 0, "gauges": (None, 0), "died": True, "violations": []})
-            )
+            self.send(msg.StepOutput([(add.key, error)], [], msg.EngineStats(died=True)))
 
-    def _call(self, call_id: int, name: str, args: tuple) -> None:
-        future = self.engine.worker.submit(getattr(self.engine, _CALLS[name]), *args)
+    def _call(self, call: msg.Call) -> None:
+        future = self.engine.worker.submit(getattr(self.engine.core, CALLS[call.name]), *call.args)
 
         def answer(done) -> None:
             exc = done.exception()
             if exc is not None:
-                self.send(("result", call_id, f"{type(exc).__name__}: {exc}", None))
+                self.send(msg.CallResult(call.call_id, f"{type(exc).__name__}: {exc}"))
             else:
-                self.send(("result", call_id, None, done.result()))
+                self.send(msg.CallResult(call.call_id, None, done.result()))
 
         future.add_done_callback(answer)
 
 
-# Jobs the server may run on the worker, by name: Engine's worker-thread methods.
-_CALLS = {
-    "forget_prefixes": "_forget_prefixes",
-    "warm_decode": "_warm_decode",
-    "warm_vision": "_warm_vision",
-    "fail_all": "_fail_all",
-}
+# Jobs the server may run on the worker, by name: EngineCore's methods.
+CALLS = {"warm_up": "warm_up", "fail_all": "fail_all"}
 
 
 def main(conn, config: ServerConfig) -> None:
@@ -192,11 +183,11 @@ def main(conn, config: ServerConfig) -> None:
     try:
         asyncio.run(engine.start())
     except BaseException as exc:  # noqa: BLE001 - the reason goes to the server, which exits with it
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send(msg.LoadFailed(f"{type(exc).__name__}: {exc}"))
         code = 1
     else:
         server = EngineServer(engine, conn, config.thread_guard)
-        conn.send(("ready", engine.info, str(engine.model_path)))
+        conn.send(msg.Ready(engine.info, str(engine.model_path)))
         server.serve()
     logs.stop()
     for stream in (sys.stdout, sys.stderr):

@@ -1,7 +1,7 @@
 """MLXWorkerThread: the one thread that touches MLX (invariant 1).
 
 It runs submitted calls (model load, warm-up, tests' probes) and, between them, the
-scheduler's steps. Other threads only enqueue work and wake it.
+engine core's steps. Other threads only enqueue work and wake it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class MLXWorkerThread(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self.scheduler = None  # set on this thread once the model is loaded
+        self.core = None  # set on this thread once the model is loaded
         self.after_work: Callable[[], None] | None = None  # e.g. deliver the step's events in one batch
         self.heartbeat = time.monotonic()
         self.error: BaseException | None = None
@@ -62,26 +62,26 @@ class MLXWorkerThread(threading.Thread):
         try:
             while not self._stopping.is_set():
                 self.heartbeat = time.monotonic()
-                busy = self.scheduler is not None and self.scheduler.has_work()
+                busy = self.core is not None and self.core.has_work()
                 self._run_jobs(block=not busy)
-                if self.scheduler is not None:
-                    if self.scheduler.has_work():
-                        self.scheduler.step()
+                if self.core is not None:
+                    if self.core.has_work():
+                        self.core.step()
                     else:
-                        self.scheduler.release_idle_memory()
+                        self.core.release_idle_memory()
                 if self.after_work is not None:
                     self.after_work()
         except BaseException as exc:  # noqa: BLE001 - the worker must report its death, whatever it was
             self.error = exc
             log.exception("MLX worker died")
             self.closed = True
-            if self.scheduler is not None:
-                self.scheduler.fail_all("the inference worker stopped unexpectedly")
+            if self.core is not None:
+                self.core.fail_all("the inference worker stopped unexpectedly")
         finally:
             self.closed = True
-            if self.scheduler is not None:  # requests added while stopping: wake them, never leave them waiting
+            if self.core is not None:  # requests added while stopping: wake them, never leave them waiting
                 try:
-                    self.scheduler.fail_all("the inference worker stopped")
+                    self.core.fail_all("the inference worker stopped")
                 except Exception:  # noqa: BLE001
                     log.exception("failing the remaining requests")
             if self.after_work is not None:

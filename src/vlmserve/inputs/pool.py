@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 _preprocessor = None  # the process's own Preprocessor, made by _start_process
 
 
-def _start_process(model_path: str, context_length: int, config: ServerConfig, pixel_dtype: str | None) -> None:
+def _start_process(
+    model_path: str, context_length: int, config: ServerConfig, pixel_dtype: str | None, model_type: str | None
+) -> None:
     global _preprocessor
     # Ctrl-C and a service manager's SIGTERM reach the whole process group. The server drains on
     # them and still needs its preprocessing meanwhile; it ends these processes itself (and a
@@ -37,7 +39,7 @@ def _start_process(model_path: str, context_length: int, config: ServerConfig, p
     from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
     from vlmserve.models.processor import load_processor  # loads files only; no MLX work
 
-    _preprocessor = Preprocessor(load_processor(Path(model_path)), context_length, config, pixel_dtype)
+    _preprocessor = Preprocessor(load_processor(Path(model_path)), context_length, config, pixel_dtype, model_type)
     if config.warmup:  # first use (template compile, decoder plugins) on start-up's time, not a request's
         for _, chat in warmup_chats(config.warmup_image_sizes):
             _preprocessor.prepare_sync(chat)
@@ -52,9 +54,17 @@ def _prepare(chat: ChatRequest) -> PreparedRequest:
 
 
 class PreprocessProcesses:
-    def __init__(self, model_path: Path, context_length: int, config: ServerConfig, pixel_dtype: str | None):
+    def __init__(
+        self,
+        model_path: Path,
+        context_length: int,
+        config: ServerConfig,
+        pixel_dtype: str | None,
+        model_type: str | None = None,
+    ):
+        """`model_type` (ModelInfo.model_type): as for Preprocessor."""
         self.processes = config.preprocess_processes
-        self._args = (str(model_path), context_length, config, pixel_dtype)
+        self._args = (str(model_path), context_length, config, pixel_dtype, model_type)
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:

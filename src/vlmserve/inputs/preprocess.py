@@ -1,14 +1,15 @@
 """CPU preprocessing on a bounded thread pool: chat template, images, tokenization.
 
 Produces a PreparedRequest holding token ids and NumPy arrays only; the MLX worker turns
-them into mx.arrays. Nothing here runs on the event loop or on the MLX thread.
+them into mx.arrays. Nothing here runs on the event loop or on the MLX thread. What differs by
+model family (a faster processor twin, where the resize cap applies, which inputs may ship as
+bfloat16) comes from the model's ProcessorAdapter (models/registry.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import copy
 import inspect
 import io
 import logging
@@ -19,8 +20,11 @@ import numpy as np
 from PIL import Image
 
 from vlmserve.config import ServerConfig
+from vlmserve.inputs.limits import check_context
 from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, load_image_bytes
-from vlmserve.models.qwen2_vl.image_processor import cast_pixels, fast_qwen_images
+from vlmserve.models.base import ProcessorAdapter
+from vlmserve.models.pixels import cast_pixels
+from vlmserve.models.registry import processor_adapter
 from vlmserve.protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,29 +65,23 @@ def warmup_chats(image_sizes) -> list[tuple[str, ChatRequest]]:
     ]
 
 
-def cap_pixels(image: Image.Image, max_pixels: int | None) -> Image.Image:
-    """Operator resize cap: shrink (never grow) so that width*height <= max_pixels."""
-    if not max_pixels or image.width * image.height <= max_pixels:
-        return image
-    scale = (max_pixels / (image.width * image.height)) ** 0.5
-    size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
-    return image.resize(size, Image.Resampling.BICUBIC)
-
-
 class Preprocessor:
-    def __init__(self, processor, context_length: int, config: ServerConfig, pixel_dtype: str | None = None):
+    def __init__(
+        self,
+        processor,
+        context_length: int,
+        config: ServerConfig,
+        pixel_dtype: str | None = None,
+        model_type: str | None = None,
+    ):
+        """`model_type` (ModelInfo.model_type) picks the family's ProcessorAdapter; None: the generic one."""
         self.config = config
         self.context_length = context_length
         self.pixel_dtype = pixel_dtype  # ModelInfo.pixel_dtype: ship pixel_values already cast
-        # Same bits in far fewer passes, packed for the worker to finish on the device
-        # (qwen_patches.py); on a copy of the processor, as it may serve another dtype elsewhere.
-        fast = fast_qwen_images(getattr(processor, "image_processor", None), pixel_dtype, packed=True)
-        if fast is not None:
-            processor = copy.copy(processor)
-            processor.image_processor = fast
-        self.processor = processor
+        self.adapter: ProcessorAdapter = processor_adapter(model_type or "")
+        self.processor = self.adapter.prepare_processor(processor, pixel_dtype, config.max_pixels)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        call = getattr(processor, "process", processor)
+        call = getattr(self.processor, "process", self.processor)
         self._takes_special_tokens_flag = "add_special_tokens" in inspect.signature(call).parameters
         self.policy = media_policy(config)
         self.images = ImageCache(max_entries=config.image_cache_entries)
@@ -99,8 +97,8 @@ class Preprocessor:
         """Fetch + decode a request's images concurrently on the fetch pool.
 
         Kept off the CPU pool, so a slow image server cannot hold a preprocessing worker
-        for its whole timeout and stall every other request's tokenization."""
-        self.check_image_count(chat)
+        for its whole timeout and stall every other request's tokenization. The image count
+        was checked when the request was parsed (limits.check_image_count)."""
         loop = asyncio.get_running_loop()
         return list(
             await asyncio.gather(*(loop.run_in_executor(self.fetch_pool, self._load_image, ref) for ref in chat.images))
@@ -112,21 +110,17 @@ class Preprocessor:
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
         return owner.apply_chat_template(to_template_messages(messages), add_generation_prompt=True, tokenize=False)
 
-    def check_image_count(self, chat: ChatRequest) -> None:
-        if len(chat.images) > self.config.max_images_per_request:
-            raise EngineError(
-                f"too many images: {len(chat.images)} > {self.config.max_images_per_request} per request",
-                code="invalid_image",
-                param="messages",
-            )
-
     def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
-        """Both stages from one thread, for callers outside an event loop (tools, tests)."""
-        self.check_image_count(chat)
+        """Both stages from one thread, for callers outside an event loop (preprocessing
+        processes, tools, tests). Like fetch_images, it takes the request's image count as
+        checked: a caller building requests itself checks it with limits.check_image_count."""
         return self.encode_chat(chat, list(self.fetch_pool.map(self._load_image, chat.images)))
 
     def encode_chat(self, chat: ChatRequest, images: list[Image.Image]) -> PreparedRequest:
-        return self.encode(self.render(chat.messages), images)
+        """A request's PreparedRequest; 400 (context_length_exceeded) if it cannot fit the context."""
+        prepared = self.encode(self.render(chat.messages), images)
+        check_context(chat, prepared.num_prompt_tokens, self.context_length)
+        return prepared
 
     def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:
         kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
@@ -136,19 +130,13 @@ class Preprocessor:
             kwargs["images"] = images
         try:
             enc = self.processor(**kwargs)
-        except ValueError as exc:  # the image processor rejects some images (e.g. Qwen: aspect ratio > 200)
+        except ValueError as exc:  # the image processor rejects some images (e.g. an extreme aspect ratio)
             if not images:
                 raise
             raise EngineError(
                 f"an image could not be processed: {exc}", code="invalid_image", param="messages"
             ) from None
         ids = np.asarray(enc["input_ids"], dtype=np.int32).reshape(-1)
-        if ids.shape[0] + 1 > self.context_length:
-            raise EngineError(
-                f"prompt is {ids.shape[0]} tokens; this model's context is {self.context_length} tokens",
-                code="context_length_exceeded",
-                param="messages",
-            )
         inputs = {
             k: np.asarray(v) for k, v in enc.items() if k not in ("input_ids", "attention_mask") and v is not None
         }
@@ -158,8 +146,8 @@ class Preprocessor:
             # copies half the bytes. Same rounding as the model's own astype, so same values.
             inputs["pixel_values"] = pixels = cast_pixels(pixels, self.pixel_dtype)
         bf16 = frozenset()
-        if self.pixel_dtype == "bfloat16":  # pixels, or the packed path's table, as bfloat16 bits
-            bf16 = frozenset(k for k in ("pixel_values", "pixel_table") if k in inputs and inputs[k].dtype == np.uint16)
+        if self.pixel_dtype == "bfloat16":  # pixels (or what the adapter names) as bfloat16 bits
+            bf16 = frozenset(k for k in self.adapter.bfloat16_inputs if k in inputs and inputs[k].dtype == np.uint16)
         return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images), bfloat16_inputs=bf16)
 
     def _add_special_tokens(self, prompt: str) -> bool:
@@ -173,4 +161,4 @@ class Preprocessor:
             image = self.images.get_or_decode(data, self.policy)
         except MediaError as exc:
             raise EngineError(exc.message, code=exc.code, param=ref.param) from None
-        return cap_pixels(image, self.config.max_pixels)
+        return self.adapter.cap_image(image, self.config.max_pixels)

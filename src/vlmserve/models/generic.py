@@ -1,8 +1,9 @@
-"""Load a VLM through mlx_vlm and adapt it to per-request state and batched decode.
+"""The generic ModelAdapter: any mlx-vlm model through mlx-vlm's own classes.
 
-Runs only on the MLX worker thread. The adapter keeps what mlx_vlm keeps on the shared
-model object between calls (Qwen2-VL's M-RoPE `_rope_deltas` / `_position_ids`) with each
-request instead, by always passing explicit position ids to the language model.
+Runs only on the MLX worker thread. It keeps what mlx_vlm keeps on the shared model object
+between calls (M-RoPE `_rope_deltas` / `_position_ids`) with each request instead, by always
+passing explicit position ids to the language model. A family's fast path subclasses
+`GenericModel` and is checked against it (models/registry.py picks the class).
 """
 
 from __future__ import annotations
@@ -18,21 +19,13 @@ import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
-from vlmserve.engine.ops import cuda_kernels, decode_attention, fused_projections, rope_rotation
-from vlmserve.models.qwen2_vl import decode as qwen_decode
-from vlmserve.models.qwen2_vl import embedding as qwen_embedding
-from vlmserve.models.qwen2_vl import packed_pixels, vision_attention
+from vlmserve.engine.ops import decode_attention, fused_projections, rope_rotation
 from vlmserve.protocol import ModelInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
 
 # Embedding outputs that only make sense for a single, unpadded row.
 _PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
-
-# Families whose vision tower takes the patches of many images in one call
-# (`vision_tower(pixel_values, image_grid_thw)`, attention split per image) and whose
-# get_input_embeddings accepts the tower's output as `cached_image_features`.
-_GRID_TOWERS = {"qwen2_vl", "qwen2_5_vl"}
 
 
 # mx.array(ndarray) holds the GIL for its whole copy. The event loop gives the GIL up at every
@@ -51,24 +44,9 @@ def host_to_mx(v: np.ndarray) -> mx.array:
     return mx.concatenate([mx.array(flat[i : i + step]) for i in range(0, flat.size, step)]).reshape(v.shape)
 
 
-def image_grids(prepared: PreparedRequest) -> np.ndarray:
-    """The (t, h, w) patch grid of each of a request's images, (N, 3); none outside Qwen-VL grid towers."""
-    grids = prepared.model_inputs.get("image_grid_thw")
-    return np.zeros((0, 3), dtype=np.int64) if grids is None else np.asarray(grids).reshape(-1, 3)
-
-
-def _device_inputs(prepared: PreparedRequest) -> dict[str, mx.array]:
-    host = prepared.model_inputs
-    inputs = {
-        k: host_to_mx(v).view(mx.bfloat16) if k in prepared.bfloat16_inputs else host_to_mx(v)
-        for k, v in host.items()
-        if k != "pixel_layout"
-    }
-    if "pixel_bytes" in inputs:  # packed Qwen-VL frames: the patches are made here, on the device
-        inputs["pixel_values"] = packed_pixels.expand(
-            inputs.pop("pixel_bytes"), inputs.pop("pixel_table"), image_grids(prepared), host["pixel_layout"]
-        )
-    return inputs
+def device_inputs(host: dict[str, np.ndarray], bfloat16: frozenset[str] = frozenset()) -> dict[str, mx.array]:
+    """NumPy inputs as MLX arrays; those named in `bfloat16` hold bfloat16 bit patterns (uint16)."""
+    return {k: host_to_mx(v).view(mx.bfloat16) if k in bfloat16 else host_to_mx(v) for k, v in host.items()}
 
 
 def resolve_model_path(model: str) -> Path:
@@ -114,12 +92,12 @@ class PromptState:
     input_ids: mx.array  # (1, L)
     embeds: mx.array  # (1, L, D)
     position_ids: mx.array | None  # (3, 1, L) for M-RoPE families, else None
-    rope_delta: int
+    position_offset: int  # a row's next position is its cache length plus this (M-RoPE's rope delta)
     cache: list[Any]
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class VLM:
+class GenericModel:
     """The loaded model plus the calls the scheduler needs, all on the worker thread."""
 
     def __init__(self, model_path: Path, fallback_eos: tuple[int, ...] = ()):
@@ -129,18 +107,9 @@ class VLM:
         mx.eval(self.model.parameters())
         self.config = json.loads((model_path / "config.json").read_text())
         self.language_model = self.model.language_model
-        # M-RoPE families (Qwen2-VL...) take explicit (3, B, L) positions; decode passes them per row.
+        # M-RoPE families take explicit (3, B, L) positions; decode passes them per row.
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
-        pixel_dtype = None
-        if self.config.get("model_type") in _GRID_TOWERS:
-            vision_attention.install(self.model.vision_tower)
-            # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast
-            dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-            pixel_dtype = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype)
-        fused_projections.install(self.language_model)
-        rope_rotation.install()
-        decode_attention.install()
-        self.fast_decode = qwen_decode.supports(self.language_model)
+        self.install_fast_paths()
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
@@ -151,98 +120,36 @@ class VLM:
             eos_token_ids=tuple(eos),
             image_token_id=getattr(self.model.config, "image_token_id", None)
             or getattr(self.model.config, "image_token_index", None),
-            pixel_dtype=pixel_dtype,
+            pixel_dtype=self.pixel_dtype(),
         )
+
+    def install_fast_paths(self) -> None:
+        """Kernel swaps that keep every output (engine/ops; each tested against mlx_vlm's path)."""
+        fused_projections.install(self.language_model)
+        rope_rotation.install()
+        decode_attention.install()
+
+    def pixel_dtype(self) -> str | None:
+        """The dtype the model casts pixel_values to before any arithmetic, where preprocessing may
+        ship them already cast (ModelInfo.pixel_dtype); None: as the processor makes them."""
+        return None
 
     # ---- prompt ---------------------------------------------------------------
     def stage_inputs(self, prepared: PreparedRequest) -> dict[str, mx.array]:
         """A request's arrays copied into MLX now, ahead of its embedding (`embed_prompts(staged=)`)."""
-        return _device_inputs(prepared)
+        return device_inputs(prepared.model_inputs, prepared.bfloat16_inputs)
 
     def embed_prompts(
         self, prepared: list[PreparedRequest], staged: list[dict[str, mx.array] | None] | None = None
     ) -> list[PromptState]:
-        """Embed several prompts. For Qwen-VL families all their images share one vision-tower call
-        (one launch sequence instead of one per image), and image prompts are embedded from
-        host-side indices (`qwen_embedding`), so the worker never waits on a device read here.
-        `staged` holds `stage_inputs` results (or None) per request."""
+        """Embed several prompts; `staged` holds `stage_inputs` results (or None) per request."""
         staged = staged or [None] * len(prepared)
-        inputs = {id(p): s for p, s in zip(prepared, staged) if s is not None}
-        with_images = [p for p in prepared if p.has_pixels]
-        if not with_images or self.info.model_type not in _GRID_TOWERS:
-            return [self.embed_prompt(p, inputs=inputs.get(id(p))) for p in prepared]
-        tower = self.model.vision_tower
-        dtype = tower.patch_embed.proj.weight.dtype
-        for p in with_images:  # one host->device copy per request not staged already
-            if id(p) not in inputs:
-                inputs[id(p)] = _device_inputs(p)
-        pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
-        grids = {id(p): image_grids(p) for p in with_images}
-        features = self._tower(pixels, np.concatenate(list(grids.values())))
-        # Start the tower now: the per-request embedding below is host work (M-RoPE positions),
-        # done while the device runs the tower's last command buffers instead of before them.
-        mx.async_eval(features)
-        merge = self.model.config.vision_config.spatial_merge_size**2
-        rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]
-        per_request = dict(zip(grids, mx.split(features, rows.tolist())))
-        return [
-            self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs[id(p)])
-            if id(p) in per_request
-            else self.embed_prompt(p, inputs=inputs.get(id(p)))
-            for p in prepared
-        ]
+        return [self.embed_prompt(p, inputs=s) for p, s in zip(prepared, staged)]
 
-    def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
-        """All images' features from one vision-tower call (Qwen-VL grid towers)."""
-        if self.info.model_type == "qwen2_vl":
-            return qwen_embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid)
-        return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)
-
-    def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        """Prompt tokens one image of this patch grid takes (Qwen-VL: merged patches)."""
-        merge = getattr(self.model.config.vision_config, "spatial_merge_size", 1)
-        return int(np.prod(grid_thw)) // (merge * merge)
-
-    def warm_vision_plans(self, grid_thw: tuple[int, int, int], max_images: int) -> list[int]:
-        """Run the tower at every power-of-two image count up to `max_images` of one image size,
-        so cuDNN's attention plans for that size exist before traffic (vision_attention);
-        returns the counts run (none where the tower's attention does not go to cuDNN)."""
-        if self.info.model_type not in _GRID_TOWERS or not cuda_kernels.cudnn_enabled():
-            return []
-        vc = self.model.config.vision_config
-        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
-        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-        counts = [1 << i for i in range(max(1, max_images).bit_length())]
-        for n in counts:
-            pixels = mx.zeros((n * int(np.prod(grid_thw)), width), dtype=dtype)
-            mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
-        return counts
-
-    def _embed_image_prompt(
-        self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray, inputs: dict[str, mx.array]
-    ) -> PromptState:
-        ids = prepared.prompt_ids.astype(np.int32)
-        cfg = self.language_model.config  # what mlx_vlm's get_rope_index reads
-        found = qwen_embedding.mrope_positions(
-            ids,
-            grid,
-            image_token=cfg.image_token_id,
-            video_token=cfg.video_token_id,
-            vision_start=cfg.vision_start_token_id,
-            merge=cfg.vision_config.spatial_merge_size,
-        )
-        if found is None:  # a prompt outside the image path: mlx_vlm's own code, with these features
-            return self.embed_prompt(prepared, features, inputs)
-        positions, rope_delta = found
-        input_ids = mx.array(ids)[None]
-        embeds = self.language_model.model.embed_tokens(input_ids)
-        return PromptState(
-            input_ids=input_ids,
-            embeds=qwen_embedding.merge_image_features(embeds, features, ids, self.model.config.image_token_id),
-            position_ids=mx.array(positions)[:, None, :],
-            rope_delta=rope_delta,
-            cache=vlm_cache.make_prompt_cache(self.language_model),
-        )
+    def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
+        """Build the vision tower's shapes for this request's image sizes at up to `max_images`
+        images per call; returns the tower runs made. Nothing to build on the generic path."""
+        return 0
 
     def embed_prompt(
         self,
@@ -252,7 +159,7 @@ class VLM:
     ) -> PromptState:
         """NumPy -> mx on this thread (unless `inputs` already holds it), then vision encoder + token embeddings."""
         input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
-        inputs = dict(inputs if inputs is not None else _device_inputs(prepared))
+        inputs = dict(inputs if inputs is not None else self.stage_inputs(prepared))
         pixel_values = inputs.pop("pixel_values", None)
         mask = mx.ones(input_ids.shape, dtype=mx.int32)
         if image_features is not None:
@@ -265,16 +172,16 @@ class VLM:
         }
         if extra:
             raise NotImplementedError(f"{self.info.model_type}: embedding outputs {sorted(extra)} are not supported")
-        rope_delta = 0
+        offset = 0
         if out.rope_deltas is not None:
-            rope_delta = int(mx.array(out.rope_deltas).reshape(-1)[0].item())
+            offset = int(mx.array(out.rope_deltas).reshape(-1)[0].item())
         return PromptState(
             input_ids=input_ids,
             embeds=out.inputs_embeds,
             # One dtype for every prompt (text-only rows come back int64, image rows int32), so
             # image requests reuse the kernels the text warm-up compiled for each length bucket.
             position_ids=None if out.position_ids is None else out.position_ids.astype(mx.int32),
-            rope_delta=rope_delta,
+            position_offset=offset,
             cache=vlm_cache.make_prompt_cache(self.language_model),
         )
 
@@ -341,13 +248,23 @@ class VLM:
         """Per-request caches -> one batch cache per layer (left-padded)."""
         return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
 
+    def decode_positions(self, rows: list[Any]) -> mx.array | None:
+        """Each row's M-RoPE position for its next token (0 for an empty slot); None without M-RoPE.
+        A row is anything with `cache_len` and `prompt.position_offset` (None: an empty slot)."""
+        if not self.uses_mrope:
+            return None
+        return mx.array([0 if r is None else r.cache_len + r.prompt.position_offset for r in rows], dtype=mx.int32)
+
     def decode(self, tokens: mx.array, batch_cache: list[Any], positions: mx.array | None) -> mx.array:
         """One step for every running row: tokens (B,), positions (B,) for M-RoPE; returns logits (B, V)."""
         kwargs = {}
         if positions is not None:
-            pos = positions.reshape(1, -1, 1)
-            kwargs["position_ids"] = mx.broadcast_to(pos, (3, pos.shape[1], 1))
-            if self.fast_decode and qwen_decode.applies(batch_cache):
-                return qwen_decode.forward(self.language_model, tokens, batch_cache, kwargs["position_ids"])
+            kwargs["position_ids"] = mrope_decode_positions(positions)
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]
+
+
+def mrope_decode_positions(positions: mx.array) -> mx.array:
+    """(B,) next positions -> the (3, B, 1) M-RoPE position ids of a one-token step (text: all three equal)."""
+    pos = positions.reshape(1, -1, 1)
+    return mx.broadcast_to(pos, (3, pos.shape[1], 1))

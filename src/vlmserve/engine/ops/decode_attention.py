@@ -139,8 +139,8 @@ def launch_shape(rep: int, dim: int) -> tuple[int, int, int] | None:
     return None
 
 
-# Fastest first, one call at a time on the H100 at B=32 and 512 cached positions
-# (docs/benchmarks.md, session 9). More query heads per block read each key and value fewer
+# Fastest first, one call at a time on an H100 at B=32 and 512 cached positions.
+# More query heads per block read each key and value fewer
 # times; fewer give more blocks to the GPU's 132 SMs.
 SHAPES = ((16, 3, 16), (16, 2, 16), (16, 1, 16), (32, 1, 16), (32, 1, 8))
 

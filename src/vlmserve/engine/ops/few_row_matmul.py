@@ -3,7 +3,7 @@
 On CUDA a compiled decode step is bound by the host's cost per primitive, and MLX's
 matmul is the dearest one to launch: each call builds cuBLASLt descriptors, asks for a
 heuristic and is captured into the step's graph, whatever the size: 14-22 µs of host time
-against 7 µs for this kernel on the hosts measured (docs/benchmarks.md, sessions 6 and 8).
+against 7 µs for this kernel on the hosts measured.
 A step has ~4 matmuls per layer. This kernel computes Y = X @ W^T (+ bias) for 2 to 32 rows with tensor-core
 `mma.sync` (bf16 / fp16 in, float32 accumulation): each warp streams 16·F rows of W
 straight from memory, 16 bytes per lane, for every WARPS-th chunk of 32 inputs, and the
@@ -33,7 +33,7 @@ _MMA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16"}
 
 _SOURCE = """
     // Rows and width from the launch itself, not from an array: MLX keeps arrays of a few bytes in
-    // host-shared (managed) memory, and a kernel that reads one waits on it (docs/benchmarks.md, session 9).
+    // host-shared (managed) memory, and a kernel that reads one waits on it.
     int M = 1;
     for (int i = 0; i < x_ndim - 1; ++i) M *= x_shape[i];
     const int N = gridDim.x * 16 * F;                // one build serves every M and N of this K
@@ -157,9 +157,8 @@ def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
 def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(MT, F, WARPS, U) for m <= MAX_ROWS rows: 8-row tiles, 16-feature tiles per warp, warps
     splitting K, chunks in flight. Chosen by the kernel's own time on the H100 for each layer
-    shape of a Qwen2-VL-2B decode step, one call at a time as a step runs them
-    (docs/benchmarks.md, session 8): wide layers want several feature tiles per warp (X is read
-    fewer times), deep ones many warps per block, narrow ones all their loads in flight at once."""
+    shape of a 2B-parameter decode step, one call at a time as a step runs them: wide layers
+    want several feature tiles per warp (X is read fewer times), deep ones many warps per block, narrow ones all their loads in flight at once."""
     mt = 1 if m <= 8 else 4  # two tile counts only: each build costs the server's start ~2 s of JIT
     wide, deep = n >= 8192, k >= 4096
     if wide:

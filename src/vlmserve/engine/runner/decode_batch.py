@@ -6,7 +6,7 @@
   caches, left-padded, extended on join and filtered on leave.
 
 `layout()` gives the row order of the next step: a list of the rows' owners (any object with
-`cache_len`, and `prompt.rope_delta`), `None` for an empty slot.
+`cache_len`, and what the model adapter's `decode_positions` reads), `None` for an empty slot.
 """
 
 from __future__ import annotations
@@ -18,18 +18,10 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from vlmserve.engine.runner.slot_cache import SlotBatch, buckets_up_to, make_decode_step, round_up
-from vlmserve.models.generic import VLM
 
 
-def uses_plain_kv_cache(vlm: VLM) -> bool:
-    return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(vlm.language_model))
-
-
-def decode_positions(vlm: VLM, rows: list[Any]) -> mx.array | None:
-    """Each row's M-RoPE position for its next token (0 for an empty slot); None without M-RoPE."""
-    if not vlm.uses_mrope:
-        return None
-    return mx.array([0 if r is None else r.cache_len + r.prompt.rope_delta for r in rows], dtype=mx.int32)
+def uses_plain_kv_cache(model) -> bool:
+    return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(model.language_model))
 
 
 def _positions_needed(rows: list[Any]) -> int:
@@ -38,8 +30,8 @@ def _positions_needed(rows: list[Any]) -> int:
 
 
 class PaddedDecodeBatch:
-    def __init__(self, vlm: VLM):
-        self.vlm = vlm
+    def __init__(self, model):
+        self.model = model
         self.rows: list[Any] = []
         self.cache: list[Any] | None = None
 
@@ -68,12 +60,12 @@ class PaddedDecodeBatch:
                 layer.filter(index)
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
-        return self.vlm.decode(tokens, self.cache, decode_positions(self.vlm, rows))
+        return self.model.decode(tokens, self.cache, self.model.decode_positions(rows))
 
 
 class SlotDecodeBatch:
-    def __init__(self, vlm: VLM, step: Callable):
-        self.vlm = vlm
+    def __init__(self, model, step: Callable):
+        self.model = model
         self.step = step  # make_decode_step(...), compiled or not; shared across batches
         self.slots: list[Any] = []
         self.kv: SlotBatch | None = None
@@ -84,7 +76,7 @@ class SlotDecodeBatch:
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
         if self.kv is None:
-            self.kv = SlotBatch(*self.vlm.kv_layout(), slots=len(owners), capacity=1)
+            self.kv = SlotBatch(*self.model.kv_layout(), slots=len(owners), capacity=1)
             self.slots = [None] * self.kv.slots
         for i, owner in enumerate(owners):
             n, end = owner.cache_len, rows_cache[0]._idx
@@ -119,7 +111,7 @@ class SlotDecodeBatch:
         kv = self.kv
         kv.ensure(kv.slots, _positions_needed(rows))
         lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
-        out = self.step(tokens, decode_positions(self.vlm, rows), lengths, *kv.arrays())
+        out = self.step(tokens, self.model.decode_positions(rows), lengths, *kv.arrays())
         n = len(kv.keys)
         kv.keys, kv.values = list(out[1 : 1 + n]), list(out[1 + n :])
         return out[0]
@@ -128,14 +120,14 @@ class SlotDecodeBatch:
 class DecodeBatches:
     """Makes the running batch for this model, and pre-compiles its decode shapes."""
 
-    def __init__(self, vlm: VLM, compiled: bool):
-        self.vlm = vlm
-        self.slotted = uses_plain_kv_cache(vlm)
+    def __init__(self, model, compiled: bool):
+        self.model = model
+        self.slotted = uses_plain_kv_cache(model)
         self.compiled = compiled and self.slotted
-        self.step = make_decode_step(vlm.decode, self.compiled) if self.slotted else None
+        self.step = make_decode_step(model.decode, self.compiled) if self.slotted else None
 
     def new(self):
-        return SlotDecodeBatch(self.vlm, self.step) if self.slotted else PaddedDecodeBatch(self.vlm)
+        return SlotDecodeBatch(self.model, self.step) if self.slotted else PaddedDecodeBatch(self.model)
 
     def warm(self, max_slots: int, max_capacity: int) -> int:
         """Trace the compiled step at every (slots, capacity) bucket up to these bounds, so no
@@ -147,6 +139,6 @@ class DecodeBatches:
         for n in slot_counts:
             zeros = mx.zeros((n,), dtype=mx.int32)
             for cap in capacities:
-                kv = SlotBatch(*self.vlm.kv_layout(), slots=n, capacity=cap).arrays()
-                mx.eval(self.step(zeros, zeros if self.vlm.uses_mrope else None, zeros, *kv))
+                kv = SlotBatch(*self.model.kv_layout(), slots=n, capacity=cap).arrays()
+                mx.eval(self.step(zeros, self.model.decode_positions([None] * n), zeros, *kv))
         return len(slot_counts) * len(capacities)

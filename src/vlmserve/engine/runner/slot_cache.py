@@ -97,7 +97,7 @@ class SlotBatch:
 def make_decode_step(decode: Callable, compiled: bool) -> Callable:
     """fn(tokens (S,), positions (S,) | None, lengths (S,), *kv) -> (logits (S, V), *new_kv).
 
-    `decode(tokens, caches, positions)` is the model's one-token batched forward (VLM.decode).
+    `decode(tokens, caches, positions)` is the model's one-token batched forward (ModelAdapter.decode).
     A pure function of its inputs, so `mx.compile` can trace it once per input shape."""
 
     def step(tokens, positions, lengths, *kv):

@@ -1,7 +1,7 @@
 """The tokenizer as the worker uses it: streaming detokenizers, EOS ids, token text.
 
 mlx_vlm's detokenizers (the ones mlx_vlm.generate uses) decide what text a request gets.
-For byte-level BPE tokenizers (Qwen, Llama 3, ...) the stream is eager: mlx_vlm holds each
+For byte-level BPE tokenizers (GPT-2-style vocabularies) the stream is eager: mlx_vlm holds each
 word back until the next one starts, which delays a stream's first text by one or more
 steps, so ByteLevelStream hands out characters as soon as their bytes are complete, with
 the same full text. Loaded separately from the CPU pool's processor: HF tokenizers are not

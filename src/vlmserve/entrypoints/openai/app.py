@@ -12,7 +12,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -20,16 +19,17 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from vlmserve.config import ServerConfig
-from vlmserve.engine.process_client import EngineProcessClient
-from vlmserve.entrypoints.openai import chat_schema as oai
+from vlmserve.engine.client import EngineClient, create_engine_client
+from vlmserve.entrypoints.openai.chat_request import model_aliases
 from vlmserve.entrypoints.openai.errors import APIError
 from vlmserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeMiddleware
 from vlmserve.entrypoints.openai.routes import method_not_allowed, not_found, routes
+from vlmserve.inputs.admission import Admission
 from vlmserve.inputs.pool import PreprocessProcesses
 from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
 from vlmserve.metrics import Metrics, SchedulerHooks
 from vlmserve.models.processor import load_processor
-from vlmserve.protocol import ChatRequest, EngineError, FinishReason, PreparedRequest, SamplingParams
+from vlmserve.protocol import ChatRequest, EngineError, FinishReason, PreparedRequest
 
 log = logging.getLogger("vlmserve")
 
@@ -62,25 +62,15 @@ async def _warm_streaming_response() -> None:
 class ServerState:
     """Everything a route needs, in one object on app.state.server."""
 
-    # With --preprocess-processes, this many requests at a time still preprocess on the thread
-    # pool, the rest go to the processes: alone, a request pays no pickling (c=1 TTFT), and one
-    # thread's GIL share is small; a burst is what the processes are for.
-    in_process_preprocess_limit = 1
-
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics(config.model_id)
         hooks = SchedulerHooks(self.metrics)
-        # --engine-process: the MLX worker in a process of its own (engine_client.py), and this
-        # process never imports the engine's model, scheduler or worker
-        if config.engine_process:
-            self.engine = EngineProcessClient(config, hooks)
-        else:
-            from vlmserve.engine.inprocess import Engine
-
-            self.engine = Engine(config, hooks=hooks)
-        self.preprocessor: Preprocessor | None = None
-        self.preprocess_processes: PreprocessProcesses | None = None  # --preprocess-processes
+        # --engine-process: the MLX worker in a process of its own, and this process never
+        # imports the engine's model, scheduler or worker (engine/client.py)
+        self.engine: EngineClient = create_engine_client(config, hooks)
+        # Admission to preprocessing (429s, pending counts) and the pools it hands requests to.
+        self.admission = Admission(config, self.metrics, lambda: self.engine.num_waiting)
         self.ready = False
         self.loading = True
         self.load_error: str | None = None
@@ -89,13 +79,7 @@ class ServerState:
         self.created = int(time.time())
         # Once, not per request: deriving them stats the model path (the event loop's time).
         self._model_id = config.model_id
-        self._model_names = frozenset(oai.model_aliases(config))  # the served name is one of them
-        # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
-        # Counted in choices (`n`) against max_waiting and in requests against max_pending_preprocess.
-        self._pending_lock = threading.Lock()
-        self.pending_choices = 0
-        self.pending_requests = 0
-        self._in_process_jobs = 0  # of those, preprocessing on this process's thread pool
+        self._model_names = frozenset(model_aliases(config))  # the served name is one of them
         self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -114,6 +98,32 @@ class ServerState:
     def context_length(self) -> int:
         return self.engine.info.context_length
 
+    # ---- preprocessing (inputs/admission.py holds it) -------------------------------
+    @property
+    def preprocessor(self) -> Preprocessor | None:
+        return self.admission.preprocessor
+
+    @preprocessor.setter
+    def preprocessor(self, preprocessor: Preprocessor | None) -> None:
+        self.admission.preprocessor = preprocessor
+
+    @property
+    def preprocess_processes(self) -> PreprocessProcesses | None:  # --preprocess-processes
+        return self.admission.processes
+
+    @preprocess_processes.setter
+    def preprocess_processes(self, processes: PreprocessProcesses | None) -> None:
+        self.admission.processes = processes
+
+    @property
+    def pending_choices(self) -> int:
+        """Choices admitted but not yet handed to the engine (queued for or inside the CPU pool)."""
+        return self.admission.pending_choices
+
+    @property
+    def pending_requests(self) -> int:
+        return self.admission.pending_requests
+
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
         """Load, warm up, report ready. Raises with the reason if any of it fails."""
@@ -128,13 +138,21 @@ class ServerState:
             await self.engine.start()
             processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
             self.preprocessor = Preprocessor(
-                processor, self.engine.info.context_length, self.config, pixel_dtype=self.engine.info.pixel_dtype
+                processor,
+                self.engine.info.context_length,
+                self.config,
+                pixel_dtype=self.engine.info.pixel_dtype,
+                model_type=self.engine.info.model_type,
             )
             _start_threads(self.preprocessor.pool, self.config.preprocess_workers)
             _start_threads(self.preprocessor.fetch_pool, self.preprocessor.fetch_workers)
             if self.config.preprocess_processes > 0:
                 self.preprocess_processes = PreprocessProcesses(
-                    self.engine.model_path, self.engine.info.context_length, self.config, self.engine.info.pixel_dtype
+                    self.engine.model_path,
+                    self.engine.info.context_length,
+                    self.config,
+                    self.engine.info.pixel_dtype,
+                    self.engine.info.model_type,
                 )
                 await self.preprocess_processes.start()
             if self.config.warmup:
@@ -166,52 +184,19 @@ class ServerState:
         self._load_task = asyncio.create_task(load(), name="vlmserve-load")
 
     async def warmup(self) -> None:
-        """Compile the shapes real traffic will use before reporting ready.
-
-        A text and an image generation (at each --warmup-image-sizes), then one prefill per
-        prompt-length bucket up to a chunk: on CUDA a shape seen for the first time costs a
-        kernel compile (tens of ms for a prompt length, ~0.6 s for an image size). The images
-        go in as PNG data URIs through the same fetch/decode/process path as a client's, so
-        the first real request does not pay that path's first use (decoder plugins, caches).
-        """
+        """The engine builds the shapes traffic will use (EngineCore.warm_up) from a text prompt and
+        one image per --warmup-image-sizes, prepared here as PNG data URIs through the same
+        fetch/decode/process path as a client's, so the first real request does not pay that
+        path's first use either (decoder plugins, caches)."""
         await _warm_streaming_response()
         loop = asyncio.get_running_loop()
-        prepared_jobs = []
-        for name, chat in warmup_chats(self.config.warmup_image_sizes):
+        prompts = []
+        for _, chat in warmup_chats(self.config.warmup_image_sizes):
             images = await self.preprocessor.fetch_images(chat)
-            prepared = await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode_chat, chat, images)
-            prepared_jobs.append((name, prepared))
-        bucket = self.config.prefill_bucket
-        if bucket > 0:
-            filler = int(prepared_jobs[0][1].prompt_ids[-1])
-            for length in range(bucket, self.config.prefill_chunk + 1, bucket):
-                ids = np.full(length + 1, filler, dtype=np.int32)
-                prepared_jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=ids)))
-        for name, prepared in prepared_jobs:  # one at a time: each must be its own shape
-            # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
-            # shape this job is here to compile.
-            await self.engine.forget_prefixes()
-            async for event in self.engine.generate(name, prepared, SamplingParams(max_tokens=2, temperature=0)):
-                if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                    raise RuntimeError(f"warm-up generation failed: {event.error}")
-        await self.engine.forget_prefixes()
-        await self._warm_vision_plans([p for _, p in prepared_jobs if p.has_pixels])
-        # The compiled decode step: every slot-count bucket up to --max-num-seqs, at the KV
-        # capacities prompts up to two prefill chunks use (longer ones trace once, when they come).
-        t0 = time.perf_counter()
-        capacity = min(self.context_length, 2 * self.config.prefill_chunk)
-        traced = await self.engine.warm_decode(self.config.max_num_seqs, capacity)
-        if traced:
-            log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
-
-    async def _warm_vision_plans(self, image_jobs: list[PreparedRequest]) -> None:
-        """The tower at every image count one step can batch, per warm-up image size (cuDNN
-        builds an attention plan per shape: engine/vision_attention.py)."""
-        t0, runs = time.perf_counter(), 0
-        for prepared in image_jobs:
-            runs += await self.engine.warm_vision(prepared)
-        if runs:
-            log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
+            prompts.append(
+                await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode_chat, chat, images)
+            )
+        await self.engine.warm_up(prompts)
 
     @property
     def in_flight(self) -> int:
@@ -265,74 +250,9 @@ class ServerState:
         if not self.engine.healthy:
             raise APIError(503, "the inference worker is not running", code="worker_unavailable")
 
-    def _queue_full(self) -> APIError:
-        return APIError(
-            429, "too many requests are waiting; retry later", code="queue_full", headers={"retry-after": "1"}
-        )
-
-    def check_capacity(self, n: int) -> None:
-        """429 when n more choices would push the waiting work past max_waiting."""
-        if self.engine.num_waiting + self.pending_choices + n > self.config.max_waiting:
-            raise self._queue_full()
-
-    def _reserve(self, n: int) -> bool:
-        """Count the request as pending; True when it is to preprocess on the thread pool."""
-        # Runs on the event loop with no await between check and increment: a burst cannot
-        # all pass the check before any of it is counted.
-        with self._pending_lock:
-            self.check_capacity(n)
-            if self.pending_requests + 1 > self.config.max_pending_preprocess:
-                raise self._queue_full()
-            self.pending_choices += n
-            self.pending_requests += 1
-            in_process = self.preprocess_processes is None or self._in_process_jobs < self.in_process_preprocess_limit
-            self._in_process_jobs += in_process
-        self.metrics.preprocessed("threads" if in_process else "processes")
-        return in_process
-
-    def _release(self, n: int, in_process: bool) -> None:  # when the pool job ends (any thread)
-        with self._pending_lock:
-            self.pending_choices -= n
-            self.pending_requests -= 1
-            self._in_process_jobs -= in_process
-
     async def prepare(self, chat: ChatRequest) -> PreparedRequest:
-        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing.
-
-        The reservation is released when the pool job ends, not when this await is cancelled,
-        so a client that leaves cannot make room while its work still occupies the pool.
-        """
-        in_process = self._reserve(chat.n)
-        t0 = time.perf_counter()
-
-        def done() -> None:
-            self.metrics.preprocess.observe(time.perf_counter() - t0)
-            self._release(chat.n, in_process)
-
-        if in_process:
-            return await self._prepare_in_process(chat, done)
-        return await self.preprocess_processes.prepare(chat, on_done=done)
-
-    async def _prepare_in_process(self, chat: ChatRequest, done: Callable[[], None]) -> PreparedRequest:
-        try:
-            images = await self.preprocessor.fetch_images(chat)
-        except BaseException:
-            done()
-            raise
-
-        def job() -> PreparedRequest:
-            try:
-                return self.preprocessor.encode_chat(chat, images)
-            finally:
-                done()
-
-        loop = asyncio.get_running_loop()
-        try:
-            future = loop.run_in_executor(self.preprocessor.pool, job)
-        except BaseException:
-            done()
-            raise
-        return await future
+        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing."""
+        return await self.admission.prepare(chat)
 
     async def generate(self, request_id, prepared, sampling, arrival: float | None = None):
         """Engine events for one choice, with latency metrics and one log line per request.

@@ -65,7 +65,7 @@ class APIKeyMiddleware:
 class BodySizeMiddleware:
     """413 before reading a body whose declared Content-Length is over the cap.
 
-    Bodies without a length (chunked) are capped while being read (routes._read_json).
+    Bodies without a length (chunked) are capped while being read (request_body.read_json).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from vlmserve.entrypoints.openai import chat_schema as oai
+from vlmserve.entrypoints.openai import chat_response
 
 _PLACEHOLDER = "\x00vlmserve-content\x00"  # rendered as "\u0000vlmserve-content\u0000": no id or name has it
 
@@ -27,7 +27,7 @@ class ChunkLines:
         self._around: dict[int, tuple[str, str] | None] = {}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = oai.chunk(self.request_id, self.model, self.created, choices, usage)
+        body = chat_response.chunk(self.request_id, self.model, self.created, choices, usage)
         return line(body if usage is not None else {**body, **self.extra})
 
     def choice(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:

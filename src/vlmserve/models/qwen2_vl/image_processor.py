@@ -14,9 +14,14 @@ mlx_vlm, another processor class).
 
 Packed (`packed=True`, what the server's preprocessing uses): the patches are not built here
 at all. The resized uint8 frames, the table and the patch geometry go to the MLX worker, which
-does the same lookup and reordering there (engine/packed_pixels.py): a quarter of the bytes
+does the same lookup and reordering there (packed_pixels.py): a quarter of the bytes
 to pickle, pipe and copy into MLX (a 448² image: 0.6 MB against 2.4 MB of bfloat16 patches),
 and no arithmetic anywhere, so the same bits.
+
+The operator's resize cap (`max_pixels`, --max-pixels) is applied as the processor's own size
+limits: its smart resize is then an image's only resize, and the grid it picks is patch-aligned
+and at most `max_pixels` (for any image the processor takes whose aspect ratio is at most
+max_pixels / factor², factor = patch_size * merge_size: one factor-wide row is its least).
 """
 
 from __future__ import annotations
@@ -26,40 +31,19 @@ import logging
 import numpy as np
 from PIL import Image
 
+from vlmserve.models.pixels import cast_pixels
+
 log = logging.getLogger(__name__)
-
-
-def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 rounded to nearest even (as MLX casts), as uint16 bit patterns."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    t = bits >> 16  # in place from here: a 448² image is 4.8 MB per pass
-    t &= 1
-    t += 0x7FFF
-    t += bits
-    t >>= 16
-    out = t.astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
-def cast_pixels(x: np.ndarray, pixel_dtype: str | None) -> np.ndarray:
-    """float32 pixels -> what the model's vision tower takes (bfloat16 as uint16 bits)."""
-    if pixel_dtype == "bfloat16":
-        return to_bfloat16_bits(x)
-    if pixel_dtype == "float16":
-        return x.astype(np.float16)
-    return x
 
 
 class QwenImages:
     """Stands in for the processor's `image_processor`: same outputs, cast pixels."""
 
-    def __init__(self, inner, pixel_dtype: str | None, packed: bool = False):
+    def __init__(self, inner, pixel_dtype: str | None, packed: bool = False, max_pixels: int | None = None):
         self.inner = inner
         self.pixel_dtype = pixel_dtype
         self.packed = packed
+        self.size_limits = size_limits(inner, max_pixels)
         values = np.arange(256, dtype=np.uint8).astype(np.float32)
         if inner.do_rescale:
             values = values * inner.rescale_factor
@@ -76,14 +60,14 @@ class QwenImages:
     def __call__(self, images=None, **kwargs):
         flat = images if isinstance(images, (list, tuple)) else [images]
         if kwargs or not flat or not all(isinstance(im, Image.Image) for im in flat):
-            out = dict(self.inner(images=images, **kwargs))
+            out = dict(self.inner(images=images, **{**self.size_limits, **kwargs}))
             out["pixel_values"] = cast_pixels(np.asarray(out["pixel_values"]), self.pixel_dtype)
             return out
         ps = self.inner.patch_size
         frames, grids = [], []
         for image in flat:
             rgb = image if image.mode == "RGB" else image.convert("RGB")
-            h, w = self.inner._resolved_size(rgb.height, rgb.width)
+            h, w = self.inner._resolved_size(rgb.height, rgb.width, **self.size_limits)
             if (h, w) != (rgb.height, rgb.width):
                 rgb = rgb.resize((w, h), resample=Image.BICUBIC)
             frames.append(np.asarray(rgb).reshape(-1))
@@ -107,6 +91,13 @@ class QwenImages:
         return self.inner.patch_size, self.inner.temporal_patch_size, self.inner.merge_size
 
 
+def size_limits(inner, max_pixels: int | None) -> dict[str, int]:
+    """The processor's size limits lowered to the operator's cap (none: the processor's own)."""
+    if not max_pixels:
+        return {}
+    return {"min_pixels": min(inner.min_pixels, max_pixels), "max_pixels": min(inner.max_pixels, max_pixels)}
+
+
 def unpack_patches(raw: np.ndarray, table: np.ndarray, grids: np.ndarray, layout) -> np.ndarray:
     """Packed frames -> the processor's patches: engine/packed_pixels.py's `expand` in NumPy."""
     ps, tps, ms = (int(v) for v in layout)
@@ -127,8 +118,10 @@ def unpack_patches(raw: np.ndarray, table: np.ndarray, grids: np.ndarray, layout
     return out.reshape(rows, 3 * tps * ps * ps)
 
 
-def fast_qwen_images(image_processor, pixel_dtype: str | None, packed: bool = False):
-    """A QwenImages over mlx_vlm's Qwen-VL image processor when it gives the same bits, else None."""
+def fast_qwen_images(image_processor, pixel_dtype: str | None, packed: bool = False, max_pixels: int | None = None):
+    """A QwenImages over mlx_vlm's Qwen-VL image processor when it gives the same bits, else None.
+
+    `max_pixels`: the operator's resize cap, applied through the processor's own size limits."""
     if isinstance(image_processor, QwenImages):  # a processor shared by two servers: re-wrap for this use
         image_processor = image_processor.inner
     if type(image_processor).__module__.split(".")[0] != "mlx_vlm" or not all(
@@ -141,14 +134,16 @@ def fast_qwen_images(image_processor, pixel_dtype: str | None, packed: bool = Fa
             "patch_size",
             "image_mean",
             "image_std",
+            "min_pixels",
+            "max_pixels",
         )
     ):
         return None
     try:
-        fast = QwenImages(image_processor, pixel_dtype, packed)
+        fast = QwenImages(image_processor, pixel_dtype, packed, max_pixels)
         rng = np.random.default_rng(0)
         probe = Image.fromarray(rng.integers(0, 256, (61, 97, 3), dtype=np.uint8))  # resized: odd size
-        want = image_processor(images=[probe])
+        want = image_processor(images=[probe], **fast.size_limits)
         got = fast(images=[probe])
         if packed:
             got = {

@@ -11,7 +11,7 @@ kernel on that backend). The arithmetic per element is unchanged.
 On CUDA that kernel is cuDNN's fused attention (a third off the tower at 32 W1 images on an
 H100), which builds a plan per shape (~70 ms). So a run is cut into power-of-two image
 counts (13 = 8 + 4 + 1): a segment length then needs at most log2(max images) plans, which
-warm-up builds for its image sizes (`MLLMScheduler.warm_vision_plans`).
+warm-up builds for its image sizes (`QwenVLModel.warm_vision_plans`).
 
 The swap is per module instance (its class is replaced by a subclass), so only the model
 the server loaded changes, never another copy of mlx_vlm's classes in the process.

@@ -1,0 +1,256 @@
+"""EngineCore: the model, the scheduler and the runner, stepped on the MLX worker thread.
+
+Each `step()`: drop cancelled requests, admit waiting ones (up to max_num_seqs), spend the
+step's prefill budget, stage the next step's inputs, then run ONE batched decode step for
+all running rows. The scheduler (sched/) decides each phase; the runner (runner/) carries it
+out. Warm-up, which builds the shapes traffic will use before the server reports ready, is
+the core's job too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from vlmserve.config import ServerConfig
+from vlmserve.engine.runner.model_runner import ModelRunner
+from vlmserve.engine.runner.tokenizer import TextCodec
+from vlmserve.engine.sched.request import EngineRequest
+from vlmserve.engine.sched.scheduler import Scheduler
+from vlmserve.models.registry import load_model_adapter
+from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model,
+        tokenizer: TextCodec,
+        *,
+        max_num_seqs: int = 32,
+        prefill_chunk: int = 512,
+        prefill_budget: int | None = None,
+        prefill_bucket: int = 0,
+        prefix_cache_tokens: int = 65536,
+        compile_decode: bool = False,
+        idle_release_s: float = 60.0,
+        hooks: Any = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hooks = hooks
+        self.sched = Scheduler(
+            max_num_seqs=max_num_seqs,
+            prefill_chunk=prefill_chunk,
+            prefill_budget=prefill_budget,
+            prefill_bucket=prefill_bucket,
+        )
+        self.runner = ModelRunner(
+            model, tokenizer, self.sched, prefix_cache_tokens=prefix_cache_tokens, compile_decode=compile_decode,
+            hooks=hooks,
+        )  # fmt: skip
+        self.stats = self.runner.stats
+        self.idle_release_s = idle_release_s  # idle this long before MLX's buffer cache is handed back
+        self._idle_since: float | None = None  # when the last step ran out of work (None: busy, or released)
+
+    @classmethod
+    def load(cls, config: ServerConfig, model_path: Path, tokenizer: TextCodec, hooks: Any = None) -> EngineCore:
+        """Load the model behind its family's adapter and build the core (on the worker thread)."""
+        mx.set_cache_limit(int(config.mlx_cache_limit_gb * (1 << 30)))
+        model = load_model_adapter(model_path, tokenizer.eos_token_ids)
+        if config.max_model_len:
+            model.info.context_length = min(model.info.context_length, config.max_model_len)
+        compile_decode = config.compile_decode == "on" or (
+            config.compile_decode == "auto" and mx.default_device() == mx.gpu
+        )
+        return cls(
+            model,
+            tokenizer,
+            max_num_seqs=config.max_num_seqs,
+            prefill_chunk=config.prefill_chunk,
+            prefill_budget=config.prefill_token_budget,
+            prefill_bucket=config.prefill_bucket,
+            prefix_cache_tokens=config.prefix_cache_tokens,
+            compile_decode=compile_decode,
+            idle_release_s=config.release_cache_after_idle_s,
+            hooks=hooks,
+        )
+
+    @property
+    def info(self):
+        return self.model.info
+
+    @property
+    def prefix_cache(self):
+        return self.runner.prefix_cache
+
+    @property
+    def flush_events(self) -> Callable[[], None]:
+        return self.runner.flush_events
+
+    @flush_events.setter
+    def flush_events(self, fn: Callable[[], None]) -> None:
+        """Hands the events emitted so far over now (the engine's; called mid-step too)."""
+        self.runner.flush_events = fn
+
+    # ---- any thread ------------------------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        self.sched.add(req)
+
+    @property
+    def num_running(self) -> int:
+        return self.sched.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.sched.num_waiting
+
+    # ---- worker thread -------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.sched.has_requests() or self.runner.inflight is not None
+
+    def step(self) -> None:
+        self.stats.steps += 1
+        self.sched.take_inbox()
+        self._drop_cancelled()
+        self._admit()
+        if self.runner.inflight is not None and self.sched.prefilling:
+            # Prefill holds this thread for a while (vision, embeddings, forward): hand out the
+            # previous decode step's tokens first, not after it (the first tokens of the group
+            # admitted one step earlier would otherwise wait for this step's group).
+            self.runner.read_inflight()
+            self.runner.flush_events()
+        self._prefill()
+        self.runner.stage(self.sched.to_stage())
+        self.runner.decode()
+        self._idle_since = None if self.has_work() else time.monotonic()
+
+    def _drop_cancelled(self) -> None:
+        gone = self.sched.take_cancelled()
+        for req in gone.waiting:
+            req.emit(TokenEvent(finish_reason=FinishReason.ABORT))
+        for seq in gone.prefilling + gone.running:
+            self.runner.finish(seq, FinishReason.ABORT)
+        self.runner.remove_rows(gone.running)
+
+    def _admit(self) -> None:
+        admitted, failed = self.sched.admit(self.runner.new_row)
+        for req, exc in failed:
+            log.error("request %s failed at admission: %r", req.request_id, exc, exc_info=exc)
+            req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=f"admission failed: {type(exc).__name__}"))
+        if self.hooks:
+            for seq in admitted:
+                self.hooks.on_admit(seq.req)
+
+    def _prefill(self) -> None:
+        # The new requests this step's budget reaches are embedded in one call, so their images
+        # go through the vision tower together.
+        todo, _ = self.sched.unembedded_in_budget()
+        if len(todo) >= 2:
+            self.runner.embed_together(todo)
+        plan = self.sched.plan_prefill(self.runner.embed)
+        for seq, exc in plan.failed:
+            self.runner.fail_prefill(seq, exc)
+        for seq, budget in plan.singles:
+            try:
+                self.runner.prefill_single(seq, budget)
+            except Exception as exc:  # one bad request ends only itself
+                self.runner.fail_prefill(seq, exc)
+        if plan.group:
+            try:
+                self.runner.prefill_group(plan.group, self.sched.prefill_bucket)
+            except Exception as exc:  # the batched forward failed: those requests end, others go on
+                for seq in plan.group:
+                    self.runner.fail_prefill(seq, exc)
+
+    def release_idle_memory(self) -> None:
+        """Hand MLX's cached buffers back once idle for `idle_release_s` (other processes share the device).
+
+        Not as soon as work runs out: freeing the pool holds the GIL for tens of ms (an event
+        loop stall), and the next request allocates every buffer again, which roughly doubles
+        its time to first token.
+        """
+        if self._idle_since is not None and time.monotonic() - self._idle_since >= self.idle_release_s:
+            self._idle_since = None
+            mx.clear_cache()
+
+    def fail_all(self, message: str) -> None:
+        """Wake every waiter with an error (worker death or shutdown)."""
+        waiting, admitted = self.sched.clear()
+        for req in waiting:
+            req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=message))
+        for seq in admitted:
+            self.runner.finish(seq, FinishReason.ERROR, error=message)
+        self.runner.drop_all()
+
+    def forget_prefixes(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def cache_gauges(self) -> tuple[float | None, int]:
+        """(prefix cache usage fraction or None without one, tokens in the running rows' KV)."""
+        pc = self.prefix_cache
+        usage = pc.size_tokens / max(1, pc.max_tokens) if pc is not None else None
+        return usage, sum(s.cache_len for s in list(self.sched.running))
+
+    # ---- warm-up (worker thread, before any request) -----------------------------------
+    def warm_up(self, prompts: list[PreparedRequest]) -> None:
+        """Build the shapes real traffic will use: on CUDA a shape seen for the first time costs a
+        kernel compile (tens of ms for a prompt length, more for an image size).
+
+        `prompts` were prepared by the serving side through a client's path (a text prompt
+        first, then one per warm-up image size). Each is generated alone, then one prompt per
+        prefill-length bucket up to a chunk; then the vision tower at every image count one
+        step can batch, and the compiled decode step at every slot bucket up to max_num_seqs and
+        every KV capacity that prompts up to two prefill chunks use (longer ones trace once,
+        when they come)."""
+        jobs = [(f"warmup-{i}", p) for i, p in enumerate(prompts)]
+        bucket = self.sched.prefill_bucket
+        if bucket > 0 and prompts:
+            filler = int(prompts[0].prompt_ids[-1])
+            for length in range(bucket, self.sched.prefill_chunk + 1, bucket):
+                jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=np.full(length + 1, filler, np.int32))))
+        for name, prepared in jobs:  # one at a time: each must be its own shape
+            # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
+            # shape this job is here to compile.
+            self.forget_prefixes()
+            self._generate_alone(name, prepared)
+        self.forget_prefixes()
+        t0, runs = time.perf_counter(), 0
+        for prepared in prompts:
+            if prepared.has_pixels:
+                runs += self.model.warm_vision(prepared, self._vision_batch_limit(prepared))
+        if runs:
+            log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
+        traced = self.runner.batches.warm(self.sched.max_num_seqs, capacity)
+        if traced:
+            log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
+
+    def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
+        """The most images of this request's size one step embeds together: requests are taken
+        until the prefill budget is spent, each counted at most a chunk."""
+        image_token = self.info.image_token_id
+        tokens = int((prepared.prompt_ids == image_token).sum()) if image_token is not None else 0
+        per_image = self.sched.step_tokens(tokens // max(1, prepared.num_images))
+        return min(self.sched.max_num_seqs, self.sched.prefill_budget // per_image + 1)
+
+    def _generate_alone(self, name: str, prepared: PreparedRequest) -> None:
+        events: list[TokenEvent] = []
+        self.add(EngineRequest(name, prepared, _WARMUP_SAMPLING, events.append))
+        while self.has_work():
+            self.step()
+        final = events[-1] if events else None
+        if final is None or final.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            raise RuntimeError(f"warm-up generation failed: {final.error if final else 'no result'}")

@@ -1,0 +1,333 @@
+"""Carries out the scheduler's decisions on the device: embed, prefill, decode, sample, detokenize.
+
+Every request owns its sampler, PRNG key, stop strings, position state and KV cache; it joins
+the running batch's cache (decode_batch.py) once its prompt is in. Runs on the MLX worker only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from vlmserve.engine.runner.decode_batch import DecodeBatches
+from vlmserve.engine.runner.prefix_cache import PrefixCache
+from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
+from vlmserve.engine.runner.text_stream import TextStream
+from vlmserve.engine.runner.tokenizer import TextCodec
+from vlmserve.engine.sched.request import EngineRequest, Sequence
+from vlmserve.engine.sched.scheduler import Scheduler
+from vlmserve.protocol import FinishReason, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
+
+log = logging.getLogger(__name__)
+
+_EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    decode_steps: int = 0
+    batched_prefills: int = 0  # forwards that prefilled several requests at once
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        tokenizer: TextCodec,
+        sched: Scheduler,
+        *,
+        prefix_cache_tokens: int = 65536,
+        compile_decode: bool = False,
+        hooks: Any = None,
+    ):
+        self.model = model  # the family's ModelAdapter (models/)
+        self.tokenizer = tokenizer
+        self.sched = sched
+        self.hooks = hooks
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.eos = set(model.info.eos_token_ids) | set(tokenizer.eos_token_ids)
+        self.context_length = model.info.context_length
+        self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
+        self.batches = DecodeBatches(model, compile_decode)
+        self.stats = StepStats()
+        self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
+        self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
+        self._json_factory = None
+
+    # ---- admission -------------------------------------------------------------------
+    def new_row(self, req: EngineRequest) -> Sequence:
+        sampler = RowSampler.create(req.sampling)
+        if req.sampling.json_mode:
+            sampler.logits_mask = self._json_constraints().new()
+        return Sequence(req=req, sampler=sampler, text=TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop))
+
+    def _json_constraints(self):
+        if self._json_factory is None:
+            from vlmserve.engine.runner.json_mode import JsonConstraintFactory
+
+            self._json_factory = JsonConstraintFactory(self.tokenizer.hf, self.model.info.vocab_size, sorted(self.eos))
+        return self._json_factory
+
+    # ---- embedding -------------------------------------------------------------------
+    def embed(self, seq: Sequence) -> None:
+        """Vision encoder + embeddings (once per request), and the prefix cache for text-only prompts."""
+        if seq.prompt is None:
+            t0 = time.perf_counter()
+            prompt = self.model.embed_prompts([seq.req.prepared], [seq.req.staged_inputs])[0]
+            self._embedded(seq, prompt, time.perf_counter() - t0)
+
+    def embed_together(self, seqs: list[Sequence]) -> None:
+        """Embed several new requests in one call, so their images go through the vision tower
+        together. If that fails, each is embedded alone later (by `embed`) and only a bad one ends."""
+        t0 = time.perf_counter()
+        try:
+            prompts = self.model.embed_prompts([s.req.prepared for s in seqs], [s.req.staged_inputs for s in seqs])
+        except Exception:
+            log.warning("batched embedding of %d requests failed; embedding them one by one", len(seqs), exc_info=True)
+            return
+        share = (time.perf_counter() - t0) / len(seqs)
+        for seq, prompt in zip(seqs, prompts):
+            self._embedded(seq, prompt, share)
+
+    def _embedded(self, seq: Sequence, prompt, seconds: float) -> None:
+        prepared = seq.req.prepared
+        seq.prompt = prompt
+        seq.batchable = PrefixCache.supports(prompt.cache)
+        seq.req.staged_inputs = None  # the prompt holds what it needs of them
+        if self.prefix_cache is not None and not prepared.has_pixels:
+            seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, prompt.cache)
+            if self.hooks:
+                self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
+        mx.async_eval(prompt.embeds)
+        if self.hooks and prepared.has_pixels:
+            self.hooks.on_vision(seconds)
+
+    def stage(self, reqs: list[EngineRequest]) -> None:
+        """Copy these requests' inputs to the device now, ahead of their embedding.
+
+        Those copies are host work. Done at the next step's start, the device idles through
+        them (about a millisecond per image request). Here they overlap the prefill just
+        launched (its last command buffers are still queued: async_eval returns that far
+        ahead), or the decode step running meanwhile. A failure leaves the copy to the
+        embedding, where it ends only that request."""
+        for req in reqs:
+            try:
+                req.staged_inputs = self.model.stage_inputs(req.prepared)
+            except Exception:  # noqa: BLE001 - embedding copies again and reports it
+                log.warning("staging request %s failed", req.request_id, exc_info=True)
+
+    # ---- prefill ---------------------------------------------------------------------
+    def prefill_single(self, seq: Sequence, budget: int) -> None:
+        """Prefill up to `budget` more of prompt[:-1]; once it is in, the row joins the batch.
+        The last prompt token then rides the next batched decode step, which samples the first
+        token: how mlx_vlm.generate splits the prompt too (chunks, then the last token alone)."""
+        target = seq.num_prompt - 1
+        end = min(target, seq.prefilled + budget)
+        if end > seq.prefilled:
+            t0 = time.perf_counter()
+            self.model.prefill(seq.prompt, seq.prefilled, end)
+            # Queue it and move on: the device runs it between decode steps, no host stall.
+            mx.async_eval([c.state for c in seq.prompt.cache])
+            seq.prefilled = end
+            if self.hooks:
+                self.hooks.on_prefill(time.perf_counter() - t0)
+        if end < target:
+            return
+        self._store_prefix(seq, seq.prompt.cache)
+        self._join([seq], self.model.merge_caches([seq.prompt.cache]))
+
+    def prefill_group(self, group: list[Sequence], bucket: int) -> None:
+        """Whole prompts (but their last token) of several new rows in one left-padded forward."""
+        t0 = time.perf_counter()
+        cache = self.model.prefill_batch([s.prompt for s in group], [s.num_prompt - 1 for s in group], max(1, bucket))
+        self.stats.batched_prefills += 1
+        mx.async_eval([c.state for c in cache])
+        if self.hooks:
+            self.hooks.on_prefill(time.perf_counter() - t0)
+        for i, seq in enumerate(group):
+            seq.prefilled = seq.num_prompt - 1
+            if self._caches_prefix(seq):  # extract() syncs: only when the row will be stored
+                self._store_prefix(seq, [layer.extract(i) for layer in cache])
+        self._join(group, cache)
+
+    def _caches_prefix(self, seq: Sequence) -> bool:
+        """Only text-only prompts enter the prefix cache: a token key cannot tell two images apart."""
+        return self.prefix_cache is not None and not seq.req.prepared.has_pixels and seq.num_prompt > 1
+
+    def _store_prefix(self, seq: Sequence, cache: list[Any]) -> None:
+        if self._caches_prefix(seq):
+            self.prefix_cache.store(seq.req.prepared.prompt_ids[: seq.num_prompt - 1], cache)
+
+    def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
+        """Prefilled rows enter the running batch; their last prompt token is the next input."""
+        for seq in seqs:
+            seq.cache_len = seq.num_prompt - 1
+            seq.last_token = int(seq.req.prepared.prompt_ids[-1])
+        if self.batch is None:
+            self.batch = self.batches.new()
+        self.batch.join(seqs, rows_cache)
+        self.sched.started_decoding(seqs)
+        for seq in seqs:
+            seq.prompt.cache = None  # the batch owns the KV now
+            seq.prompt.embeds = None
+
+    def fail_prefill(self, seq: Sequence, exc: Exception) -> None:
+        log.error("request %s failed in prefill: %r", seq.req.request_id, exc, exc_info=exc)
+        self.sched.drop_prefilling(seq)
+        self.finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
+
+    # ---- decode ----------------------------------------------------------------------
+    def read_inflight(self) -> None:
+        """Hand out the launched decode step's tokens now."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self._resolve(prev)
+
+    def decode(self) -> None:
+        """Launch this step's batched decode, then read back the previous step's tokens.
+
+        The graph for step N+1 is built from step N's still-unevaluated tokens, so the
+        device runs step N+1 while the host detokenizes and emits step N (no per-token sync
+        before launching). Rows whose sampling depends on the previous token's value
+        (penalties, JSON constraint), and a step holding a request's first token, make the step
+        resolve first.
+        """
+        running = self.sched.running
+        prev, self.inflight = self.inflight, None
+        if prev is not None and any(s.sampler.needs_history for s in running):
+            self._resolve(prev)
+            prev = None
+        elif prev is not None and any(s is not None and s.generated == 0 for s in prev[0]):
+            # It holds a request's first token: hand that out now rather than after launching
+            # the next step (a few ms of host time), at the cost of one idle gap on the device.
+            # TTFT is what such a request waits on; this happens once per request.
+            self._resolve(prev)
+            self.flush_events()
+            prev = None
+        if self.sched.running:
+            try:
+                self.inflight = self._launch(prev)
+            except Exception as exc:  # a batch-level failure cannot be attributed to one row
+                log.exception("decode step failed")
+                for seq in list(self.sched.running):
+                    self.finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
+                self.sched.remove_running(list(self.sched.running))
+                self.batch = None
+                return
+        if prev is not None:
+            self._resolve(prev)
+
+    def _launch(self, prev):
+        t0 = time.perf_counter()
+        rows = self.batch.layout()  # row order of this step; None marks an empty slot
+        # Each row's input: its token from the previous (unread) step, or one known on the host
+        # (a row that just joined, or every row when the previous step was already read).
+        prev_rows, prev_tokens = (prev[0], prev[1]) if prev is not None else ([], None)
+        index = {id(s): i for i, s in enumerate(prev_rows) if s is not None}
+        host, order = [], []
+        for seq in rows:
+            if seq is not None and id(seq) in index:
+                order.append(index[id(seq)])
+            else:
+                order.append(len(prev_rows) + len(host))
+                host.append(seq.last_token if seq is not None else 0)
+        if prev_tokens is None:
+            tokens = mx.array(host, dtype=mx.int32)
+        else:
+            tokens = prev_tokens
+            if host:
+                tokens = mx.concatenate([tokens, mx.array(host, dtype=mx.int32)])
+            if order != list(range(tokens.shape[0])):
+                tokens = tokens[mx.array(order, dtype=mx.int32)]
+        logits = self.batch.forward(tokens, rows)
+        live = [s for s in rows if s is not None]
+        next_tokens = sample_batch(logits, [s.sampler if s is not None else _EMPTY_SLOT_SAMPLER for s in rows])
+        lp = log_softmax(logits) if any(s.req.sampling.logprobs for s in live) else None
+        mx.async_eval(next_tokens, *([lp] if lp is not None else []))
+        for seq in live:
+            seq.cache_len += 1
+        self.stats.decode_steps += 1
+        return rows, next_tokens, lp, t0
+
+    def _resolve(self, inflight) -> None:
+        rows, tokens, lp, t0 = inflight
+        ids = tokens.tolist()
+        live = [(i, s) for i, s in enumerate(rows) if s is not None]
+        if self.hooks:
+            self.hooks.on_decode_step(time.perf_counter() - t0, len(live))
+        for i, seq in live:
+            if seq.finished:  # finished or cancelled rows were computed once more; drop that
+                continue
+            try:
+                self._accept(seq, ids[i], lp[i] if lp is not None and seq.req.sampling.logprobs else None)
+            except Exception as exc:  # e.g. a token its detokenizer cannot map: that request ends, the rest go on
+                log.exception("request %s failed on token %d", seq.req.request_id, ids[i])
+                self.finish(seq, FinishReason.ERROR, error=f"decoding the output failed: {type(exc).__name__}")
+        self.remove_rows([s for _, s in live if s.finished and s in self.sched.running])
+
+    def remove_rows(self, gone: list[Sequence]) -> None:
+        if not gone:
+            return
+        self.sched.remove_running(gone)
+        if not self.sched.running:
+            self.batch = None
+        elif self.batch is not None:
+            self.batch.remove(gone)
+
+    # ---- per-token bookkeeping ---------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
+        seq.generated += 1
+        seq.sampler.observe(token)
+        if seq.sampler.logits_mask is not None:
+            seq.sampler.logits_mask.consume(token)
+        seq.last_token = token
+        params = seq.req.sampling
+        event = TokenEvent(token_ids=[token])
+        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            self.finish(seq, FinishReason.STOP, event=event)
+            return
+        if logprobs is not None:
+            event.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
+        event.text = seq.text.add(token)
+        if seq.text.stopped:
+            self.finish(seq, FinishReason.STOP, event=event)
+        elif seq.generated >= params.max_tokens or seq.cache_len + 1 >= self.context_length:
+            self.finish(seq, FinishReason.LENGTH, event=event)
+        else:
+            seq.req.emit(event)
+
+    def _logprob_entry(self, token: int, logprobs: mx.array, top_n: int) -> TokenLogprob:
+        top: list[TopLogprob] = []
+        if top_n > 0:
+            idx = mx.argpartition(-logprobs, top_n - 1)[:top_n]
+            vals = logprobs[idx]
+            order = mx.argsort(-vals)
+            for tid, val in zip(idx[order].tolist(), vals[order].tolist()):
+                top.append(TopLogprob(tid, self.tokenizer.token_text(tid), float(val)))
+        return TokenLogprob(token, self.tokenizer.token_text(token), float(logprobs[token].item()), top)
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, *, event: TokenEvent | None = None, error: str | None = None
+    ) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        event = event or TokenEvent()
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            event.text += seq.text.finish()
+        event.finish_reason = reason
+        event.error = error
+        event.prompt_tokens = seq.num_prompt
+        event.cached_tokens = seq.cached_tokens
+        event.completion_tokens = seq.generated
+        seq.req.emit(event)
+
+    def drop_all(self) -> None:
+        """Forget every row's device state (after the scheduler's queues were emptied)."""
+        self.batch = None
+        self.inflight = None

@@ -1,0 +1,49 @@
+"""A request as the engine holds it, and its row state once admitted. Plain Python, no MLX."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmserve.protocol import PreparedRequest, SamplingParams, TokenEvent
+
+
+@dataclass(eq=False)  # identity semantics: rows are found in lists by `is`, never by value
+class EngineRequest:
+    """What the serving side hands to the engine; `emit` delivers events (called on the worker)."""
+
+    request_id: str
+    prepared: PreparedRequest
+    sampling: SamplingParams
+    emit: Callable[[TokenEvent], None]
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set from any thread; read by the worker at its next step
+    staged_inputs: Any = None  # its arrays already copied to the device (the runner's staging)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """An admitted request's progress. The scheduler reads the counts; the runner's objects
+    (sampler, text stream, embedded prompt) ride along without the scheduler looking inside."""
+
+    req: EngineRequest
+    sampler: Any
+    text: Any
+    prompt: Any = None  # the embedded prompt (models' PromptState) once the runner has embedded it
+    prefilled: int = 0  # prompt tokens already in its KV cache (prefix-cache hits included)
+    cached_tokens: int = 0
+    cache_len: int = 0
+    last_token: int = -1
+    generated: int = 0
+    finished: bool = False
+    batchable: bool = True  # its prompt cache can join a batched prefill (the runner says, when embedding)
+
+    @property
+    def num_prompt(self) -> int:
+        return self.req.prepared.num_prompt_tokens
+
+    @property
+    def embedded(self) -> bool:
+        return self.prompt is not None

@@ -1,0 +1,159 @@
+"""POST /v1/chat/completions: parse, admit and preprocess, then answer whole or as a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from vlmserve.entrypoints.openai import chat_response, sse
+from vlmserve.entrypoints.openai.chat_request import choice_seed, parse_chat_request
+from vlmserve.entrypoints.openai.errors import APIError, error_body, error_response
+from vlmserve.entrypoints.openai.request_body import read_json
+from vlmserve.entrypoints.openai.streams import merge, wait_disconnect
+from vlmserve.protocol import EngineError, FinishReason, TokenEvent, new_request_id
+
+log = logging.getLogger("vlmserve.request")
+
+
+def _engine_error(exc: EngineError) -> APIError:
+    # A 429 (admission's queue_full) says when to retry, as the other "come back later" answers do.
+    headers = {"retry-after": "1"} if exc.status == 429 else None
+    return APIError(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers)
+
+
+async def chat_completions(request: Request) -> Response:
+    try:
+        return await _chat_completions(request)
+    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, never a bare 500 page
+        log.exception("chat completion failed")
+        return error_response(APIError(500, "internal server error", code="internal_error"))
+
+
+async def _chat_completions(request: Request) -> Response:
+    arrival = time.perf_counter()
+    server = request.app.state.server
+    try:
+        server.check_accepting()
+        body = await read_json(request, server.config.max_body_bytes)
+        chat = parse_chat_request(body, server.config, server.model_names, server.context_length)
+        # 429 past --max-waiting; times the CPU pool; 400 past the context (inputs/limits.py)
+        prepared = await server.prepare(chat)
+    except APIError as exc:
+        server.count_failure(exc)
+        return error_response(exc)
+    except EngineError as exc:
+        err = _engine_error(exc)
+        server.count_failure(err)
+        return error_response(err)
+
+    request_id = new_request_id()
+    model = server.model_id
+    created = chat_response.now()
+    streams = []
+    for i in range(chat.n):
+        sampling = chat.sampling
+        if chat.n > 1 and sampling.seed is not None:
+            sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
+        streams.append(server.generate(f"{request_id}-{i}", prepared, sampling, arrival))
+
+    if chat.stream:
+        return StreamingResponse(
+            _sse(request_id, model, created, chat, streams),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    collect = asyncio.create_task(_collect(streams, chat.n, chat.sampling.logprobs))
+    disconnect = asyncio.create_task(wait_disconnect(request))
+    done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if collect not in done:  # the client left: cancelling the task aborts every choice
+        collect.cancel()
+        await asyncio.gather(collect, return_exceptions=True)
+        return Response(status_code=499)
+    disconnect.cancel()
+    try:
+        choices, usage = collect.result()
+    except EngineError as exc:
+        return error_response(_engine_error(exc))
+    except _ChoiceFailed as exc:
+        return error_response(APIError(exc.status, exc.message, code=exc.code))
+    return JSONResponse(chat_response.completion_response(request_id, model, created, choices, usage))
+
+
+class _ChoiceFailed(Exception):
+    def __init__(self, message: str, status: int = 500, code: str | None = "generation_failed"):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+def _failure(event: TokenEvent) -> _ChoiceFailed:
+    if event.finish_reason == FinishReason.ABORT:
+        return _ChoiceFailed("the request was aborted", 503, "aborted")
+    return _ChoiceFailed(event.error or "generation failed")
+
+
+async def _collect(streams, n: int, want_logprobs: bool):
+    texts = [""] * n
+    logprobs: list[list] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    prompt = cached = completion = 0
+    async for i, event in merge(streams):
+        if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            raise _failure(event)
+        texts[i] += event.text
+        logprobs[i].extend(event.logprobs)
+        if event.finish_reason is not None:
+            finish[i] = chat_response.finish_reason_str(event.finish_reason)
+            prompt, cached = event.prompt_tokens, event.cached_tokens
+            completion += event.completion_tokens
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i], "refusal": None},
+            "logprobs": chat_response.logprobs_dict(logprobs[i]) if want_logprobs else None,
+            "finish_reason": finish[i],
+        }
+        for i in range(n)
+    ]
+    return choices, chat_response.usage_dict(prompt, completion, cached)
+
+
+async def _sse(request_id, model, created, chat, streams):
+    lines = sse.ChunkLines(request_id, model, created, chat.include_usage)
+    for i in range(chat.n):
+        yield lines.choice(i, {"role": "assistant", "content": ""})
+    prompt = cached = completion = 0
+    try:
+        async for i, event in merge(streams):
+            if event.finish_reason is None and not event.logprobs:
+                if event.text:  # the common chunk: pre-rendered, see sse.py
+                    yield lines.content(i, event.text)
+                continue
+            if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                failure = _failure(event)
+                yield sse.line(error_body(failure.status, failure.message, failure.code))
+                return
+            yield lines.choice(
+                i,
+                {"content": event.text} if event.text else {},
+                chat_response.logprobs_dict(event.logprobs) if event.logprobs else None,
+                chat_response.finish_reason_str(event.finish_reason),
+            )
+            if event.finish_reason is not None:
+                prompt, cached = event.prompt_tokens, event.cached_tokens
+                completion += event.completion_tokens
+    except EngineError as exc:
+        yield sse.line(error_body(exc.status, exc.message, exc.code, exc.param))
+        return
+    except Exception:  # noqa: BLE001 - the headers are gone: report it as the stream's one error event
+        log.exception("stream failed")
+        yield sse.line(error_body(500, "internal server error", "internal_error"))
+        return
+    if chat.include_usage:
+        yield lines.chunk([], chat_response.usage_dict(prompt, completion, cached))
+    yield "data: [DONE]\n\n"

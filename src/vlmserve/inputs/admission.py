@@ -1,0 +1,110 @@
+"""Admission to preprocessing: how much work may wait for the CPU, and which pool takes a request.
+
+A request is counted from admission until its preprocessing job ends: in choices (`n`) against
+--max-waiting, together with the engine's own waiting requests, and in requests against
+--max-pending-preprocess. With --preprocess-processes it then goes to this process's thread pool
+or to the preprocessing processes (pool.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+from vlmserve.config import ServerConfig
+from vlmserve.inputs.pool import PreprocessProcesses
+from vlmserve.inputs.preprocess import Preprocessor
+from vlmserve.metrics import Metrics
+from vlmserve.protocol import ChatRequest, EngineError, PreparedRequest
+
+QUEUE_FULL_MESSAGE = "too many requests are waiting; retry later"
+
+
+def queue_full() -> EngineError:
+    """429: the HTTP layer adds `retry-after`."""
+    return EngineError(QUEUE_FULL_MESSAGE, code="queue_full", status=429)
+
+
+class Admission:
+    # With --preprocess-processes, this many requests at a time still preprocess on the thread
+    # pool, the rest go to the processes: alone, a request pays no pickling (c=1 TTFT), and one
+    # thread's GIL share is small; a burst is what the processes are for.
+    in_process_preprocess_limit = 1
+
+    def __init__(self, config: ServerConfig, metrics: Metrics, engine_waiting: Callable[[], int]):
+        self.config = config
+        self.metrics = metrics
+        self._engine_waiting = engine_waiting  # requests the engine holds but has not started
+        self.preprocessor: Preprocessor | None = None  # set once the model's processor is loaded
+        self.processes: PreprocessProcesses | None = None  # --preprocess-processes
+        # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
+        self._lock = threading.Lock()
+        self.pending_choices = 0
+        self.pending_requests = 0
+        self._in_process_jobs = 0  # of those, preprocessing on this process's thread pool
+
+    def check_capacity(self, n: int) -> None:
+        """429 when n more choices would push the waiting work past max_waiting."""
+        if self._engine_waiting() + self.pending_choices + n > self.config.max_waiting:
+            raise queue_full()
+
+    def reserve(self, n: int) -> bool:
+        """Count the request as pending; True when it is to preprocess on the thread pool."""
+        # Runs on the event loop with no await between check and increment: a burst cannot
+        # all pass the check before any of it is counted.
+        with self._lock:
+            self.check_capacity(n)
+            if self.pending_requests + 1 > self.config.max_pending_preprocess:
+                raise queue_full()
+            self.pending_choices += n
+            self.pending_requests += 1
+            in_process = self.processes is None or self._in_process_jobs < self.in_process_preprocess_limit
+            self._in_process_jobs += in_process
+        self.metrics.preprocessed("threads" if in_process else "processes")
+        return in_process
+
+    def release(self, n: int, in_process: bool) -> None:  # when the pool job ends (any thread)
+        with self._lock:
+            self.pending_choices -= n
+            self.pending_requests -= 1
+            self._in_process_jobs -= in_process
+
+    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
+        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing.
+
+        The reservation is released when the pool job ends, not when this await is cancelled,
+        so a client that leaves cannot make room while its work still occupies the pool.
+        """
+        in_process = self.reserve(chat.n)
+        t0 = time.perf_counter()
+
+        def done() -> None:
+            self.metrics.preprocess.observe(time.perf_counter() - t0)
+            self.release(chat.n, in_process)
+
+        if in_process:
+            return await self._prepare_in_process(chat, done)
+        return await self.processes.prepare(chat, on_done=done)
+
+    async def _prepare_in_process(self, chat: ChatRequest, done: Callable[[], None]) -> PreparedRequest:
+        try:
+            images = await self.preprocessor.fetch_images(chat)
+        except BaseException:
+            done()
+            raise
+
+        def job() -> PreparedRequest:
+            try:
+                return self.preprocessor.encode_chat(chat, images)
+            finally:
+                done()
+
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self.preprocessor.pool, job)
+        except BaseException:
+            done()
+            raise
+        return await future

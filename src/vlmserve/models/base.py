@@ -1,0 +1,77 @@
+"""The ModelAdapter protocol: everything the engine and the preprocessing need to know of a family.
+
+Two halves, so the CPU side never loads MLX work:
+- `ProcessorAdapter` (CPU, no MLX): how the family's processor is used on the preprocessing
+  pool. The generic class here serves any mlx-vlm processor; a family may override parts.
+- `ModelAdapter` (device, MLX worker thread only): embed prompts, prefill, decode. The generic
+  implementation is `models/generic.py`; a family's fast path subclasses it.
+`models/registry.py` maps a config's model_type to both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from PIL import Image
+
+from vlmserve.protocol import ModelInfo, PreparedRequest
+
+
+class ProcessorAdapter:
+    """The CPU half, for any mlx-vlm processor."""
+
+    # Processor outputs that may be shipped as bfloat16 bit patterns (uint16) when the model
+    # casts them to bfloat16 first (ModelInfo.pixel_dtype).
+    bfloat16_inputs: tuple[str, ...] = ("pixel_values",)
+
+    def prepare_processor(self, processor, pixel_dtype: str | None, max_pixels: int | None = None):
+        """The processor preprocessing calls; a family may swap in a faster twin with the same outputs.
+
+        `max_pixels` (--max-pixels): a family whose processor resizes anyway may apply the cap
+        there (one resize) and pass images through `cap_image`; here `cap_image` applies it.
+        Called once, by the one preprocessor that owns this adapter."""
+        return processor
+
+    def cap_image(self, image: Image.Image, max_pixels: int | None) -> Image.Image:
+        """Operator resize cap: shrink (never grow) so that width*height <= max_pixels."""
+        if not max_pixels or image.width * image.height <= max_pixels:
+            return image
+        scale = (max_pixels / (image.width * image.height)) ** 0.5
+        size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+        return image.resize(size, Image.Resampling.BICUBIC)
+
+
+class ModelAdapter(Protocol):
+    """The device half. Runs on the MLX worker thread only."""
+
+    info: ModelInfo
+    model: Any
+    language_model: Any
+
+    def stage_inputs(self, prepared: PreparedRequest) -> dict[str, Any]:
+        """A request's arrays copied into MLX now, ahead of its embedding."""
+
+    def embed_prompts(self, prepared: list[PreparedRequest], staged: list[dict | None] | None = None) -> list[Any]:
+        """Embed several prompts (vision tower + merge); one PromptState each."""
+
+    def prefill(self, state: Any, start: int, end: int) -> Any:
+        """Run prompt positions [start, end) into the request's own cache."""
+
+    def prefill_batch(self, states: list[Any], lengths: list[int], bucket: int = 1) -> list[Any]:
+        """Prefill several prompts in one left-padded forward; returns their batch cache."""
+
+    def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
+        """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache."""
+
+    def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
+        """Per-request caches -> one batch cache per layer."""
+
+    def decode_positions(self, rows: list[Any]) -> Any:
+        """Each row's position for its next token, or None where the model derives it from the cache."""
+
+    def decode(self, tokens: Any, batch_cache: list[Any], positions: Any) -> Any:
+        """One step for every running row; returns logits (B, V)."""
+
+    def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
+        """Build the vision tower's shapes for this request's image sizes at up to `max_images`
+        images per call; returns the tower runs made (0 where nothing needs building)."""

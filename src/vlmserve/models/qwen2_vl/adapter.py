@@ -1,0 +1,140 @@
+"""Qwen2-VL / Qwen2.5-VL fast paths over the generic adapter.
+
+- Pixels arrive packed (processing.py): uint8 frames plus a table, expanded into patches here.
+- All images of several prompts share one vision-tower call (the tower takes many images'
+  patches with their grids), and image prompts are embedded from host-side indices
+  (embedding.py), so the worker never waits on a device read while embedding.
+- The tower's attention runs one SDPA per run of equal-length segments (vision_attention.py),
+  and warm-up builds its cuDNN plans per image size.
+- On CUDA a decode step over the slot cache takes the fused layer path (decode.py).
+Each is tested equal to `GenericModel`'s path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.models import cache as vlm_cache
+
+from vlmserve.engine.ops import cuda_kernels
+from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions
+from vlmserve.models.qwen2_vl import decode as qwen_decode
+from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
+from vlmserve.protocol import PreparedRequest
+
+
+def image_grids(prepared: PreparedRequest) -> np.ndarray:
+    """The (t, h, w) patch grid of each of a request's images, (N, 3)."""
+    grids = prepared.model_inputs.get("image_grid_thw")
+    return np.zeros((0, 3), dtype=np.int64) if grids is None else np.asarray(grids).reshape(-1, 3)
+
+
+class QwenVLModel(GenericModel):
+    def install_fast_paths(self) -> None:
+        vision_attention.install(self.model.vision_tower)
+        super().install_fast_paths()
+        self.fast_decode = qwen_decode.supports(self.language_model)
+
+    def pixel_dtype(self) -> str | None:
+        # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        return {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype)
+
+    # ---- prompt ---------------------------------------------------------------
+    def stage_inputs(self, prepared: PreparedRequest) -> dict[str, mx.array]:
+        host = prepared.model_inputs
+        inputs = device_inputs({k: v for k, v in host.items() if k != "pixel_layout"}, prepared.bfloat16_inputs)
+        if "pixel_bytes" in inputs:  # packed frames: the patches are made here, on the device
+            inputs["pixel_values"] = packed_pixels.expand(
+                inputs.pop("pixel_bytes"), inputs.pop("pixel_table"), image_grids(prepared), host["pixel_layout"]
+            )
+        return inputs
+
+    def embed_prompts(
+        self, prepared: list[PreparedRequest], staged: list[dict[str, mx.array] | None] | None = None
+    ) -> list[PromptState]:
+        """All images of these prompts go through one vision-tower call (one launch sequence
+        instead of one per image); image prompts are embedded from host-side indices."""
+        staged = staged or [None] * len(prepared)
+        inputs = {id(p): s for p, s in zip(prepared, staged) if s is not None}
+        with_images = [p for p in prepared if p.has_pixels]
+        if not with_images:
+            return [self.embed_prompt(p, inputs=inputs.get(id(p))) for p in prepared]
+        tower = self.model.vision_tower
+        dtype = tower.patch_embed.proj.weight.dtype
+        for p in with_images:  # one host->device copy per request not staged already
+            if id(p) not in inputs:
+                inputs[id(p)] = self.stage_inputs(p)
+        pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
+        grids = {id(p): image_grids(p) for p in with_images}
+        features = self._tower(pixels, np.concatenate(list(grids.values())))
+        # Start the tower now: the per-request embedding below is host work (M-RoPE positions),
+        # done while the device runs the tower's last command buffers instead of before them.
+        mx.async_eval(features)
+        merge = self.model.config.vision_config.spatial_merge_size**2
+        rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]
+        per_request = dict(zip(grids, mx.split(features, rows.tolist())))
+        return [
+            self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs[id(p)])
+            if id(p) in per_request
+            else self.embed_prompt(p, inputs=inputs.get(id(p)))
+            for p in prepared
+        ]
+
+    def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
+        """All images' features from one vision-tower call."""
+        if self.info.model_type == "qwen2_vl":
+            return embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid)
+        return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)
+
+    def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
+        return sum(len(self.warm_vision_plans(tuple(grid), max_images)) for grid in image_grids(prepared).tolist())
+
+    def warm_vision_plans(self, grid_thw: tuple[int, int, int], max_images: int) -> list[int]:
+        """Run the tower at every power-of-two image count up to `max_images` of one image size,
+        so cuDNN's attention plans for that size exist before traffic (vision_attention);
+        returns the counts run (none where the tower's attention does not go to cuDNN)."""
+        if not cuda_kernels.cudnn_enabled():
+            return []
+        vc = self.model.config.vision_config
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        counts = [1 << i for i in range(max(1, max_images).bit_length())]
+        for n in counts:
+            pixels = mx.zeros((n * int(np.prod(grid_thw)), width), dtype=dtype)
+            mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
+        return counts
+
+    def _embed_image_prompt(
+        self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray, inputs: dict[str, mx.array]
+    ) -> PromptState:
+        ids = prepared.prompt_ids.astype(np.int32)
+        cfg = self.language_model.config  # what mlx_vlm's get_rope_index reads
+        found = embedding.mrope_positions(
+            ids,
+            grid,
+            image_token=cfg.image_token_id,
+            video_token=cfg.video_token_id,
+            vision_start=cfg.vision_start_token_id,
+            merge=cfg.vision_config.spatial_merge_size,
+        )
+        if found is None:  # a prompt outside the image path: mlx_vlm's own code, with these features
+            return self.embed_prompt(prepared, features, inputs)
+        positions, rope_delta = found
+        input_ids = mx.array(ids)[None]
+        embeds = self.language_model.model.embed_tokens(input_ids)
+        return PromptState(
+            input_ids=input_ids,
+            embeds=embedding.merge_image_features(embeds, features, ids, self.model.config.image_token_id),
+            position_ids=mx.array(positions)[:, None, :],
+            position_offset=rope_delta,
+            cache=vlm_cache.make_prompt_cache(self.language_model),
+        )
+
+    # ---- batched decode ------------------------------------------------------
+    def decode(self, tokens: mx.array, batch_cache: list[Any], positions: mx.array | None) -> mx.array:
+        if positions is not None and self.fast_decode and qwen_decode.applies(batch_cache):
+            return qwen_decode.forward(self.language_model, tokens, batch_cache, mrope_decode_positions(positions))
+        return super().decode(tokens, batch_cache, positions)

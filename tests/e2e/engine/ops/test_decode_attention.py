@@ -1,0 +1,109 @@
+"""Decode attention over the slot cache: the CUDA kernel agrees with the composed attention;
+elsewhere mlx_vlm's own path runs unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vlmserve.engine.ops import decode_attention
+
+
+def test_installed_and_passes_through_off_cuda(qwen_server):
+    import mlx_vlm.models.qwen2_vl.language as language
+
+    assert language.scaled_dot_product_attention is decode_attention.scaled_dot_product_attention
+
+    def compare():
+        import mlx.core as mx
+
+        from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
+
+        q = mx.random.normal((2, 4, 1, 32), key=mx.random.key(0))
+        k = mx.random.normal((2, 2, 16, 32), key=mx.random.key(1))
+        cache = SlotLayerCache(k, k, mx.array([3, 9], dtype=mx.int32))
+        mask = cache.make_mask(1)
+        ours = decode_attention.scaled_dot_product_attention(q, k, k, cache, scale=0.2, mask=mask)
+        ref = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.2, mask=mask)
+        return np.array(ours), np.array(ref), decode_attention.available(q, k)
+
+    ours, ref, on_cuda = qwen_server.on_worker(compare)
+    if on_cuda:
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(ours, ref)
+
+
+def _float32_attention(q, k, v, lengths, scale):
+    import mlx.core as mx
+
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = (mx.repeat(t.astype(mx.float32), rep, axis=1) for t in (k, v))
+    s = (q.astype(mx.float32) @ kk.transpose(0, 1, 3, 2)) * scale
+    s = mx.where(mx.arange(k.shape[2])[None, None, None, :] < lengths[:, None, None, None], s, -mx.inf)
+    return mx.softmax(s, axis=-1) @ vv
+
+
+# (batch, query heads, KV heads, head dim, capacity, lengths): Qwen2-VL-2B's GQA, plain multi-head
+# attention at a small head dim, and few query heads of a wide head per KV head.
+_LAYOUTS = [(5, 12, 2, 128, 300, [1, 7, 300, 150, 64]), (3, 8, 8, 64, 96, [96, 1, 33]), (2, 16, 4, 256, 70, [70, 2])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+@pytest.mark.parametrize("layout", _LAYOUTS, ids=["gqa6", "mha", "wide"])
+def test_kernel_matches_float32_attention(qwen_server, dtype, atol, layout):
+    """Each launch shape the kernel may take for this layout agrees with float32 attention,
+    and gives the same result on a second call."""
+    batch, q_heads, kv_heads, dim, capacity, lengths = layout
+
+    def compare():
+        import mlx.core as mx
+
+        q = mx.random.normal((batch, q_heads, 1, dim), key=mx.random.key(2)).astype(getattr(mx, dtype))
+        k = mx.random.normal((batch, kv_heads, capacity, dim), key=mx.random.key(3)).astype(getattr(mx, dtype))
+        v = mx.random.normal((batch, kv_heads, capacity, dim), key=mx.random.key(4)).astype(getattr(mx, dtype))
+        if not decode_attention.available(q, k):
+            return None
+        n = mx.array(lengths, dtype=mx.int32)
+        ref = np.array(_float32_attention(q, k, v, n, dim**-0.5))
+        shapes, results = decode_attention.SHAPES, []
+        try:
+            for shape in shapes:
+                decode_attention.SHAPES = (shape,)
+                if decode_attention.serves(q, k):
+                    first, second = (decode_attention.attend(q, k, v, n, dim**-0.5) for _ in range(2))
+                    results.append((shape, np.array(first.astype(mx.float32)), np.array(second.astype(mx.float32))))
+        finally:
+            decode_attention.SHAPES = shapes
+        return ref, results
+
+    result = qwen_server.on_worker(compare)
+    if result is None:
+        pytest.skip("the kernel runs on CUDA only")
+    ref, results = result
+    assert results, "no launch shape serves this layout"
+    for shape, first, second in results:
+        np.testing.assert_allclose(first, ref, atol=atol, err_msg=f"launch shape {shape}")
+        np.testing.assert_array_equal(first, second, err_msg=f"launch shape {shape}")
+
+
+def test_kernel_only_for_shapes_it_serves(qwen_server):
+    """Other shapes keep mlx_vlm's path on every backend."""
+
+    def check():
+        import mlx.core as mx
+
+        def serves(q_shape, k_shape, dtype=mx.bfloat16, k_dtype=None):
+            return decode_attention.serves(mx.zeros(q_shape, dtype), mx.zeros(k_shape, k_dtype or dtype))
+
+        return [
+            serves((2, 12, 1, 128), (2, 2, 64, 128)),  # the Qwen2-VL-2B decode step
+            serves((2, 64, 1, 256), (2, 1, 64, 256)),  # 64 wide query heads per KV head: one per block
+            serves((2, 12, 4, 128), (2, 2, 64, 128)),  # a prefill chunk, not one token
+            serves((2, 12, 1, 80), (2, 2, 64, 80)),  # head dim not a multiple of 32
+            serves((2, 12, 1, 128), (2, 5, 64, 128)),  # query heads not a multiple of KV heads
+            serves((2, 12, 1, 128), (2, 2, 64, 128), k_dtype=mx.float16),
+        ]  # query and cache dtypes differ
+
+    assert qwen_server.on_worker(check) == [True, True, False, False, False, False]

@@ -1,0 +1,477 @@
+"""Issue 3 acceptance: continuous batching equals single runs, per-step admission,
+prefix cache isolation, per-request sampling, cancellation and error isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from support.helpers import chat_body, data_uri, images
+from support.reference import mlx_vlm_text
+from support.server import start_server
+
+MAX_TOKENS = 16
+
+
+def _mixed_requests():
+    """16 requests: text-only, one image, two images, different image sizes."""
+    imgs = images()
+    reqs = []
+    for i in range(16):
+        kind = i % 4
+        text = f"Request {i}: describe what you see, item {i * 7 % 11}."
+        if kind == 0:
+            paths = []
+        elif kind == 3:
+            paths = [imgs[i % len(imgs)], imgs[(i + 1) % len(imgs)]]
+        else:
+            paths = [imgs[i % len(imgs)]]
+        reqs.append((text, paths))
+    return reqs
+
+
+async def _post(client, body):
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _body(server, text, paths, **kw):
+    return chat_body(server.model_id, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS, temperature=0, **kw)
+
+
+def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
+    reqs = _mixed_requests()
+
+    async def alone():
+        async with httpx.AsyncClient(base_url=any_server.base_url, timeout=120) as c:
+            return [(await _post(c, _body(any_server, t, p)))["choices"][0]["message"]["content"] for t, p in reqs]
+
+    async def together():
+        """The first 8 reach the scheduler while the worker is held (admitted and prefilled in one
+        step, as a group); the other 8 arrive staggered, joining a batch that is decoding."""
+        gate = threading.Event()
+        any_server.engine.worker.submit(gate.wait, 30)
+        async with httpx.AsyncClient(base_url=any_server.base_url, timeout=120) as c:
+
+            async def one(i, t, p):
+                if i >= 8:
+                    await asyncio.sleep(0.01 * (i - 7))
+                return (await _post(c, _body(any_server, t, p)))["choices"][0]["message"]["content"]
+
+            first = [asyncio.create_task(one(i, t, p)) for i, (t, p) in enumerate(reqs[:8])]
+            while any_server.engine.core.num_waiting < 8:
+                await asyncio.sleep(0.005)
+            gate.set()
+            rest = [asyncio.create_task(one(i + 8, t, p)) for i, (t, p) in enumerate(reqs[8:])]
+            return await asyncio.gather(*first, *rest)
+
+    singles = asyncio.run(alone())
+    stats = any_server.engine.core.stats
+    steps_before, grouped_before = stats.decode_steps, stats.batched_prefills
+    batched = asyncio.run(together())
+    steps = stats.decode_steps - steps_before
+    assert batched == singles
+    assert steps < 16 * MAX_TOKENS / 2, "requests were not decoded together"
+    assert stats.batched_prefills > grouped_before, "no prompts were prefilled together"
+    for (text, paths), got in zip(reqs, singles):
+        assert got == mlx_vlm_text(any_server, text, paths, MAX_TOKENS)
+
+
+def test_new_request_is_admitted_while_others_decode(qwen_server):
+    long_body = chat_body(
+        qwen_server.model_id, "Tell a very long story.", max_tokens=300, temperature=0, ignore_eos=True
+    )
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            finished = []
+
+            async def long(i):
+                await _post(c, {**long_body, "messages": [{"role": "user", "content": f"story {i}"}]})
+                finished.append(time.monotonic())
+
+            tasks = [asyncio.create_task(long(i)) for i in range(8)]
+            while qwen_server.engine.core.stats.decode_steps == 0 or qwen_server.engine.num_running < 8:
+                await asyncio.sleep(0.005)
+            first_token = None
+            body = _body(qwen_server, "Quick question", [images()[0]], stream=True)
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        delta = json.loads(line[6:])["choices"][0]["delta"]
+                        if delta.get("content"):
+                            first_token = time.monotonic()
+                            break
+            await asyncio.gather(*tasks)
+            return first_token, finished
+
+    first_token, finished = asyncio.run(scenario())
+    assert first_token is not None
+    assert first_token < min(finished), "the new request waited for the running batch to drain"
+
+
+def test_prefix_cache_never_serves_image_requests(qwen_server):
+    text = "Prefix cache probe: what colour is the dominant object in the picture?"
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            first = await _post(c, _body(qwen_server, text, []))
+            again = await _post(c, _body(qwen_server, text, []))
+            a, b = await asyncio.gather(
+                _post(c, _body(qwen_server, text, [images()[0]])), _post(c, _body(qwen_server, text, [images()[2]]))
+            )
+            return first, again, a, b
+
+    pc = qwen_server.engine.core.prefix_cache
+    first, again, a, b = asyncio.run(run())
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert a["choices"][0]["message"]["content"] == mlx_vlm_text(qwen_server, text, [images()[0]], MAX_TOKENS)
+    assert b["choices"][0]["message"]["content"] == mlx_vlm_text(qwen_server, text, [images()[2]], MAX_TOKENS)
+    assert pc.size_tokens > 0
+
+
+def test_mixed_sampling_in_one_batch(qwen_server):
+    greedy = _body(qwen_server, "Greedy row", [images()[1]])
+    seeded = _body(qwen_server, "Seeded row", [images()[1]]) | {"temperature": 0.9, "top_p": 0.9, "seed": 1234}
+    others = [_body(qwen_server, f"noise {i}", []) | {"temperature": 1.3, "top_k": 20} for i in range(6)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            g_alone = await _post(c, greedy)
+            s_alone = await _post(c, seeded)
+            results = await asyncio.gather(*(_post(c, b) for b in [greedy, seeded, *others]))
+            return g_alone, s_alone, results
+
+    g_alone, s_alone, results = asyncio.run(run())
+    text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+    assert text(results[0]) == text(g_alone)
+    assert text(results[1]) == text(s_alone)
+    assert text(g_alone) == mlx_vlm_text(qwen_server, "Greedy row", [images()[1]], MAX_TOKENS)
+    assert len({text(r) for r in results[2:]}) > 1, "sampled rows shared one random stream"
+
+
+def _wait_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while server.engine.num_running + server.engine.num_waiting > 0:
+        assert time.monotonic() < deadline, "rows were not freed"
+        time.sleep(0.01)
+
+
+def test_disconnect_and_cancel_free_rows(qwen_server):
+    body = chat_body(qwen_server.model_id, "Go on forever.", max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def stream_then_leave():
+        async with (
+            httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c,
+            c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r,
+        ):
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if n > 5:
+                    break  # leaving the block closes the connection
+
+    async def post_then_cancel():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            task = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+            while qwen_server.engine.num_running == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(stream_then_leave())
+    _wait_idle(qwen_server)
+    asyncio.run(post_then_cancel())
+    _wait_idle(qwen_server)
+    assert qwen_server.engine.core.runner.batch is None
+
+
+def test_failing_request_leaves_others_unchanged(qwen_server, monkeypatch):
+    vlm = qwen_server.engine.core.model
+    tokenizer = qwen_server.engine.tokenizer.hf
+
+    def poisoned(real):  # each request's own embedding step: mlx_vlm's, or the Qwen host-index one
+        def embed(prepared, *args):
+            if "POISON" in tokenizer.decode(prepared.prompt_ids.tolist()):
+                raise RuntimeError("injected failure")
+            return real(prepared, *args)
+
+        return embed
+
+    good = [_body(qwen_server, f"healthy {i}", [images()[i % 3]]) for i in range(4)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            alone = [await _post(c, b) for b in good]
+            monkeypatch.setattr(vlm, "embed_prompt", poisoned(vlm.embed_prompt))
+            monkeypatch.setattr(vlm, "_embed_image_prompt", poisoned(vlm._embed_image_prompt))
+            bad = c.post("/v1/chat/completions", json=_body(qwen_server, "POISON pill", [images()[0]]))
+            results = await asyncio.gather(bad, *(_post(c, b) for b in good))
+            return alone, results
+
+    alone, results = asyncio.run(run())
+    assert results[0].status_code == 500
+    assert results[0].json()["error"]["message"]
+    assert [r["choices"][0]["message"]["content"] for r in results[1:]] == [
+        r["choices"][0]["message"]["content"] for r in alone
+    ]
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager():
+    """The compiled decode step (the GPU default) gives the eager path's tokens, alone and batched,
+    with rows joining and leaving the slots mid-decode. Both servers start fresh with the same
+    settings (no prefix cache), so prompts are prefilled the same way on both."""
+    from support.server import start_server
+
+    settings = dict(max_num_seqs=4, prefix_cache_tokens=0)
+    compiled = start_server("qwen2_vl", compile_decode="on", **settings)
+    eager = start_server("qwen2_vl", compile_decode="off", **settings)
+    try:
+        assert compiled.engine.core.runner.batches.compiled and not eager.engine.core.runner.batches.compiled
+        reqs = _mixed_requests()[:8]
+
+        async def run(target, concurrent):
+            async with httpx.AsyncClient(base_url=target.base_url, timeout=120) as c:
+                bodies = [
+                    chat_body(
+                        target.model_id, t, [data_uri(x) for x in p], temperature=0, max_tokens=MAX_TOKENS + 4 * (i % 3)
+                    )
+                    for i, (t, p) in enumerate(reqs)
+                ]
+                if concurrent:
+                    outs = await asyncio.gather(*(_post(c, b) for b in bodies))
+                else:
+                    outs = [await _post(c, b) for b in bodies]
+                return [o["choices"][0]["message"]["content"] for o in outs]
+
+        for concurrent in (False, True):
+            assert asyncio.run(run(compiled, concurrent)) == asyncio.run(run(eager, concurrent))
+    finally:
+        compiled.stop()
+        eager.stop()
+
+
+def test_running_rows_get_their_tokens_before_a_prefill_step(qwen_server, monkeypatch):
+    """A step that prefills holds the worker for vision + prefill: the running rows' tokens from
+    the previous decode step are read and handed to the event loop before that work, not after."""
+    engine = qwen_server.engine
+    core = engine.core
+    real = core._prefill
+    seen = []
+
+    def watched():
+        if core.sched.prefilling and core.sched.running:  # a prefill while other rows decode
+            seen.append((core.runner.inflight is None, not engine._outbox))
+        return real()
+
+    monkeypatch.setattr(core, "_prefill", watched)
+    long_body = chat_body(qwen_server.model_id, "Tell a long story.", max_tokens=120, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            tasks = [asyncio.create_task(_post(c, long_body)) for _ in range(3)]
+            while core.stats.decode_steps == 0 or engine.num_running < 3:
+                await asyncio.sleep(0.005)
+            for i in range(3):
+                await _post(c, _body(qwen_server, f"Quick question {i}", [images()[i]]))
+            await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    assert seen, "no prefill happened while rows were decoding"
+    assert all(resolved and flushed for resolved, flushed in seen), seen
+
+
+def test_a_request_whose_output_cannot_be_decoded_ends_alone(qwen_server, monkeypatch):
+    """An exception while accepting one row's token (here: its detokenizer) ends that request
+    with an error; the worker and the other rows go on."""
+    codec = qwen_server.engine.core.tokenizer
+    real = codec.new_detokenizer
+    made = []
+
+    class Broken:
+        def __init__(self, inner):
+            self.inner, self.seen = inner, 0
+
+        def add_token(self, token):
+            self.seen += 1
+            if self.seen == 3:
+                raise KeyError(token)
+            self.inner.add_token(token)
+
+        def finalize(self):
+            self.inner.finalize()
+
+        @property
+        def last_segment(self):
+            return self.inner.last_segment
+
+    def new_detokenizer():
+        detok = real()
+        made.append(1)
+        return Broken(detok) if len(made) == 1 else detok
+
+    good = [_body(qwen_server, f"healthy {i}", [images()[i % 3]]) for i in range(3)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=qwen_server.base_url, timeout=120) as c:
+            alone = [await _post(c, b) for b in good]
+            made.clear()
+            monkeypatch.setattr(codec, "new_detokenizer", new_detokenizer)
+            first = asyncio.create_task(
+                c.post("/v1/chat/completions", json=_body(qwen_server, "broken", [images()[0]]))
+            )
+            while not made:  # admitted first, so it gets the broken detokenizer
+                await asyncio.sleep(0.002)
+            results = await asyncio.gather(first, *(c.post("/v1/chat/completions", json=b) for b in good))
+            return alone, results
+
+    alone, results = asyncio.run(run())
+    assert results[0].status_code == 500 and "decoding the output failed" in results[0].json()["error"]["message"]
+    assert [r.json()["choices"][0]["message"]["content"] for r in results[1:]] == [
+        r["choices"][0]["message"]["content"] for r in alone
+    ]
+    assert qwen_server.engine.worker.healthy
+
+
+def test_idle_buffers_are_handed_back_after_a_pause_not_between_requests():
+    # Freeing MLX's buffer pool holds the GIL (an event-loop stall) and makes the next request
+    # allocate everything again: not when work runs out, only after --release-cache-after-idle.
+    import mlx.core as mx
+
+    server = start_server("qwen2_vl", release_cache_after_idle_s=1.0)
+    try:
+        assert server.engine.core.idle_release_s == 1.0
+        body = chat_body(server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+        with server.client() as c:
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        _wait_idle(server)
+        assert server.on_worker(mx.get_cache_memory) > 0  # kept for the next request
+        deadline = time.monotonic() + 10
+        while server.on_worker(mx.get_cache_memory) > 0:  # the worker wakes every 0.5 s when idle
+            assert time.monotonic() < deadline, "the idle worker never handed its buffers back"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_server, monkeypatch):
+    # Time to first token must not include launching another decode step (the host's share of a
+    # step is ~5 ms on the H100); later tokens are read back while the next step runs.
+    from vlmserve.engine.runner.model_runner import ModelRunner
+
+    accept = ModelRunner._accept
+    launched_meanwhile: dict[int, bool] = {}
+
+    def record(self, seq, token, logprobs):
+        launched_meanwhile.setdefault(seq.generated, self.inflight is not None)
+        return accept(self, seq, token, logprobs)
+
+    monkeypatch.setattr(ModelRunner, "_accept", record)
+    body = chat_body(
+        qwen_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=6, temperature=0, ignore_eos=True
+    )
+    with qwen_server.client() as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    assert launched_meanwhile[0] is False  # the first token: read before the next launch
+    assert launched_meanwhile[2] is True  # later ones: still pipelined
+
+
+def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
+    """Slots grow their KV capacity for the longest row; once a long request ends, the rows still
+    running go back to a small capacity (not when the batch empties) with the same tokens."""
+    from vlmserve.engine.runner.slot_cache import SlotBatch
+
+    fits = []
+    original = SlotBatch.fit_capacity
+
+    def recording(self, needed):
+        before = self.capacity
+        original(self, needed)
+        fits.append((before, self.capacity))
+
+    monkeypatch.setattr(SlotBatch, "fit_capacity", recording)
+    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4, prefix_cache_tokens=0)
+    try:
+        long_text = "Tell me everything about this long list: " + " ".join(f"item{i}" for i in range(300))
+        bodies = [chat_body(server.model_id, long_text, [], max_tokens=2, temperature=0)] + [
+            chat_body(server.model_id, f"Short request {i}.", [], max_tokens=24, temperature=0, ignore_eos=True)
+            for i in range(2)
+        ]
+
+        async def run(concurrent):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+                outs = (
+                    await asyncio.gather(*(_post(c, b) for b in bodies))
+                    if concurrent
+                    else [await _post(c, b) for b in bodies]
+                )
+                return [o["choices"][0]["message"]["content"] for o in outs], outs[0]["usage"]["prompt_tokens"]
+
+        alone, prompt_tokens = asyncio.run(run(False))
+        assert prompt_tokens > 512  # the long row needs a bucket of 1024 positions or more
+        fits.clear()
+        together, _ = asyncio.run(run(True))
+        assert together == alone
+        assert any(before >= 1024 and after == 256 for before, after in fits)  # the short rows went on at 256
+    finally:
+        server.stop()
+
+
+def test_pixels_of_the_next_steps_requests_are_staged_once_and_used(monkeypatch):
+    """Requests the next step will embed have their pixels copied into MLX at the end of this
+    step (`ModelRunner.stage`, overlapping device work); their embedding uses that copy, never a
+    second one, and the tokens are those of each request alone."""
+    from vlmserve.engine.runner.model_runner import ModelRunner
+    from vlmserve.models.qwen2_vl.adapter import QwenVLModel
+
+    copies, staged = [], []
+    copy, stage = QwenVLModel.stage_inputs, ModelRunner.stage
+
+    def counted(self, prepared):
+        copies.append(id(prepared))
+        return copy(self, prepared)
+
+    def staging(self, reqs):
+        staged.extend(id(r.prepared) for r in reqs)
+        return stage(self, reqs)
+
+    monkeypatch.setattr(QwenVLModel, "stage_inputs", counted)
+    monkeypatch.setattr(ModelRunner, "stage", staging)
+    # A budget below one image prompt: each step embeds one new request, so the next is staged.
+    server = start_server("qwen2_vl", prefill_token_budget=60, prefix_cache_tokens=0, warmup=False)
+    try:
+        large = images()[1]  # prompts of ~75 tokens each, whatever order they arrive in
+        bodies = [_body(server, f"Picture {i}: what is in it?", [large]) for i in range(3)]
+
+        async def run(concurrent):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+                if not concurrent:
+                    return [(await _post(c, b))["choices"][0]["message"]["content"] for b in bodies]
+                gate = threading.Event()
+                server.engine.worker.submit(gate.wait, 30)
+                tasks = [asyncio.create_task(_post(c, b)) for b in bodies]
+                while server.engine.core.num_waiting < len(bodies):
+                    await asyncio.sleep(0.005)
+                gate.set()
+                return [r["choices"][0]["message"]["content"] for r in await asyncio.gather(*tasks)]
+
+        alone = asyncio.run(run(False))
+        copies.clear(), staged.clear()
+        together = asyncio.run(run(True))
+        assert together == alone
+        assert len(staged) >= 2  # every request after the first waited a step, staged
+        assert len(copies) == len(set(copies)) == len(bodies)  # one copy each, staged or not
+    finally:
+        server.stop()

@@ -1,0 +1,118 @@
+"""--preprocess-processes: the whole of a request's CPU work in spawned processes."""
+
+from __future__ import annotations
+
+import base64
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from support.helpers import chat_body, data_uri, images, run
+from support.server import start_server
+
+# spawned preprocessing processes beside the server
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def process_server():
+    server = start_server("qwen2_vl", preprocess_processes=2)
+    server.state.admission.in_process_preprocess_limit = 0  # every request to the processes (what these test)
+    yield server
+    server.stop()
+
+
+def _ask(server, body):
+    with server.client() as c:
+        return c.post("/v1/chat/completions", json=body)
+
+
+def test_processes_answer_as_the_thread_pool_does(process_server, qwen_server):
+    assert process_server.state.preprocess_processes is not None
+    assert qwen_server.state.preprocess_processes is None
+    uris = [data_uri(p) for p in images()[:2]]
+    body = chat_body(qwen_server.model_id, "Compare the two pictures.", uris, max_tokens=12, temperature=0)
+    by_threads, by_processes = _ask(qwen_server, body), _ask(process_server, body)
+    assert by_threads.status_code == by_processes.status_code == 200, by_processes.text
+    assert by_processes.json()["usage"] == by_threads.json()["usage"]
+    assert by_processes.json()["usage"]["prompt_tokens"] > 20  # the images' tokens are in it
+    assert by_processes.json()["choices"][0]["message"] == by_threads.json()["choices"][0]["message"]
+
+
+def _jobs(server, pool: str) -> float:
+    return (
+        server.state.metrics.registry.get_sample_value(
+            "vlmserve:preprocess_requests_total", {"model_name": server.model_id, "pool": pool}
+        )
+        or 0.0
+    )
+
+
+def test_a_lone_request_stays_on_the_threads_and_a_burst_overflows_to_the_processes(process_server):
+    state = process_server.state
+    state.admission.in_process_preprocess_limit = 1
+    try:
+        before = _jobs(process_server, "threads"), _jobs(process_server, "processes")
+        body = chat_body(process_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+        for _ in range(2):  # one at a time: each finds the thread pool idle
+            assert _ask(process_server, body).status_code == 200
+        assert (_jobs(process_server, "threads"), _jobs(process_server, "processes")) == (before[0] + 2, before[1])
+        # While one request holds the thread pool's share, the next ones go to the processes.
+        assert [state.admission.reserve(1) for _ in range(3)] == [True, False, False]
+        state.admission.release(1, True)
+        assert state.admission.reserve(1) is True  # the share is free again
+        for in_process in (True, False, False):
+            state.admission.release(1, in_process)
+        assert state.pending_requests == state.pending_choices == state.admission._in_process_jobs == 0
+    finally:
+        state.admission.in_process_preprocess_limit = 0
+
+
+def test_a_bad_image_is_reported_from_the_process_as_a_400(process_server):
+    garbage = "data:image/png;base64," + base64.b64encode(b"not a png at all" * 8).decode()
+    r = _ask(process_server, chat_body(process_server.model_id, "What is this?", [garbage], max_tokens=4))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_image"
+    assert error["param"] == "messages[0].content[0]"
+
+
+def test_the_processes_outlive_a_ctrl_c_meant_for_the_server(process_server):
+    # A terminal's Ctrl-C (or a service manager's SIGTERM) reaches the whole process group; the
+    # server drains on it and needs its preprocessing meanwhile.
+    children = multiprocessing.active_children()
+    assert children
+    for child in children:
+        os.kill(child.pid, signal.SIGINT)
+        os.kill(child.pid, signal.SIGTERM)
+    body = chat_body(process_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+    assert _ask(process_server, body).status_code == 200
+    assert all(child.is_alive() for child in children)
+
+
+def test_a_killed_process_fails_its_request_and_a_new_pool_serves_the_next(process_server):
+    body = chat_body(process_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+    assert _ask(process_server, body).status_code == 200
+    children = multiprocessing.active_children()
+    assert len(children) >= 2  # the pool's processes are this test process's children
+    for child in children:
+        os.kill(child.pid, signal.SIGKILL)
+    for child in children:
+        child.join(10)
+    failed = _ask(process_server, body)
+    assert failed.status_code == 503, failed.text
+    assert failed.json()["error"]["code"] == "preprocess_failed"
+    again = _ask(process_server, body)
+    assert again.status_code == 200, again.text
+    assert process_server.state.pending_requests == 0  # every reservation was released
+
+
+def test_a_process_that_cannot_load_the_processor_fails_the_start_with_a_reason(tmp_path):
+    from vlmserve.config import ServerConfig
+    from vlmserve.inputs.pool import PreprocessProcesses
+
+    pool = PreprocessProcesses(tmp_path / "no-model-here", 4096, ServerConfig(preprocess_processes=1), None)
+    with pytest.raises(RuntimeError, match="preprocessing process failed to start"):
+        run(pool.start())

@@ -1,0 +1,67 @@
+"""benchmarks/bench.py, the W1 load generator, against the tiny qwen2_vl server."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from support.helpers import ROOT
+
+# load generator processes against the server
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the spawned load generators import it by name too
+    import bench as module
+
+    yield module
+    sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def wait_ready(server) -> None:
+    with server.client() as c:
+        for _ in range(600):
+            if c.get("/ready").status_code == 200:
+                return
+            time.sleep(0.1)
+    raise TimeoutError("server not ready")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_closed_loop_from_load_generator_processes(qwen_server, bench, tmp_path, processes):
+    wait_ready(qwen_server)
+    out = tmp_path / "w.json"
+    code = bench.main(
+        [
+            "--url",
+            qwen_server.base_url,
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "3",
+            "--image-size",
+            "56",
+            "--prompt-words",
+            "5",
+            "--client-processes",
+            str(processes),
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    level = json.loads(out.read_text())["runs"][0]["levels"][0]
+    assert level["ok"] == level["requests"] == 6
+    assert level["client_processes"] == processes
+    assert level["output_tokens_mean"] == 3
+    sent = [row[0] for row in level["timeline"]]
+    assert len(sent) == 6 and sent == sorted(sent) and sent[0] == 0.0
+    # closed loop: every request ends within the level, and the level's wall covers the last one
+    assert all(0 < ttft <= e2e for _, ttft, e2e in level["timeline"])
+    assert max(s + e2e for s, _, e2e in level["timeline"]) <= level["wall_s"] + 1e-3
+    assert level["output_tok_s"] == pytest.approx(18 / level["wall_s"])

@@ -1,0 +1,169 @@
+"""The Qwen decode step over the slot cache (engine/qwen_decode.py) computes what mlx_vlm's
+language model computes for that step: bit for bit with the composed ops on every backend,
+and on CUDA with its kernels (the q/k/v split and rotation bit for bit, the attention to bf16
+rounding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.helpers import MODELS, on_own_thread
+
+
+def _steps(lm, step_fn, steps: int = 3, capacity: int = 256):
+    """`steps` greedy steps from a random slot cache; returns each step's logits and the final caches."""
+    import mlx.core as mx
+
+    from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
+    from vlmserve.engine.runner.slot_cache import SlotBatch
+
+    attn = lm.model.layers[0].self_attn
+    layers = len(lm.model.layers)
+    dtype = lm.model.embed_tokens.weight.dtype
+    mx.random.seed(1)
+    batch = 4
+    kv = SlotBatch(layers, (attn.n_kv_heads, attn.head_dim, attn.head_dim), dtype, slots=batch, capacity=capacity)
+    keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(dtype) for i, k in enumerate(kv.keys)]
+    values = [mx.random.normal(v.shape, key=mx.random.key(100 + i)).astype(dtype) for i, v in enumerate(kv.values)]
+    lengths = mx.array([5, 40, 1, 0], dtype=mx.int32)  # the last slot empty, as a free slot is
+    tokens = mx.array([3, 17, 101, 0], dtype=mx.int32)
+    positions = lengths + mx.array([0, 12, -1, 0], dtype=mx.int32)  # with rope deltas
+    out = []
+    for _ in range(steps):
+        shared: dict = {}
+        caches = [SlotLayerCache(k, v, lengths, shared) for k, v in zip(keys, values)]
+        pos = mx.broadcast_to(positions.reshape(1, -1, 1), (3, batch, 1))
+        logits = step_fn(tokens, caches, pos)
+        mx.eval(logits, [c.keys for c in caches], [c.values for c in caches])
+        keys, values = [c.keys for c in caches], [c.values for c in caches]
+        out.append(np.array(logits.astype(mx.float32)))
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        lengths, positions = lengths + 1, positions + 1
+    return out, [np.array(k.astype(mx.float32)) for k in keys + values]
+
+
+def _language_model(name: str, tied: bool, dtype: str):
+    """A random-weight language model of the fixture's family with 32-wide heads (the fixtures'
+    are 16 wide, narrower than the attention kernel takes)."""
+    import importlib
+    import json
+
+    import mlx.core as mx
+
+    family = importlib.import_module(f"mlx_vlm.models.{name}")
+    config = json.loads((MODELS / name / "config.json").read_text())
+    text = dict(
+        config,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+        tie_word_embeddings=tied,
+    )
+    mx.random.seed(0)
+    lm = family.LanguageModel(family.TextConfig.from_dict(text), family.ModelConfig.from_dict(config))
+    lm.set_dtype(getattr(mx, dtype))
+    mx.eval(lm.parameters())
+    return lm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fused,tied", [(True, False), (False, True)], ids=["fused", "separate-tied"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+def test_step_equals_mlx_vlm(name, fused, tied, dtype):
+    def work():
+        from vlmserve.engine.ops import cuda_kernels, fused_projections
+        from vlmserve.models.qwen2_vl import decode as qwen_decode
+
+        lm = _language_model(name, tied, dtype)
+        if fused:
+            assert fused_projections.install(lm) == 2 * len(lm.model.layers)
+
+        def reference(tokens, caches, pos):
+            return lm(tokens[:, None], cache=caches, position_ids=pos).logits[:, -1, :]
+
+        def composed(tokens, caches, pos):
+            return qwen_decode.forward(lm, tokens, caches, pos, kernels=False)
+
+        def kernels(tokens, caches, pos):
+            return qwen_decode.forward(lm, tokens, caches, pos, kernels=True)
+
+        on_cuda = cuda_kernels.enabled()
+        return (
+            qwen_decode.supports(lm),
+            _steps(lm, reference),
+            _steps(lm, composed),
+            _steps(lm, kernels) if on_cuda else None,
+        )
+
+    supported, reference, composed, kernels = on_own_thread(work)
+    assert supported
+    for ref, got in zip(reference[0] + reference[1], composed[0] + composed[1]):
+        np.testing.assert_array_equal(got, ref)
+    if kernels is not None:  # CUDA: the attention's softmax is online, in float32: close, not equal
+        tol = 1e-2 if dtype == "float32" else 5e-2  # CUDA float32 matmuls run in TF32
+        for ref, got in zip(reference[0] + reference[1], kernels[0] + kernels[1]):
+            np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def test_which_models_take_the_step():
+    def work():
+        from mlx_vlm.utils import load_model
+
+        from vlmserve.models.qwen2_vl import decode as qwen_decode
+
+        lms = {n: load_model(MODELS / n, lazy=False).language_model for n in ("qwen2_vl", "llava", "gemma3")}
+        return (
+            [qwen_decode.same_layers(lm) for lm in lms.values()],
+            qwen_decode.supports(lms["qwen2_vl"]),  # 16-wide heads: not for the attention kernel
+            qwen_decode.supports(_language_model("qwen2_vl", False, "float32")),
+        )
+
+    assert on_own_thread(work) == ([True, False, False], False, True)
+
+
+def test_server_step_routes_through_forward(monkeypatch):
+    """QwenVLModel.decode (the runner's step) hands a Qwen slot-cache step to qwen_decode.forward with
+    the positions mlx_vlm would get, and the logits match mlx_vlm's step. The kernels are
+    swapped for the composed ops so this runs on any backend."""
+    from vlmserve.models.qwen2_vl import decode as qwen_decode
+
+    calls = []
+    original = qwen_decode.forward
+
+    def composed(lm, tokens, caches, position_ids, kernels=True):
+        calls.append(tuple(position_ids.shape))
+        return original(lm, tokens, caches, position_ids, kernels=False)
+
+    monkeypatch.setattr(qwen_decode, "forward", composed)
+    monkeypatch.setattr(qwen_decode, "applies", lambda caches: True)
+
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.runner.slot_cache import SlotBatch, make_decode_step
+        from vlmserve.models.qwen2_vl.adapter import QwenVLModel
+
+        vlm = QwenVLModel(MODELS / "qwen2_vl")
+        kv = SlotBatch(*vlm.kv_layout(), slots=4, capacity=64)
+        kv.keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(k.dtype) for i, k in enumerate(kv.keys)]
+        kv.values = [
+            mx.random.normal(v.shape, key=mx.random.key(50 + i)).astype(v.dtype) for i, v in enumerate(kv.values)
+        ]
+        tokens = mx.array([3, 17, 101, 0], dtype=mx.int32)
+        lengths = mx.array([5, 40, 1, 0], dtype=mx.int32)
+        positions = lengths + mx.array([0, 12, -1, 0], dtype=mx.int32)
+        step = make_decode_step(vlm.decode, compiled=False)
+        out = {}
+        for fast in (False, True):
+            vlm.fast_decode = fast
+            logits, *new_kv = step(tokens, positions, lengths, *kv.arrays())
+            out[fast] = [np.array(logits)] + [np.array(a) for a in new_kv]
+        return out
+
+    out = on_own_thread(work)
+    assert calls == [(3, 4, 1)]  # one call, for the fast step only
+    for ref, got in zip(out[False], out[True]):
+        np.testing.assert_array_equal(got, ref)

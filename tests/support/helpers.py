@@ -1,0 +1,65 @@
+"""Paths, request bodies and threads shared by the tests (no MLX import at module level)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import socket
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "fixtures" / "models"
+IMAGES = ROOT / "fixtures" / "images"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_uri(path: Path) -> str:
+    mime = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}[
+        path.suffix.lower().lstrip(".")
+    ]
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+def on_own_thread(fn):
+    """Run fn on a fresh thread that owns all its MLX calls (the thread guard counts it as a worker)."""
+    result: dict = {}
+
+    def target():
+        from vlmserve.engine.thread_guard import GUARD
+
+        ident = threading.get_ident()
+        GUARD.owners.add(ident)
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = e
+        finally:
+            GUARD.owners.discard(ident)
+
+    t = threading.Thread(target=target, name="test-mlx")
+    t.start()
+    t.join(300)
+    assert not t.is_alive(), "MLX work on its own thread hung"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def images() -> list[Path]:
+    return sorted(p for p in IMAGES.iterdir() if p.suffix.lower() in {".png", ".jpg", ".jpeg"})
+
+
+def chat_body(model: str, text: str, image_urls=(), **kwargs) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+    content.append({"type": "text", "text": text})
+    return {"model": model, "messages": [{"role": "user", "content": content}], **kwargs}
+
+
+def run(coro):
+    return asyncio.run(coro)

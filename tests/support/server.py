@@ -1,0 +1,73 @@
+"""In-process vlmserve servers on loopback: uvicorn and the app on a background thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from support.helpers import MODELS, free_port
+
+
+class RunningServer:
+    """uvicorn + the vlmserve app in a background thread of this process."""
+
+    def __init__(self, config):
+        import uvicorn
+
+        from vlmserve.entrypoints.openai.app import create_app
+        from vlmserve.entrypoints.openai.http_protocol import BulkBodyProtocol
+
+        self.config = config
+        self.app = create_app(config)
+        self.state = self.app.state.server
+        self.uv = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=config.port,
+                log_level="warning",
+                http=BulkBodyProtocol,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self.thread = threading.Thread(target=self.uv.run, name="uvicorn", daemon=True)
+        self.base_url = f"http://127.0.0.1:{config.port}"
+
+    def start(self, timeout: float = 120.0) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uv.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("server failed to start")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    def on_worker(self, fn, *args, **kwargs):
+        """Run fn on the MLX worker thread (where references must be computed too)."""
+        return self.engine.worker.submit(fn, *args, **kwargs).result(timeout=300)
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=120, **kwargs)
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_id
+
+
+def start_server(model: str, **overrides) -> RunningServer:
+    from vlmserve.config import ServerConfig
+
+    config = ServerConfig(model=str(MODELS / model), port=free_port(), **overrides)
+    return RunningServer(config).start()

@@ -1,0 +1,101 @@
+"""The few-row matmul kernel (engine/few_row_matmul.py): on CUDA it computes x @ W^T (+ bias)
+to float32 summation order, the same on every call; elsewhere, and for shapes it does not
+take, `linear` is the layer's own call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.helpers import on_own_thread
+
+
+def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul
+
+        layer = nn.Linear(64, 48, bias=True)
+        layer.set_dtype(mx.bfloat16)
+        out = []
+        for rows in (1, 4, 33):  # 1 and 33 rows: never the kernel (MLX's gemv; cuBLAS's tiles)
+            x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
+            served = few_row_matmul.serves(x, layer.weight, layer.bias)
+            out.append(
+                (
+                    rows,
+                    served,
+                    np.array(few_row_matmul.linear(layer, x).astype(mx.float32)),
+                    np.array(layer(x).astype(mx.float32)),
+                )
+            )
+        return cuda_kernels.enabled(), out
+
+    on_cuda, results = on_own_thread(work)
+    for rows, served, ours, ref in results:
+        assert served == (on_cuda and rows == 4)
+        if served:
+            np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)
+        else:
+            np.testing.assert_array_equal(ours, ref)
+
+
+def test_launch_shapes_fit_every_served_shape():
+    """Every served (rows, N, K) gets a grid that covers N exactly and a block within the
+    48 KB of static shared memory its reduction declares."""
+    from vlmserve.engine.ops.few_row_matmul import MAX_ROWS, MIN_ROWS, _launch_shape
+
+    for m in range(MIN_ROWS, MAX_ROWS + 1):
+        for n in (16, 48, 2048, 8192, 17920, 151936, 8208):
+            for k in (32, 1536, 4096, 8960):
+                mt, f, warps, u = _launch_shape(m, n, k)
+                assert mt * 8 >= m and n % (16 * f) == 0 and u >= 1
+                assert max(1, warps // 2) * f * mt * 4 * 32 * 4 <= 48 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_kernel_matches_float32_matmul(dtype):
+    """Narrow, wide (N >= 8192) and deep (K >= 4096) layers, with and without bias, at row
+    counts that do and do not fill the 8-row tiles."""
+
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul
+
+        if not cuda_kernels.enabled():
+            return None
+        t = getattr(mx, dtype)
+        results = []
+        for n, k in ((48, 64), (8192, 96), (32, 4096)):
+            w = (mx.random.normal((n, k), key=mx.random.key(n)) * k**-0.5).astype(t)
+            bias = (mx.random.normal((n,), key=mx.random.key(k)) * 0.1).astype(t)
+            for rows in (2, 5, 8, 17, 32):
+                x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(t)
+                for b in (None, bias):
+                    assert few_row_matmul.serves(x, w, b)
+                    ours = few_row_matmul.matmul(x, w, b)
+                    again = few_row_matmul.matmul(x, w, b)
+                    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+                    if b is not None:
+                        ref = ref + b.astype(mx.float32)
+                    results.append(
+                        (
+                            ours.shape == x.shape[:-1] + (n,),
+                            np.array(ours.astype(mx.float32)),
+                            np.array(again.astype(mx.float32)),
+                            np.array(ref),
+                        )
+                    )
+        return results
+
+    results = on_own_thread(work)
+    if results is None:
+        pytest.skip("the kernel runs on CUDA only")
+    for shaped, ours, again, ref in results:
+        assert shaped
+        np.testing.assert_array_equal(ours, again)  # a fixed summation order: the same every call
+        np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)  # one rounding to bf16/fp16

@@ -1,0 +1,181 @@
+"""The scheduler's decisions (engine/sched/scheduler.py), driven with fake rows: no model, no MLX."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vlmserve.engine.sched.request import EngineRequest, Sequence
+from vlmserve.engine.sched.scheduler import Scheduler
+from vlmserve.protocol import PreparedRequest, SamplingParams
+
+
+def request(name: str, prompt_tokens: int, *, images: int = 0) -> EngineRequest:
+    inputs = {"pixel_values": np.zeros((4, 3), np.float32)} if images else {}
+    prepared = PreparedRequest(prompt_ids=np.arange(prompt_tokens, dtype=np.int32), model_inputs=inputs,
+                               num_images=images)  # fmt: skip
+    return EngineRequest(name, prepared, SamplingParams(), emit=lambda event: None)
+
+
+def row(req: EngineRequest) -> Sequence:
+    return Sequence(req=req, sampler=None, text=None)
+
+
+def embedder(calls: list, cached: dict | None = None, fail: set | None = None):
+    """A fake runner.embed: records the order, applies prefix-cache hits, raises for some."""
+
+    def embed(seq: Sequence) -> None:
+        if seq.embedded:
+            return
+        calls.append(seq.req.request_id)
+        if fail and seq.req.request_id in fail:
+            raise ValueError("bad image")
+        seq.prompt = object()
+        seq.prefilled = seq.cached_tokens = (cached or {}).get(seq.req.request_id, 0)
+
+    return embed
+
+
+def admitted(sched: Scheduler, *reqs: EngineRequest) -> list[Sequence]:
+    for r in reqs:
+        sched.add(r)
+    sched.take_inbox()
+    return sched.admit(row)[0]
+
+
+def test_admission_is_fifo_and_stops_at_max_num_seqs():
+    sched = Scheduler(max_num_seqs=2)
+    rows = admitted(sched, request("a", 5), request("b", 5), request("c", 5))
+    assert [s.req.request_id for s in rows] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert sched.num_running == 2 and sched.num_waiting == 1
+
+
+def test_a_request_whose_row_cannot_be_made_ends_alone():
+    sched = Scheduler(max_num_seqs=4)
+    for name in ("a", "bad", "c"):
+        sched.add(request(name, 5))
+    sched.take_inbox()
+
+    def make(req):
+        if req.request_id == "bad":
+            raise ValueError("seed out of range")
+        return row(req)
+
+    rows, failed = sched.admit(make)
+    assert [s.req.request_id for s in rows] == ["a", "c"]
+    assert [(r.request_id, type(e)) for r, e in failed] == [("bad", ValueError)]
+
+
+def test_short_new_prompts_share_one_forward_within_the_budget():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100, prefill_bucket=16)
+    admitted(sched, request("a", 41), request("b", 41), request("c", 41))
+    calls = []
+    plan = sched.plan_prefill(embedder(calls))
+    # a and b fit whole (40 tokens each); c's 40 no longer fit the 20 left: it takes those 20 alone.
+    assert [s.req.request_id for s in plan.group] == ["a", "b"]
+    assert [(s.req.request_id, n) for s, n in plan.singles] == [("c", 20)]
+    assert calls == ["a", "b", "c"]
+
+
+def test_a_long_prompt_goes_one_chunk_per_step():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000)
+    admitted(sched, request("long", 300))
+    plan = sched.plan_prefill(embedder([]))
+    assert plan.group == [] and [(s.req.request_id, n) for s, n in plan.singles] == [("long", 64)]
+
+
+def test_a_lone_prompt_without_buckets_keeps_its_exact_shape():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000, prefill_bucket=0)
+    admitted(sched, request("a", 10))
+    plan = sched.plan_prefill(embedder([]))
+    assert plan.group == [] and [(s.req.request_id, n) for s, n in plan.singles] == [("a", 64)]
+    with_buckets = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000, prefill_bucket=16)
+    admitted(with_buckets, request("a", 10))
+    assert [s.req.request_id for s in with_buckets.plan_prefill(embedder([])).group] == ["a"]
+
+
+def test_the_budget_ends_the_step_before_later_prompts_are_embedded():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=64, prefill_bucket=16)
+    admitted(sched, request("a", 65), request("b", 10))
+    calls = []
+    plan = sched.plan_prefill(embedder(calls))
+    assert calls == ["a"]  # b waits for the next step, unembedded
+    assert [s.req.request_id for s in plan.group] == ["a"] and plan.singles == []
+
+
+def test_a_prefix_cache_hit_is_prefilled_alone_and_counts_only_what_is_left():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100, prefill_bucket=16)
+    admitted(sched, request("hit", 50), request("a", 41), request("b", 41))
+    plan = sched.plan_prefill(embedder([], cached={"hit": 45}))
+    # 4 tokens left for the hit (alone: its cache holds a prefix), then a and b fit whole (40 each).
+    assert [(s.req.request_id, n) for s, n in plan.singles] == [("hit", 64)]
+    assert [s.req.request_id for s in plan.group] == ["a", "b"]
+
+
+def test_a_failed_embedding_is_reported_and_the_step_goes_on():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=200, prefill_bucket=16)
+    admitted(sched, request("a", 20), request("bad", 20), request("c", 20))
+    plan = sched.plan_prefill(embedder([], fail={"bad"}))
+    assert [(s.req.request_id, type(e)) for s, e in plan.failed] == [("bad", ValueError)]
+    assert [s.req.request_id for s in plan.group] == ["a", "c"]
+
+
+def test_unembedded_in_budget_counts_each_prompt_at_most_a_chunk():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=90)
+    rows = admitted(sched, request("a", 500), request("b", 30), request("c", 30))
+    rows[0].prompt = object()  # already embedded: counted, not listed
+    todo, left = sched.unembedded_in_budget()
+    assert [s.req.request_id for s in todo] == ["b"]  # 64 + 29 spend the 90: c is past the budget
+    assert left == 90 - 64 - 29
+
+
+def test_inputs_are_staged_for_what_the_next_step_reaches_only():
+    sched = Scheduler(max_num_seqs=3, prefill_chunk=64, prefill_budget=128)
+    admitted(sched, request("text", 30), request("img", 30, images=1))
+    for r in (request("next", 30, images=1), request("later", 30, images=1), request("beyond", 30, images=1)):
+        sched.add(r)
+    # Prefilling: text (29), img (29) leave 70: "next" (admitted next, one free row) fits, then
+    # the rows run out; text prompts have nothing to stage.
+    assert [r.request_id for r in sched.to_stage()] == ["img", "next"]
+    sched.prefilling[1].req.staged_inputs = "copied"
+    assert [r.request_id for r in sched.to_stage()] == ["next"]
+
+
+def test_cancelled_requests_leave_every_queue():
+    sched = Scheduler(max_num_seqs=2)
+    rows = admitted(sched, request("a", 5), request("b", 5), request("w", 5))
+    sched.started_decoding([rows[0]])
+    for r in (rows[0].req, rows[1].req, sched.waiting[0]):
+        r.cancelled = True
+    gone = sched.take_cancelled()
+    assert [r.request_id for r in gone.waiting] == ["w"]
+    assert [s.req.request_id for s in gone.prefilling] == ["b"]
+    assert [s.req.request_id for s in gone.running] == ["a"]  # named; the runner removes its row
+    assert not sched.waiting and not sched.prefilling and sched.running == [rows[0]]
+    sched.remove_running(gone.running)
+    assert not sched.has_requests()
+
+
+@pytest.mark.parametrize("queued", [0, 3])
+def test_clear_hands_back_everything_once(queued):
+    sched = Scheduler(max_num_seqs=1)
+    admitted(sched, request("a", 5))
+    for i in range(queued):
+        sched.add(request(f"q{i}", 5))
+    waiting, rows = sched.clear()
+    assert len(waiting) == queued and [s.req.request_id for s in rows] == ["a"]
+    assert not sched.has_requests() and sched.clear() == ([], [])
+
+
+def test_staging_counts_the_next_chunk_of_a_prompt_already_embedded():
+    """A long prompt that is embedded and partly prefilled takes its next chunk of the budget
+    first, so a request behind it that the budget does not reach is not staged yet."""
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=64)
+    long_row, _ = admitted(sched, request("long", 300, images=1), request("next", 40, images=1))
+    long_row.prompt = object()
+    sched.add(request("waiting", 40, images=1))
+    long_row.prefilled = 128
+    assert sched.to_stage() == []  # the long prompt's next chunk (64) is the whole budget
+    long_row.prefilled = 299 - 20
+    assert [r.request_id for r in sched.to_stage()] == ["next", "waiting"]  # 20 + 39 < 64: both reached
