@@ -5,7 +5,7 @@
 # GPU command 1:     bash .gpu-a/device-setup.sh a
 # GPU command 2:     bash .gpu-b/device-setup.sh b && bash benchmarks/bench_gpu.sh
 # (the wheels for the peer and httptools may not fit beside .gpu-b in 64 MiB: move them to .gpu-c and
-#  install them with pip --target /root/site in a call of their own; see docs/benchmarks.md, session 18)
+#  install them with pip --target /root/site in a call of their own; see docs/benchmarks.md)
 # Results (w1.json, w1.png, server logs) land in $OUT (default /root/bench).
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller

@@ -253,3 +253,33 @@ def test_serving_side_never_imports_the_engine():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+class _Recording:
+    """The client's outgoing queue, recording what goes to the engine process."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, []
+
+    def put(self, message):
+        self.sent.append(message)
+        self.inner.put(message)
+
+    def get(self):
+        return self.inner.get()
+
+
+def test_the_choices_of_one_request_send_its_inputs_once(process_server, monkeypatch):
+    from vlmserve.engine import messages as msg
+
+    client = process_server.engine
+    outgoing = _Recording(client._outgoing)
+    monkeypatch.setattr(client, "_outgoing", outgoing)
+    body = chat_body(process_server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=8, temperature=0)
+    choices = _post(process_server, {**body, "n": 3})["choices"]
+    assert len(choices) == 3 and len({c["message"]["content"] for c in choices}) == 1  # greedy: all alike
+    adds = [m for m in outgoing.sent if isinstance(m, msg.AddRequest)]
+    assert len(adds) == 3 and len({a.inputs_key for a in adds}) == 1
+    assert [a.prepared is not None for a in adds] == [True, False, False]  # the pixels crossed once
+    released = [m.inputs_key for m in outgoing.sent if isinstance(m, msg.ReleaseInputs)]
+    assert released == [adds[0].inputs_key] and client._inputs == {}

@@ -129,7 +129,7 @@ class ServerState:
         """Load, warm up, report ready. Raises with the reason if any of it fails."""
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        # The loop's own executor (large request bodies are parsed there, routes.py): GIL-bound
+        # The loop's own executor (large request bodies are parsed there, request_body.py): GIL-bound
         # work, so a few threads, all started now.
         executor = ThreadPoolExecutor(_LOOP_EXECUTOR_THREADS, thread_name_prefix="loop-executor")
         loop.set_default_executor(executor)
