@@ -1,7 +1,7 @@
 """The committed tiny fixtures are reproducible and usable with plain mlx_vlm.
 
 MLX work runs on a dedicated thread of this test (registered with the vlmserve thread guard when
-one is active in the session), so it never counts as an off-worker call of the server tests.
+one is active in this test run), so it never counts as an off-worker call of the server tests.
 """
 
 from __future__ import annotations

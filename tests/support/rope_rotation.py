@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def with_and_without_gather(run) -> dict:
     """run() with mlx_vlm's rotate_half, then with ours; leaves the binding as it found it
-    (a server of this session may have installed ours)."""
+    (a server started earlier in this test run may have installed ours)."""
     from mlx_vlm.models import rope_utils
 
     from vlmserve.engine.ops import rope_rotation

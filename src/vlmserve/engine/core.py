@@ -56,9 +56,13 @@ class EngineCore:
             prefill_bucket=prefill_bucket,
         )
         self.runner = ModelRunner(
-            model, tokenizer, self.sched, prefix_cache_tokens=prefix_cache_tokens, compile_decode=compile_decode,
+            model,
+            tokenizer,
+            self.sched,
+            prefix_cache_tokens=prefix_cache_tokens,
+            compile_decode=compile_decode,
             hooks=hooks,
-        )  # fmt: skip
+        )
         self.stats = self.runner.stats
         self.idle_release_s = idle_release_s  # idle this long before MLX's buffer cache is handed back
         self._idle_since: float | None = None  # when the last step ran out of work (None: busy, or released)

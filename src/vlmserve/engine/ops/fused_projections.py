@@ -4,7 +4,7 @@ q/k/v, and an MLP's gate/up.
 On CUDA a decode step is bound by the host's cost per kernel, not by the weights'
 bandwidth, and matmuls are among the dearest kernels to launch. Fusing these two groups
 takes three matmuls out of every layer: a compiled B=32 decode step of a Qwen2-VL-2B-shaped
-model went from 11.6 to 6.9 ms on an H200 (scripts/probe_fusion.py).
+model went from 11.6 to 6.9 ms on an H200.
 
 The output is bit-identical: each output column is the same dot product over the same
 inputs, computed in a wider matmul. The model's code is not copied. Each projection is

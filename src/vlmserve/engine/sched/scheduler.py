@@ -84,7 +84,9 @@ class Scheduler:
         gone.running = [s for s in self.running if s.req.cancelled]
         return gone
 
-    def admit(self, make_row: Callable[[EngineRequest], Sequence]) -> tuple[list[Sequence], list[tuple]]:
+    def admit(
+        self, make_row: Callable[[EngineRequest], Sequence]
+    ) -> tuple[list[Sequence], list[tuple[EngineRequest, Exception]]]:
         """Admit waiting requests while rows are free; `make_row` builds a request's row state.
         Returns (admitted rows, [(request, exception)] for requests whose row could not be made)."""
         admitted, failed = [], []

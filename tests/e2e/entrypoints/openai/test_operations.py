@@ -471,8 +471,8 @@ try:
 finally:
     server.stop()
 # On the H100 this harness (uvicorn and the worker on threads of one process) aborts in
-# interpreter finalization after a clean stop ("terminate called without an active exception",
-# session 12's code too); `vlmserve serve` exits 0 there. The check is the line above.
+# interpreter finalization after a clean stop ("terminate called without an active exception");
+# `vlmserve serve` exits 0 there. The check is the line above.
 sys.stdout.flush()
 import os
 os._exit(0)
