@@ -624,6 +624,17 @@ def spec_gemma3():
     )
 
 
+# More families, one module each: scripts/fixture_families/<model_type>.py defines
+# `spec(mf)` (mf: this module, for its tokenizer and config helpers) returning the same dict.
+FAMILY_DIR = Path(__file__).resolve().parent / "fixture_families"
+
+
+def family_names() -> tuple[str, ...]:
+    """Every family this script builds: the committed ones first, then the family modules."""
+    more = sorted(p.stem for p in FAMILY_DIR.glob("*.py") if not p.stem.startswith("_"))
+    return AVAILABLE + tuple(n for n in more if n not in AVAILABLE)
+
+
 def get_spec(name):
     if name == "qwen2_vl":
         return spec_qwen2_vl("qwen2_vl")
@@ -633,7 +644,15 @@ def get_spec(name):
         return spec_llava()
     if name == "gemma3":
         return spec_gemma3()
-    raise KeyError(name)
+    path = FAMILY_DIR / f"{name}.py"
+    if not path.exists():
+        raise KeyError(f"no fixture family {name!r}; known: {', '.join(family_names())}")
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location(f"fixture_families.{name}", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module.spec(sys.modules[__name__])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1022,12 +1041,28 @@ def build_qwen2_vl_2b(
 # ---------------------------------------------------------------------------------------------
 
 
-def build_small(out: Path, names, zero_eos=True, seed=0, images=True):
+QUANTIZED_SUFFIX = "-4bit"
+
+
+def write_quantized(src: Path, dst: Path) -> Path:
+    """`src` converted as mlx-community publishes 4-bit models: mlx-vlm's own convert, affine
+    4-bit weights in groups of 64, bfloat16 scales and unquantized parameters."""
+    from mlx_vlm import convert
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    convert(str(src), str(dst), quantize=True, q_group_size=64, q_bits=4, dtype="bfloat16")
+    return dst
+
+
+def build_small(out: Path, names, zero_eos=True, seed=0, images=True, quantized=False):
     out_models = out / "models"
     out_models.mkdir(parents=True, exist_ok=True)
     built = []
     for name in names:
         built.append(write_checkpoint(name, out_models, zero_eos=zero_eos, seed=seed))
+        if quantized:
+            built.append(write_quantized(built[-1], out_models / f"{name}{QUANTIZED_SUFFIX}"))
     if images:
         write_images(out / "images")
     return built
@@ -1036,7 +1071,9 @@ def build_small(out: Path, names, zero_eos=True, seed=0, images=True):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--only", nargs="*", default=None, help=f"subset of {SMALL_MODELS}")
+    ap.add_argument("--only", nargs="*", default=None, help="families to build (default: the committed set)")
+    ap.add_argument("--list", action="store_true", help="print every family this script builds and exit")
+    ap.add_argument("--quantized", action="store_true", help="also write NAME-4bit (4-bit, bfloat16 scales)")
     ap.add_argument("--no-images", action="store_true")
     ap.add_argument("--keep-eos", action="store_true", help="do not zero the EOS lm_head rows")
     ap.add_argument("--seed", type=int, default=0)
@@ -1055,9 +1092,15 @@ def main(argv=None):
         print(f"wrote {args.out}")
         return 0
 
+    if args.list:
+        print("\n".join(family_names()))
+        return 0
     out = args.out or DEFAULT_OUT
     names = args.only if args.only else list(AVAILABLE)
-    for d in build_small(out, names, zero_eos=not args.keep_eos, seed=args.seed, images=not args.no_images):
+    built = build_small(
+        out, names, zero_eos=not args.keep_eos, seed=args.seed, images=not args.no_images, quantized=args.quantized
+    )
+    for d in built:
         print(f"wrote {d}")
     return 0
 

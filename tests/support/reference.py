@@ -38,9 +38,17 @@ def rendered_prompt(server, text: str, n_images: int) -> str:
 
 def mlx_vlm_text(server, text: str, image_paths: list[Path], max_tokens: int) -> str:
     """Greedy text from mlx_vlm.generate on the same model object, prompt and images."""
+    return mlx_vlm_generate(server, rendered_prompt(server, text, len(image_paths)), image_paths, max_tokens)
+
+
+def mlx_vlm_chat_text(server, messages: list[ChatMessage], image_paths: list[Path], max_tokens: int) -> str:
+    """mlx_vlm.generate on the server's rendering of a whole chat (images in message order)."""
+    return mlx_vlm_generate(server, server.state.preprocessor.render(messages), image_paths, max_tokens)
+
+
+def mlx_vlm_generate(server, prompt: str, image_paths: list[Path], max_tokens: int) -> str:
     import mlx_vlm
 
-    prompt = rendered_prompt(server, text, len(image_paths))
     # The server's own decoder (alpha flattened on white, EXIF-oriented): same pixels in both runs.
     images = [decode_image(Path(p).read_bytes(), MediaPolicy()) for p in image_paths]
     processor = _mlx_vlm_processor(str(server.engine.model_path))

@@ -67,7 +67,9 @@ class RunningServer:
 
 
 def start_server(model: str, **overrides) -> RunningServer:
+    """A server of the committed fixture `model` (a name under fixtures/models, or a path)."""
     from vlmserve.config import ServerConfig
 
-    config = ServerConfig(model=str(MODELS / model), port=free_port(), **overrides)
+    path = model if "/" in str(model) else MODELS / model
+    config = ServerConfig(model=str(path), port=free_port(), **overrides)
     return RunningServer(config).start()

@@ -2,7 +2,8 @@
 
 Greedy rows of a batch share one argmax; other rows are sampled one by one from their own
 logits row with their own key, so a seeded request samples the same tokens alone or in
-any batch.
+any batch. Greedy is the argmax of the log-probabilities in the logits' own dtype, as mlx-lm
+and mlx-vlm take it: in bfloat16 the subtraction merges near-ties, and the first of them wins.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class RowSampler:
         """Sample one token from a (V,) logits row; returns a scalar int32 array."""
         p = self.params
         if p.greedy:
-            return mx.argmax(logits, axis=-1)
+            return greedy(logits)
         logits = logits.astype(mx.float32) / p.temperature
         if 0 < p.top_k < logits.shape[-1]:
             kth = mx.sort(logits)[-p.top_k]
@@ -76,7 +77,7 @@ def sample_batch(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     """logits (B, V) -> tokens (B,) int32, each row by its own sampler."""
     plain = all(s.params.greedy and not s.needs_penalties and s.logits_mask is None for s in samplers)
     if plain:
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return greedy(logits).astype(mx.int32)
     rows = []
     for i, sampler in enumerate(samplers):
         row = sampler.adjust(logits[i])
@@ -84,6 +85,11 @@ def sample_batch(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
             row = row + sampler.logits_mask()
         rows.append(sampler.sample(row).astype(mx.int32))
     return mx.stack(rows)
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """The argmax of the log-probabilities, computed in the logits' dtype (mlx-lm's rule)."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
 def log_softmax(logits: mx.array) -> mx.array:

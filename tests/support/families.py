@@ -1,0 +1,53 @@
+"""Tiny checkpoints of every family scripts/make_fixtures.py builds, in each format users download.
+
+The committed fixtures (fixtures/models/) serve float32 where they exist; every other family and
+format is built on first use into one directory per test run: make_fixtures' own builder, then
+mlx-vlm's convert for the 4-bit variant (bfloat16 scales, as mlx-community publishes them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from functools import cache
+from pathlib import Path
+
+from support.helpers import MODELS, ROOT, on_own_thread
+
+FORMATS = ("float32", "4bit")
+_lock = threading.Lock()
+
+
+@cache
+def make_fixtures():
+    """scripts/make_fixtures.py as a module."""
+    path = ROOT / "scripts" / "make_fixtures.py"
+    spec = importlib.util.spec_from_file_location("make_fixtures", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_fixtures"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def families() -> tuple[str, ...]:
+    return make_fixtures().family_names()
+
+
+def checkpoint(name: str, fmt: str, cache_dir: Path) -> Path:
+    """The checkpoint of family `name` in format `fmt`, built into cache_dir once."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}")
+    mf = make_fixtures()
+    with _lock:  # building is MLX work: on a thread of its own (the thread guard's rule)
+        src = MODELS / name
+        if not src.is_dir():
+            src = cache_dir / name
+            if not src.is_dir():
+                on_own_thread(lambda: mf.write_checkpoint(name, cache_dir))
+        if fmt == "float32":
+            return src
+        dst = cache_dir / f"{name}{mf.QUANTIZED_SUFFIX}"
+        if not dst.is_dir():
+            on_own_thread(lambda: mf.write_quantized(src, dst))
+        return dst
