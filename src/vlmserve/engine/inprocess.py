@@ -20,6 +20,7 @@ from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.thread_guard import GUARD
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.models.generic import resolve_model_path
+from vlmserve.models.registry import model_type_of
 from vlmserve.protocol import EngineError, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Engine:
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)
         self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
+        await loop.run_in_executor(None, model_type_of, self.model_path)  # an unknown model fails here, named
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await self.run_on_worker(self._load_on_worker)
 

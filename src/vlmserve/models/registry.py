@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -38,7 +39,32 @@ def model_adapter_class(model_type: str) -> type:
     return _resolve(entry[1] if entry else _GENERIC_MODEL)
 
 
+class UnsupportedModel(ValueError):
+    """The checkpoint is not a model this server can load; the message names why."""
+
+
+def model_type_of(model_path: Path) -> str:
+    """The checkpoint's model_type as mlx-vlm resolves it; UnsupportedModel names what is wrong.
+    Reads files only (no weights), so a server refuses such a model before loading anything."""
+    from mlx_vlm.utils import get_model_type
+
+    config_file = model_path / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(f"{model_path} has no config.json: not a model checkpoint")
+    config = json.loads(config_file.read_text())
+    model_type = get_model_type(config)
+    if model_type is None:
+        raise UnsupportedModel(f"{config_file} names no model_type")
+    if model_type not in _FAST_PATHS and importlib.util.find_spec(f"mlx_vlm.models.{model_type}") is None:
+        import mlx_vlm
+
+        raise UnsupportedModel(
+            f"model_type {config.get('model_type')!r} ({model_path}) is not a model mlx-vlm "
+            f"{mlx_vlm.__version__} can load"
+        )
+    return model_type
+
+
 def load_model_adapter(model_path: Path, fallback_eos: tuple[int, ...] = ()) -> ModelAdapter:
     """Load the model at `model_path` (on the MLX worker thread) behind its family's adapter."""
-    model_type = json.loads((model_path / "config.json").read_text()).get("model_type", "")
-    return model_adapter_class(model_type)(model_path, fallback_eos)
+    return model_adapter_class(model_type_of(model_path))(model_path, fallback_eos)

@@ -146,6 +146,19 @@ def test_missing_model_exits_nonzero(tmp_path):
     assert "model path not found" in proc.stderr
 
 
+@pytest.mark.slow
+def test_an_unknown_model_type_exits_nonzero_and_names_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_vlm"}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", "serve", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "model_type 'no_such_vlm'" in proc.stderr and "mlx-vlm" in proc.stderr
+
+
 def test_models_endpoint(qwen_server):
     with qwen_server.client() as c:
         r = c.get("/v1/models")

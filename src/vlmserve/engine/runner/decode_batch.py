@@ -78,6 +78,8 @@ class SlotDecodeBatch:
         if self.kv is None:
             self.kv = SlotBatch(*self.model.kv_layout(), slots=len(owners), capacity=1)
             self.slots = [None] * self.kv.slots
+        if getattr(rows_cache[0], "keys", None) is not None:
+            self.kv.widen(rows_cache[0].keys.dtype)  # the KV dtype is what prefill produced
         for i, owner in enumerate(owners):
             n, end = owner.cache_len, rows_cache[0]._idx
             layer_kv = (
