@@ -1,0 +1,70 @@
+"""The real loading path: a Hugging Face id resolved from a local huggingface_hub cache, offline."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from support.helpers import MODELS, chat_body, free_port
+
+pytestmark = pytest.mark.slow
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_cache(root, repo_id: str, model: str):
+    """A huggingface_hub cache holding `model`'s files as `repo_id` at one revision (refs/main)."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(MODELS / model, repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return root
+
+
+def test_a_hugging_face_id_is_served_from_the_local_cache_offline(tmp_path):
+    repo_id = "acme/tiny-vlm"
+    cache = _hub_cache(tmp_path / "hub", repo_id, "qwen2_vl")
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmserve.cli", "serve", repo_id, "--port", str(port), "--no-engine-process"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == [repo_id]
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(repo_id, "Hi", max_tokens=3), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_an_id_missing_from_the_offline_cache_fails_with_the_reason(tmp_path):
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", "serve", "acme/not-downloaded", "--port", "0", "--no-engine-process"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "acme/not-downloaded" in proc.stderr
