@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 
 # Embedding outputs that only make sense for a single, unpadded row.
 _PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
+# Extra embedding outputs the language model takes with every prompt forward, and how a chunk
+# or a left-padded batch takes them: `visual_pos_masks` (1, L) follows the prompt's tokens;
+# `deepstack_visual_embeds` (layers, n_visual, D) has one row per True position of that mask
+# (Qwen3-VL's deepstack: added to the first layers' hidden states at the image tokens). A
+# one-token decode step never holds an image token, so decode passes neither.
+_TOKEN_MASK = "visual_pos_masks"
+_MASK_ROWS = "deepstack_visual_embeds"
 
 
 # mx.array(ndarray) holds the GIL for its whole copy. The event loop gives the GIL up at every
@@ -165,31 +172,64 @@ class GenericModel:
         if image_features is not None:
             inputs["cached_image_features"] = image_features
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        position_ids, rope_deltas = out.position_ids, out.rope_deltas
+        if self.uses_mrope and position_ids is None:
+            # GLM-4V keeps an image prompt's M-RoPE positions on the shared language model
+            # (`_position_ids`/`_rope_deltas`) instead of returning them, and none for text:
+            # compute them for this request, and leave nothing on the model for another to read.
+            position_ids, rope_deltas = self.language_model.get_rope_index(
+                input_ids, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), mask
+            )
+        for name in ("_position_ids", "_rope_deltas"):
+            if getattr(self.language_model, name, None) is not None:
+                setattr(self.language_model, name, None)
         extra = {
             k: v
             for k, v in out.to_dict().items()
             if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
         }
-        if extra:
+        unknown = set(extra) - {_TOKEN_MASK, _MASK_ROWS}
+        if unknown or (_MASK_ROWS in extra and _TOKEN_MASK not in extra):
             raise NotImplementedError(f"{self.info.model_type}: embedding outputs {sorted(extra)} are not supported")
+        if _MASK_ROWS in extra:
+            extra[_MASK_ROWS] = list(extra[_MASK_ROWS])
+        elif _TOKEN_MASK in extra:
+            del extra[_TOKEN_MASK]  # without rows to place, the mask does nothing
+        if _TOKEN_MASK in extra:
+            # Host copy: how many mask rows precede each position (chunk and batch slicing).
+            extra["_mask_before"] = np.concatenate([[0], np.cumsum(np.array(extra[_TOKEN_MASK]).reshape(-1))])
         offset = 0
-        if out.rope_deltas is not None:
-            offset = int(mx.array(out.rope_deltas).reshape(-1)[0].item())
+        if rope_deltas is not None:
+            offset = int(mx.array(rope_deltas).reshape(-1)[0].item())
         return PromptState(
             input_ids=input_ids,
             embeds=out.inputs_embeds,
             # One dtype for every prompt (text-only rows come back int64, image rows int32), so
             # image requests reuse the kernels the text warm-up compiled for each length bucket.
-            position_ids=None if out.position_ids is None else out.position_ids.astype(mx.int32),
+            position_ids=None if position_ids is None else position_ids.astype(mx.int32),
             position_offset=offset,
             cache=vlm_cache.make_prompt_cache(self.language_model),
+            extra=extra,
         )
+
+    @staticmethod
+    def _mask_rows(state: PromptState, start: int, end: int) -> list[mx.array] | None:
+        """The deepstack rows of prompt positions [start, end), or None if none is visual."""
+        before = state.extra.get("_mask_before")
+        if before is None or before[end] == before[start]:
+            return None
+        lo, hi = int(before[start]), int(before[end])
+        return [layer[lo:hi] for layer in state.extra[_MASK_ROWS]]
 
     def prefill(self, state: PromptState, start: int, end: int) -> mx.array:
         """Run prompt positions [start, end) into the request's cache; return last-position logits (1, V)."""
         kwargs = {}
         if state.position_ids is not None:
             kwargs["position_ids"] = state.position_ids[..., start:end]
+        rows = self._mask_rows(state, start, end)
+        if rows is not None:
+            kwargs[_TOKEN_MASK] = state.extra[_TOKEN_MASK][:, start:end]
+            kwargs[_MASK_ROWS] = rows
         out = self.language_model(
             state.input_ids[:, start:end],
             inputs_embeds=state.embeds[:, start:end],
@@ -229,6 +269,18 @@ class GenericModel:
                 for st in states
             ]
             kwargs["position_ids"] = stack([left_pad(p_, n, p, 2) for p_, n, p in zip(pos, lengths, pads)], 1)
+        rows = [self._mask_rows(st, 0, n) for st, n in zip(states, lengths)]
+        if any(r is not None for r in rows):
+            masks = [
+                st.extra[_TOKEN_MASK] if r is not None else mx.zeros(st.input_ids.shape, dtype=mx.bool_)
+                for st, r in zip(states, rows)
+            ]
+            kwargs[_TOKEN_MASK] = stack([left_pad(m, n, p, 1) for m, n, p in zip(masks, lengths, pads)], 0)
+            # Batch-major, as the model's deepstack step takes them row by row.
+            kwargs[_MASK_ROWS] = [
+                mx.concatenate([r[layer] for r in rows if r is not None], axis=0)
+                for layer in range(len(next(r for r in rows if r is not None)))
+            ]
         cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
         self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
         return cache

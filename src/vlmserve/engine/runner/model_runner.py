@@ -175,6 +175,7 @@ class ModelRunner:
         for seq in seqs:
             seq.prompt.cache = None  # the batch owns the KV now
             seq.prompt.embeds = None
+            seq.prompt.extra = {}
 
     def fail_prefill(self, seq: Sequence, exc: Exception) -> None:
         log.error("request %s failed in prefill: %r", seq.req.request_id, exc, exc_info=exc)
