@@ -41,11 +41,15 @@ def media_policy(config: ServerConfig) -> MediaPolicy:
 
 
 def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Internal messages -> the content-part form that VLM chat templates expect."""
+    """Internal messages -> the content-part form that VLM chat templates expect. A text part
+    carries its text under both keys templates read (`text`, and `content` as mlx-vlm's own
+    message builder writes it: InternVL's template reads that one)."""
     out = []
     for msg in messages:
         role = "system" if msg.role == "developer" else msg.role
-        content = [{"type": "text", "text": p} if kind == "text" else {"type": "image"} for kind, p in msg.parts]
+        content = [
+            {"type": "text", "text": p, "content": p} if kind == "text" else {"type": "image"} for kind, p in msg.parts
+        ]
         out.append({"role": role, "content": content})
     return out
 
@@ -123,16 +127,16 @@ class Preprocessor:
         return prepared
 
     def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:
+        if not images:  # as mlx_vlm.prepare_inputs: a text-only prompt needs only the tokenizer
+            enc = self.tokenizer([prompt], add_special_tokens=self._add_special_tokens(prompt), return_tensors="np")
+            return PreparedRequest(prompt_ids=np.asarray(enc["input_ids"], dtype=np.int32).reshape(-1))
         kwargs: dict[str, Any] = {"text": [prompt], "return_tensors": "np"}
         if self._takes_special_tokens_flag:  # others forward unknown kwargs to the image processor, which rejects them
             kwargs["add_special_tokens"] = self._add_special_tokens(prompt)
-        if images:
-            kwargs["images"] = images
+        kwargs["images"] = images
         try:
             enc = self.processor(**kwargs)
         except ValueError as exc:  # the image processor rejects some images (e.g. an extreme aspect ratio)
-            if not images:
-                raise
             raise EngineError(
                 f"an image could not be processed: {exc}", code="invalid_image", param="messages"
             ) from None

@@ -78,6 +78,13 @@ def _context_length(config: dict) -> int:
     return 4096
 
 
+def _embed_tokens(language_model):
+    """The token embedding: on the inner model (mlx-lm's layout) or on the language model itself."""
+    inner = getattr(language_model, "model", None)
+    embed = getattr(inner, "embed_tokens", None) if inner is not None else None
+    return embed if embed is not None else language_model.embed_tokens
+
+
 def _eos_ids(path: Path, config: dict) -> tuple[int, ...]:
     ids: list[int] = []
     candidates = [config.get("eos_token_id"), (config.get("text_config") or {}).get("eos_token_id")]
@@ -112,6 +119,11 @@ class GenericModel:
         self.model = load_model(model_path, lazy=False)
         # load_model(lazy=False) evaluates parameters; evaluate again to be sure any buffer too.
         mx.eval(self.model.parameters())
+        newline = getattr(self.model, "image_newline", None)
+        if isinstance(newline, mx.array) and newline.dtype == mx.bfloat16:
+            # mlx-vlm's LLaVA-NeXT merge reads it through NumPy, which has no bfloat16; float32
+            # holds the same values and the merge casts the result back to the embeddings' dtype.
+            self.model.image_newline = newline.astype(mx.float32)
         self.config = json.loads((model_path / "config.json").read_text())
         self.language_model = self.model.language_model
         # M-RoPE families take explicit (3, B, L) positions; decode passes them per row.
@@ -123,7 +135,7 @@ class GenericModel:
             path=str(model_path),
             model_type=self.config.get("model_type", "unknown"),
             context_length=_context_length(self.config),
-            vocab_size=int(self.language_model.model.embed_tokens.weight.shape[0]),
+            vocab_size=int(_embed_tokens(self.language_model).weight.shape[0]),
             eos_token_ids=tuple(eos),
             image_token_id=getattr(self.model.config, "image_token_id", None)
             or getattr(self.model.config, "image_token_index", None),
@@ -198,12 +210,18 @@ class GenericModel:
         if _TOKEN_MASK in extra:
             # Host copy: how many mask rows precede each position (chunk and batch slicing).
             extra["_mask_before"] = np.concatenate([[0], np.cumsum(np.array(extra[_TOKEN_MASK]).reshape(-1))])
+        embeds = out.inputs_embeds
+        if embeds.shape[1] != input_ids.shape[1]:
+            # The merge changed the prompt's length (LLaVA-NeXT puts several feature chunks per
+            # image token). The language model reads only the embeddings: ids of their length
+            # stand in, ending in the prompt's true last token (the first decode step's input).
+            input_ids = mx.full((1, embeds.shape[1]), int(prepared.prompt_ids[-1]), dtype=mx.int32)
         offset = 0
         if rope_deltas is not None:
             offset = int(mx.array(rope_deltas).reshape(-1)[0].item())
         return PromptState(
             input_ids=input_ids,
-            embeds=out.inputs_embeds,
+            embeds=embeds,
             # One dtype for every prompt (text-only rows come back int64, image rows int32), so
             # image requests reuse the kernels the text warm-up compiled for each length bucket.
             position_ids=None if position_ids is None else position_ids.astype(mx.int32),

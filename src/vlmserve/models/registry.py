@@ -9,9 +9,10 @@ from pathlib import Path
 
 from vlmserve.models.base import ModelAdapter, ProcessorAdapter
 
-# model_type -> (processor adapter, model adapter), as "module:attribute", imported on use so
-# the CPU side never imports a family's device code.
-_FAST_PATHS: dict[str, tuple[str, str]] = {
+# model_type -> (processor adapter, model adapter), as "module:attribute" (None: the generic
+# one), imported on use so the CPU side never imports a family's device code.
+_FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
+    "internvl_chat": ("vlmserve.models.internvl_chat.processing:InternVLProcessing", None),
     "qwen2_vl": (
         "vlmserve.models.qwen2_vl.processing:QwenVLProcessing",
         "vlmserve.models.qwen2_vl.adapter:QwenVLModel",
@@ -30,13 +31,12 @@ def _resolve(target: str):
 
 
 def processor_adapter(model_type: str) -> ProcessorAdapter:
-    entry = _FAST_PATHS.get(model_type)
-    return _resolve(entry[0])() if entry else ProcessorAdapter()
+    target = _FAST_PATHS.get(model_type, (None, None))[0]
+    return _resolve(target)() if target else ProcessorAdapter()
 
 
 def model_adapter_class(model_type: str) -> type:
-    entry = _FAST_PATHS.get(model_type)
-    return _resolve(entry[1] if entry else _GENERIC_MODEL)
+    return _resolve(_FAST_PATHS.get(model_type, (None, None))[1] or _GENERIC_MODEL)
 
 
 class UnsupportedModel(ValueError):

@@ -97,6 +97,7 @@ class ModelRunner:
     def _embedded(self, seq: Sequence, prompt, seconds: float) -> None:
         prepared = seq.req.prepared
         seq.prompt = prompt
+        seq.embedded_len = int(prompt.embeds.shape[1])
         seq.batchable = PrefixCache.supports(prompt.cache)
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         if self.prefix_cache is not None and not prepared.has_pixels:

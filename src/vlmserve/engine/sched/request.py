@@ -39,10 +39,12 @@ class Sequence:
     generated: int = 0
     finished: bool = False
     batchable: bool = True  # its prompt cache can join a batched prefill (the runner says, when embedding)
+    embedded_len: int | None = None  # the embedded prompt's length (a vision merge may change it)
 
     @property
     def num_prompt(self) -> int:
-        return self.req.prepared.num_prompt_tokens
+        """Prompt positions its KV cache will hold: the embedded length once known, else the ids'."""
+        return self.embedded_len or self.req.prepared.num_prompt_tokens
 
     @property
     def embedded(self) -> bool:
