@@ -13,6 +13,7 @@ from vlmserve.models.base import ModelAdapter, ProcessorAdapter
 # one), imported on use so the CPU side never imports a family's device code.
 _FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
     "internvl_chat": ("vlmserve.models.internvl_chat.processing:InternVLProcessing", None),
+    "kimi_vl": ("vlmserve.models.kimi_vl.processing:KimiVLProcessing", None),
     "qwen2_vl": (
         "vlmserve.models.qwen2_vl.processing:QwenVLProcessing",
         "vlmserve.models.qwen2_vl.adapter:QwenVLModel",

@@ -20,6 +20,7 @@ def test_numpy_tiles_equal_mlx_vlms(tmp_path):
     ]
     for batch in ([images[0]], images[1:3]):
         got = ours.preprocess(batch)
+
         def upstream(b=batch):
             out = processor.image_processor.preprocess(b)
             return np.array(out["pixel_values"]), out["num_patches_list"]
