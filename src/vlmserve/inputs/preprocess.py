@@ -43,7 +43,7 @@ def media_policy(config: ServerConfig) -> MediaPolicy:
 def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Internal messages -> the content-part form that VLM chat templates expect. A text part
     carries its text under both keys templates read (`text`, and `content` as mlx-vlm's own
-    message builder writes it: InternVL's template reads that one)."""
+    message builder writes it, and some templates read only that one)."""
     out = []
     for msg in messages:
         role = "system" if msg.role == "developer" else msg.role
