@@ -23,6 +23,9 @@ class ProcessorAdapter:
     # Processor outputs that may be shipped as bfloat16 bit patterns (uint16) when the model
     # casts them to bfloat16 first (ModelInfo.pixel_dtype).
     bfloat16_inputs: tuple[str, ...] = ("pixel_values",)
+    # The most images one prompt of this family reads (None: any number). Past it a request is
+    # refused, never answered with images silently dropped.
+    max_images: int | None = None
 
     def prepare_processor(self, processor, pixel_dtype: str | None, max_pixels: int | None = None):
         """The processor preprocessing calls; a family may swap in a faster twin with the same outputs.

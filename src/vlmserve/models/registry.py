@@ -14,6 +14,7 @@ from vlmserve.models.base import ModelAdapter, ProcessorAdapter
 _FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
     "internvl_chat": ("vlmserve.models.internvl_chat.processing:InternVLProcessing", None),
     "kimi_vl": ("vlmserve.models.kimi_vl.processing:KimiVLProcessing", None),
+    "llava_next": ("vlmserve.models.llava_next.processing:LlavaNextProcessing", None),
     "qwen2_vl": (
         "vlmserve.models.qwen2_vl.processing:QwenVLProcessing",
         "vlmserve.models.qwen2_vl.adapter:QwenVLModel",

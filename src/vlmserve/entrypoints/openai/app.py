@@ -98,6 +98,13 @@ class ServerState:
     def context_length(self) -> int:
         return self.engine.info.context_length
 
+    @property
+    def max_images(self) -> int:
+        """Images one request may carry: --max-images-per-request, or fewer where the model reads fewer."""
+        family_limit = self.preprocessor.adapter.max_images if self.preprocessor is not None else None
+        limit = self.config.max_images_per_request
+        return limit if family_limit is None else min(limit, family_limit)
+
     # ---- preprocessing (inputs/admission.py holds it) -------------------------------
     @property
     def preprocessor(self) -> Preprocessor | None:

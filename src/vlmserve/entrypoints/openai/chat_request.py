@@ -105,8 +105,11 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], context_length: int) -> ChatRequest:
-    """A request body -> ChatRequest, or a 400/404: APIError, or EngineError (limits.py) past the image count."""
+def parse_chat_request(
+    body: Any, config: ServerConfig, model_names: set[str], context_length: int, max_images: int | None = None
+) -> ChatRequest:
+    """A request body -> ChatRequest, or a 400/404: APIError, or EngineError (limits.py) past the image
+    count (`max_images`, default --max-images-per-request: the server passes the model's own limit too)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     model = body.get("model")
@@ -191,5 +194,6 @@ def parse_chat_request(body: Any, config: ServerConfig, model_names: set[str], c
         include_usage=include_usage,
         max_tokens_requested=max_completion is not None or max_legacy is not None,
     )
-    check_image_count(chat, config.max_images_per_request)  # before fetching or decoding any of them
+    limit = config.max_images_per_request if max_images is None else max_images
+    check_image_count(chat, limit)  # before fetching or decoding any of them
     return chat

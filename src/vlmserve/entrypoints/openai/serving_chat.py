@@ -40,7 +40,7 @@ async def _chat_completions(request: Request) -> Response:
     try:
         server.check_accepting()
         body = await read_json(request, server.config.max_body_bytes)
-        chat = parse_chat_request(body, server.config, server.model_names, server.context_length)
+        chat = parse_chat_request(body, server.config, server.model_names, server.context_length, server.max_images)
         # 429 past --max-waiting; times the CPU pool; 400 past the context (inputs/limits.py)
         prepared = await server.prepare(chat)
     except APIError as exc:
