@@ -31,7 +31,8 @@ def make_fixtures():
 
 
 def families() -> tuple[str, ...]:
-    return make_fixtures().family_names()
+    """The families with tiny checkpoints (make_fixtures.NOT_TINY names the others, and why)."""
+    return make_fixtures().tiny_family_names()
 
 
 def checkpoint(name: str, fmt: str, cache_dir: Path) -> Path:

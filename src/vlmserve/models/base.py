@@ -50,6 +50,9 @@ class ModelAdapter(Protocol):
     info: ModelInfo
     model: Any
     language_model: Any
+    # The prompt attends to itself bidirectionally (a prefix LM): prefilled in one piece, and
+    # never from or into the token-keyed prefix cache.
+    prefix_lm: bool
 
     def stage_inputs(self, prepared: PreparedRequest) -> dict[str, Any]:
         """A request's arrays copied into MLX now, ahead of its embedding."""

@@ -33,6 +33,10 @@ _PER_ROW_ONLY = {"attention_mask_4d", "labels", "attention_mask"}
 # one-token decode step never holds an image token, so decode passes neither.
 _TOKEN_MASK = "visual_pos_masks"
 _MASK_ROWS = "deepstack_visual_embeds"
+# Extra embedding outputs with one entry per prompt position on axis 1 (Gemma-3n's
+# per_layer_inputs (1, L, layers, D)): a chunk takes its slice, a left-padded batch pads them.
+# A decode step passes none: the language model derives them from the token id.
+_PER_POSITION = {"per_layer_inputs"}
 
 
 # mx.array(ndarray) holds the GIL for its whole copy. The event loop gives the GIL up at every
@@ -128,6 +132,10 @@ class GenericModel:
         self.language_model = self.model.language_model
         # M-RoPE families take explicit (3, B, L) positions; decode passes them per row.
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
+        # Prefix-LM families (PaliGemma): the whole prompt attends bidirectionally, and the language
+        # model then builds no mask of its own, not even for decode.
+        text_config = getattr(self.model.config, "text_config", None)
+        self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         self.install_fast_paths()
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
@@ -200,7 +208,7 @@ class GenericModel:
             for k, v in out.to_dict().items()
             if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
         }
-        unknown = set(extra) - {_TOKEN_MASK, _MASK_ROWS}
+        unknown = set(extra) - {_TOKEN_MASK, _MASK_ROWS} - _PER_POSITION
         if unknown or (_MASK_ROWS in extra and _TOKEN_MASK not in extra):
             raise NotImplementedError(f"{self.info.model_type}: embedding outputs {sorted(extra)} are not supported")
         if _MASK_ROWS in extra:
@@ -242,8 +250,20 @@ class GenericModel:
     def prefill(self, state: PromptState, start: int, end: int) -> mx.array:
         """Run prompt positions [start, end) into the request's cache; return last-position logits (1, V)."""
         kwargs = {}
+        if self.prefix_lm:
+            # mlx_vlm runs the whole prompt in one bidirectional forward (its chunked_prefill_policy
+            # says no chunks). Same here, then drop the last position: the last token rides the
+            # first decode step, where it attends to every position, as its row of this pass does.
+            if start != 0 or end != state.input_ids.shape[1] - 1:
+                raise NotImplementedError(f"{self.info.model_type}: a prefix-LM prompt is prefilled in one piece")
+            out = self.language_model(state.input_ids, inputs_embeds=state.embeds, cache=state.cache)
+            for c in state.cache:
+                c.trim(1)
+            return out.logits[:, -2, :]
         if state.position_ids is not None:
             kwargs["position_ids"] = state.position_ids[..., start:end]
+        for k in _PER_POSITION & state.extra.keys():
+            kwargs[k] = state.extra[k][:, start:end]
         rows = self._mask_rows(state, start, end)
         if rows is not None:
             kwargs[_TOKEN_MASK] = state.extra[_TOKEN_MASK][:, start:end]
@@ -261,6 +281,14 @@ class GenericModel:
 
         The padded length is rounded up to a multiple of `bucket`, so prompts of many lengths
         share a few kernel shapes (a shape seen for the first time costs a compile on CUDA)."""
+        if len({st.embeds.dtype for st in states}) > 1:
+            # One forward would run every row in the promoted dtype (PaliGemma's image rows come out
+            # of get_input_embeddings in float32 in a bfloat16 model): run each as it runs alone.
+            for st, n in zip(states, lengths):
+                self.prefill(st, 0, n)
+            return self.merge_caches([st.cache for st in states])
+        if self.prefix_lm:
+            lengths = [n + 1 for n in lengths]  # whole prompts (see prefill), trimmed below
         longest = -(-max(lengths) // bucket) * bucket
         pads = [longest - n for n in lengths]
 
@@ -299,8 +327,15 @@ class GenericModel:
                 mx.concatenate([r[layer] for r in rows if r is not None], axis=0)
                 for layer in range(len(next(r for r in rows if r is not None)))
             ]
+        for k in _PER_POSITION & states[0].extra.keys():
+            kwargs[k] = stack([left_pad(st.extra[k], n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
+        if self.prefix_lm:  # bidirectional, but never onto a row's left padding
+            kwargs["mask"] = (mx.arange(longest)[None] >= mx.array(pads)[:, None])[:, None, None, :]
         cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
         self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
+        if self.prefix_lm:
+            for c in cache:
+                c.trim(1)
         return cache
 
     # ---- batched decode ------------------------------------------------------
@@ -330,6 +365,8 @@ class GenericModel:
         kwargs = {}
         if positions is not None:
             kwargs["position_ids"] = mrope_decode_positions(positions)
+        if self.prefix_lm:  # the model makes no mask of its own: keep each row to its own KV
+            kwargs["mask"] = batch_cache[0].make_mask(1, return_array=True)
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]
 

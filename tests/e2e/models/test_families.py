@@ -48,6 +48,10 @@ KNOWN_GAPS = {
         "one float32 image row widens the shared slot KV to float32, so a bfloat16 text row beside it "
         "decodes in float32 (alone it stays bfloat16)"
     ),
+    ("paligemma", "4bit", "concurrent"): (
+        "its image prompts embed in float32 in a bfloat16 model: one such row widens the shared slot KV "
+        "to float32, so a bfloat16 text row beside it decodes in float32 (alone it stays bfloat16)"
+    ),
 }
 
 

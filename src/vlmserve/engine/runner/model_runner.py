@@ -99,8 +99,9 @@ class ModelRunner:
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
         seq.batchable = PrefixCache.supports(prompt.cache)
+        seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
-        if self.prefix_cache is not None and not prepared.has_pixels:
+        if self._caches_prefix(seq):
             seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, prompt.cache)
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
@@ -157,8 +158,14 @@ class ModelRunner:
         self._join(group, cache)
 
     def _caches_prefix(self, seq: Sequence) -> bool:
-        """Only text-only prompts enter the prefix cache: a token key cannot tell two images apart."""
-        return self.prefix_cache is not None and not seq.req.prepared.has_pixels and seq.num_prompt > 1
+        """Only text-only prompts enter the prefix cache: a token key cannot tell two images apart.
+        Nor do prompts attended to as a whole: a prefix's KV there depends on what follows it."""
+        return (
+            self.prefix_cache is not None
+            and not seq.req.prepared.has_pixels
+            and not self.model.prefix_lm
+            and seq.num_prompt > 1
+        )
 
     def _store_prefix(self, seq: Sequence, cache: list[Any]) -> None:
         if self._caches_prefix(seq):

@@ -39,6 +39,7 @@ class Sequence:
     generated: int = 0
     finished: bool = False
     batchable: bool = True  # its prompt cache can join a batched prefill (the runner says, when embedding)
+    whole_prompt: bool = False  # its prompt is prefilled in one piece, never in chunks (the runner says)
     embedded_len: int | None = None  # the embedded prompt's length (a vision merge may change it)
 
     @property

@@ -123,7 +123,8 @@ class Scheduler:
         share is counted); a row whose embedding raises is named in `failed`.
 
         New prompts that fit whole go into one batched forward; any other prompt takes the
-        budget left, at most a chunk. A lone new prompt is prefilled on its own (without a
+        budget left, at most a chunk (a prompt the model attends to as a whole takes all of it,
+        however long, once the budget reaches it). A lone new prompt is prefilled on its own (without a
         prefill bucket: exactly mlx_vlm.generate's shapes)."""
         plan = PrefillPlan()
         budget = self.prefill_budget
@@ -141,7 +142,7 @@ class Scheduler:
                 plan.group.append(seq)
                 budget -= remaining
             else:
-                share = min(budget, self.prefill_chunk)
+                share = remaining if seq.whole_prompt else min(budget, self.prefill_chunk)
                 plan.singles.append((seq, share))
                 budget -= min(remaining, share)
         if len(plan.group) == 1 and self.prefill_bucket <= 1:

@@ -179,3 +179,12 @@ def test_staging_counts_the_next_chunk_of_a_prompt_already_embedded():
     assert sched.to_stage() == []  # the long prompt's next chunk (64) is the whole budget
     long_row.prefilled = 299 - 20
     assert [r.request_id for r in sched.to_stage()] == ["next", "waiting"]  # 20 + 39 < 64: both reached
+
+
+def test_a_prompt_attended_to_as_a_whole_is_never_chunked():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100, prefill_bucket=16)
+    rows = admitted(sched, request("prefix-lm", 300), request("next", 20))
+    rows[0].whole_prompt = True
+    plan = sched.plan_prefill(embedder([]))
+    # The whole 299 tokens in one piece, past the chunk and the budget; nothing else this step.
+    assert [(s.req.request_id, n) for s, n in plan.singles] == [("prefix-lm", 299)] and plan.group == []
