@@ -176,9 +176,20 @@ def train_bpe(vocab_size: int, special_tokens: list[str], unk: str = "<unk>"):
 
 
 def _wrap_fast(tok, **kwargs):
+    """PreTrainedTokenizerFast around `tok`; left padding and no clean-up unless `kwargs` say so."""
     from transformers import PreTrainedTokenizerFast
 
+    kwargs.setdefault("padding_side", "left")
+    kwargs.setdefault("clean_up_tokenization_spaces", False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+def generation_config(bos, eos, pad) -> dict:
+    """generation_config.json: greedy, with these token ids (`bos` None: no bos_token_id)."""
+    gen = {"eos_token_id": eos, "pad_token_id": pad, "do_sample": False}
+    if bos is not None:
+        gen["bos_token_id"] = bos
+    return gen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,8 +279,6 @@ QWEN_TOKENIZER_SETTINGS = dict(
         "vision_end_token": "<|vision_end|>",
     },
     model_max_length=32768,
-    padding_side="left",
-    clean_up_tokenization_spaces=False,
 )
 
 
@@ -381,19 +390,14 @@ def spec_qwen2_vl(model_type="qwen2_vl"):
         "preprocessor_config.json": _qwen_preprocessor(min_px, max_px, pcls),
         "video_preprocessor_config.json": _qwen_video_preprocessor(min_px, max_px, pcls),
     }
-    gen = {
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"],
-        "do_sample": False,
-    }
-    files["generation_config.json"] = gen
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    files["generation_config.json"] = generation_config(ids["<|endoftext|>"], eos, ids["<|endoftext|>"])
     return dict(
         config=config,
         tokenizer=tok,
         template=QWEN2_VL_TEMPLATE,
         files=files,
-        eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        eos_ids=eos,
         never_ids=sorted(ids.values()),
     )
 
@@ -401,25 +405,46 @@ def spec_qwen2_vl(model_type="qwen2_vl"):
 LLAVA_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 
 
-def spec_llava():
+def llava_tokenizer(specials, model_max_length):
+    """Llama-style tokenizer that prepends <s> itself, with an ``<image>`` token (llava, llava_next)."""
     from tokenizers import processors
 
-    tok = train_bpe(512, LLAVA_SPECIALS)
+    tok = train_bpe(512, specials)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
-    fast = _wrap_fast(
+    return _wrap_fast(
         tok,
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>"},
-        model_max_length=4096,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
     )
+
+
+def clip_vision_config(vocab_size, image_size=56) -> dict:
+    """The tiny CLIP vision tower (llava, llava_next)."""
+    return {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": 14,
+        "projection_dim": 64,
+        "num_channels": 3,
+        "layer_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "hidden_act": "quick_gelu",
+    }
+
+
+def spec_llava():
+    fast = llava_tokenizer(LLAVA_SPECIALS, model_max_length=4096)
     ids = {t: fast.convert_tokens_to_ids(t) for t in LLAVA_SPECIALS}
     n = len(fast)
     config = {
@@ -452,20 +477,7 @@ def spec_llava():
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
         },
-        "vision_config": {
-            "model_type": "clip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": 56,
-            "patch_size": 14,
-            "projection_dim": 64,
-            "num_channels": 3,
-            "layer_norm_eps": 1e-5,
-            "vocab_size": n,
-            "hidden_act": "quick_gelu",
-        },
+        "vision_config": clip_vision_config(n),
     }
     files = {
         "preprocessor_config.json": {
@@ -491,12 +503,7 @@ def spec_llava():
             "vision_feature_select_strategy": "default",
             "image_seq_length": 16,
         },
-        "generation_config.json": {
-            "bos_token_id": ids["<s>"],
-            "eos_token_id": ids["</s>"],
-            "pad_token_id": ids["<pad>"],
-            "do_sample": False,
-        },
+        "generation_config.json": generation_config(ids["<s>"], ids["</s>"], ids["<pad>"]),
     }
     return dict(
         config=config,
@@ -521,27 +528,25 @@ GEMMA3_SPECIALS = [
 ]
 
 
+# Gemma's named tokens (gemma3; gemma3n and paligemma share them).
+GEMMA_TOKENIZER_SETTINGS = dict(unk_token="<unk>", bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+GEMMA3_IMAGE_TOKENS = {
+    "image_token": "<image_soft_token>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+}
+
+
 def spec_gemma3():
     # No BOS post-processor: the template renders {{ bos_token }} itself (adding it in the
     # tokenizer as well gives two BOS tokens).
     tok = train_bpe(512, GEMMA3_SPECIALS)
     fast = _wrap_fast(
-        tok,
-        unk_token="<unk>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        extra_special_tokens={
-            "image_token": "<image_soft_token>",
-            "boi_token": "<start_of_image>",
-            "eoi_token": "<end_of_image>",
-        },
-        model_max_length=8192,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
+        tok, **GEMMA_TOKENIZER_SETTINGS, extra_special_tokens=dict(GEMMA3_IMAGE_TOKENS), model_max_length=8192
     )
     ids = {t: fast.convert_tokens_to_ids(t) for t in GEMMA3_SPECIALS}
     n = len(fast)
+    eos = [ids["<eos>"], ids["<end_of_turn>"]]
     config = {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "model_type": "gemma3",
@@ -552,7 +557,7 @@ def spec_gemma3():
         "vocab_size": n,
         "pad_token_id": ids["<pad>"],
         "bos_token_id": ids["<bos>"],
-        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "eos_token_id": eos,
         "hidden_size": 64,
         "torch_dtype": "float32",
         "text_config": {
@@ -607,19 +612,14 @@ def spec_gemma3():
             "size": {"height": 56, "width": 56},
         },
         "processor_config.json": {"image_seq_length": 4, "processor_class": "Gemma3Processor"},
-        "generation_config.json": {
-            "bos_token_id": ids["<bos>"],
-            "pad_token_id": ids["<pad>"],
-            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
-            "do_sample": False,
-        },
+        "generation_config.json": generation_config(ids["<bos>"], eos, ids["<pad>"]),
     }
     return dict(
         config=config,
         tokenizer=fast,
         template=GEMMA3_TEMPLATE,
         files=files,
-        eos_ids=[ids["<eos>"], ids["<end_of_turn>"]],
+        eos_ids=eos,
         never_ids=sorted(ids.values()),
     )
 
@@ -662,6 +662,11 @@ def get_spec(name):
         return spec_llava()
     if name == "gemma3":
         return spec_gemma3()
+    return load_family(name).spec(sys.modules[__name__])
+
+
+def load_family(name):
+    """The module scripts/fixture_families/<name>.py (families that build on another load it too)."""
     path = FAMILY_DIR / f"{name}.py"
     if not path.exists():
         raise KeyError(f"no fixture family {name!r}; known: {', '.join(family_names())}")
@@ -670,7 +675,7 @@ def get_spec(name):
     loader = importlib.util.spec_from_file_location(f"fixture_families.{name}", path)
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
-    return module.spec(sys.modules[__name__])
+    return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1021,12 +1026,7 @@ def build_qwen2_vl_2b(
     _dump_json(out / "video_preprocessor_config.json", _qwen_video_preprocessor(min_px, max_px))
     _dump_json(
         out / "generation_config.json",
-        {
-            "bos_token_id": ids["<|endoftext|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-            "do_sample": False,
-        },
+        generation_config(ids["<|endoftext|>"], [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"]),
     )
     save_tokenizer(tok, QWEN2_VL_TEMPLATE, out)
 
