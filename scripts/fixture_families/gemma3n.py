@@ -72,21 +72,14 @@ def _tokenizer(mf):
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vision + audio])
     fast = mf._wrap_fast(
         tok,
-        unk_token="<unk>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
+        **mf.GEMMA_TOKENIZER_SETTINGS,
         extra_special_tokens={
-            "image_token": "<image_soft_token>",
-            "boi_token": "<start_of_image>",
-            "eoi_token": "<end_of_image>",
+            **mf.GEMMA3_IMAGE_TOKENS,
             "audio_token": "<audio_soft_token>",
             "boa_token": "<start_of_audio>",
             "eoa_token": "<end_of_audio>",
         },
         model_max_length=32768,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
     return fast, vision, audio
 
@@ -97,6 +90,7 @@ def spec(mf):
     assert ids["<end_of_image>"] == TEXT_VOCAB and ids["<audio_soft_token>"] == TEXT_VOCAB + VISION_VOCAB + 1
     n = len(fast)
     assert n == TEXT_VOCAB + VISION_VOCAB + AUDIO_VOCAB, n
+    eos = [ids["<eos>"], ids["<end_of_turn>"]]
     layers = 4
     text = {
         "model_type": "gemma3n_text",
@@ -144,7 +138,7 @@ def spec(mf):
         "vocab_size": n,
         "pad_token_id": ids["<pad>"],
         "bos_token_id": ids["<bos>"],
-        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "eos_token_id": eos,
         "torch_dtype": "float32",
         "text_config": text,
         "vision_config": {
@@ -197,12 +191,7 @@ def spec(mf):
             "image_seq_length": 256,
             "processor_class": "Gemma3nProcessor",
         },
-        "generation_config.json": {
-            "bos_token_id": ids["<bos>"],
-            "pad_token_id": ids["<pad>"],
-            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<bos>"], eos, ids["<pad>"]),
     }
     # lm_head is tied to embed_tokens, so a zeroed lm_head row is a zero input embedding too; a
     # prompt token embedding to exactly zero makes AltUp divide 0 by 0 (its magnitude rescale:
@@ -222,6 +211,6 @@ def spec(mf):
         tokenizer=fast,
         template=TEMPLATE,
         files=files,
-        eos_ids=[ids["<eos>"], ids["<end_of_turn>"]],
+        eos_ids=eos,
         never_ids=never,
     )

@@ -77,8 +77,6 @@ TEMPLATE = """[gMASK]<sop>
 {% if add_generation_prompt %}<|assistant|>
 {% endif %}"""
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # smart_resize compares t*h*w with these, t = temporal_patch_size = 2.
 MIN_PIXELS, MAX_PIXELS = 2 * 56 * 56, 2 * 64 * 28 * 28
 
@@ -92,8 +90,6 @@ def spec(mf):
         pad_token="<|endoftext|>",
         extra_special_tokens={"image_token": "<|image|>", "video_token": "<|video|>"},
         model_max_length=65536,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     n = len(fast)
@@ -169,8 +165,8 @@ def spec(mf):
             "do_normalize": True,
             "do_rescale": True,
             "do_resize": True,
-            "image_mean": CLIP_MEAN,
-            "image_std": CLIP_STD,
+            "image_mean": mf.CLIP_MEAN,
+            "image_std": mf.CLIP_STD,
             "image_processor_type": "Glm4vImageProcessor",
             "merge_size": 2,
             "patch_size": 14,
@@ -180,11 +176,7 @@ def spec(mf):
             "size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS},
             "temporal_patch_size": 2,
         },
-        "generation_config.json": {
-            "eos_token_id": eos,
-            "pad_token_id": ids["<|endoftext|>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(None, eos, ids["<|endoftext|>"]),
     }
     return dict(
         config=config,

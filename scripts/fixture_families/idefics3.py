@@ -36,8 +36,7 @@ SPECIALS = [
 
 TILE = 56  # vision image_size = max_image_size.longest_edge
 PATCH = 14
-SCALE = 2
-IMAGE_SEQ_LEN = (TILE // PATCH) ** 2 // SCALE**2  # 4
+SCALE = 2  # image_seq_len = (TILE // PATCH) ** 2 // SCALE**2 = 4
 
 
 def spec(mf):
@@ -56,20 +55,24 @@ def spec(mf):
             *ROW_COL,
         ],
         model_max_length=8192,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
+    return build_spec(mf, fast, SPECIALS, TEMPLATE, bos="<|begin_of_text|>", pad="<|end_of_text|>", tile=TILE)
+
+
+def build_spec(mf, fast, specials, template, *, bos, pad, tile, patch=PATCH, scale=SCALE):
+    """The Idefics3 spec for this tokenizer and tile geometry; SmolVLM (smolvlm.py) is this one
+    with its own names and text model."""
+    ids = {t: fast.convert_tokens_to_ids(t) for t in specials}
     n = len(fast)
-    eos = [ids["<end_of_utterance>"], ids["<|end_of_text|>"]]
+    eos = [ids["<end_of_utterance>"], ids[pad]]
     config = {
         "architectures": ["Idefics3ForConditionalGeneration"],
         "model_type": "idefics3",
         "image_token_id": ids["<image>"],
-        "scale_factor": SCALE,
+        "scale_factor": scale,
         "vocab_size": n,
-        "pad_token_id": ids["<|end_of_text|>"],
-        "bos_token_id": ids["<|begin_of_text|>"],
+        "pad_token_id": ids[pad],
+        "bos_token_id": ids[bos],
         "eos_token_id": eos,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -85,7 +88,7 @@ def spec(mf):
             "rope_theta": 500000.0,
             "max_position_embeddings": 8192,
             "vocab_size": n,
-            "pad_token_id": ids["<|end_of_text|>"],
+            "pad_token_id": ids[pad],
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
         },
@@ -95,11 +98,11 @@ def spec(mf):
             "intermediate_size": 64,
             "num_hidden_layers": 2,
             "num_attention_heads": 2,
-            "patch_size": PATCH,
-            "image_size": TILE,
+            "patch_size": patch,
+            "image_size": tile,
             "num_channels": 3,
             "layer_norm_eps": 1e-6,
-            "max_image_size": {"longest_edge": TILE},
+            "max_image_size": {"longest_edge": tile},
         },
     }
     files = {
@@ -113,24 +116,22 @@ def spec(mf):
             "image_mean": [0.5, 0.5, 0.5],
             "image_processor_type": "Idefics3ImageProcessor",
             "image_std": [0.5, 0.5, 0.5],
-            "max_image_size": {"longest_edge": TILE},
+            "max_image_size": {"longest_edge": tile},
             "processor_class": "Idefics3Processor",
             "resample": 1,
             "rescale_factor": 0.00392156862745098,
-            "size": {"longest_edge": 2 * TILE},
+            "size": {"longest_edge": 2 * tile},
         },
-        "processor_config.json": {"image_seq_len": IMAGE_SEQ_LEN, "processor_class": "Idefics3Processor"},
-        "generation_config.json": {
-            "bos_token_id": ids["<|begin_of_text|>"],
-            "eos_token_id": eos,
-            "pad_token_id": ids["<|end_of_text|>"],
-            "do_sample": False,
+        "processor_config.json": {
+            "image_seq_len": (tile // patch) ** 2 // scale**2,
+            "processor_class": "Idefics3Processor",
         },
+        "generation_config.json": mf.generation_config(ids[bos], eos, ids[pad]),
     }
     return dict(
         config=config,
         tokenizer=fast,
-        template=TEMPLATE,
+        template=template,
         files=files,
         eos_ids=eos,
         never_ids=sorted(ids.values()),

@@ -54,10 +54,10 @@ def spec(mf):
         pad_token="<|endoftext|>",
         model_max_length=8192,
         padding_side="right",
-        clean_up_tokenization_spaces=False,
     )
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     n = len(fast)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     text = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -111,7 +111,7 @@ def spec(mf):
         "select_layer": -1,
         "template": "internvl2_5",
         "image_token_index": ids["<IMG_CONTEXT>"],
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "eos_token_id": eos,
         "vocab_size": n,
         "torch_dtype": "float32",
         "llm_config": text,
@@ -125,18 +125,13 @@ def spec(mf):
             "num_image_token": 4,
             "processor_class": "InternVLChatProcessor",
         },
-        "generation_config.json": {
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-            "pad_token_id": ids["<|endoftext|>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<|endoftext|>"], eos, ids["<|endoftext|>"]),
     }
     return dict(
         config=config,
         tokenizer=fast,
         template=TEMPLATE,
         files=files,
-        eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        eos_ids=eos,
         never_ids=sorted(ids.values()),
     )

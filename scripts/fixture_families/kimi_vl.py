@@ -46,11 +46,10 @@ def spec(mf):
         eos_token="[EOS]",
         pad_token="[PAD]",
         model_max_length=131072,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     n = len(fast)
+    eos = [ids["[EOS]"], ids["<|im_end|>"]]
     text = {
         "model_type": "deepseek_v3",
         "vocab_size": n,
@@ -129,18 +128,13 @@ def spec(mf):
             "patch_size": 14,
             "processor_class": "KimiVLProcessor",
         },
-        "generation_config.json": {
-            "bos_token_id": ids["[BOS]"],
-            "eos_token_id": [ids["[EOS]"], ids["<|im_end|>"]],
-            "pad_token_id": ids["[PAD]"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["[BOS]"], eos, ids["[PAD]"]),
     }
     return dict(
         config=config,
         tokenizer=fast,
         template=TEMPLATE,
         files=files,
-        eos_ids=[ids["[EOS]"], ids["<|im_end|>"]],
+        eos_ids=eos,
         never_ids=sorted(ids.values()),
     )

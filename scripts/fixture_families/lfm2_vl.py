@@ -52,8 +52,6 @@ def spec(mf):
             "image_thumbnail_token": "<|img_thumbnail|>",
         },
         model_max_length=128000,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     n = len(fast)
@@ -144,12 +142,7 @@ def spec(mf):
             "rescale_factor": 0.00392156862745098,
         },
         "processor_config.json": {"processor_class": "Lfm2VlProcessor", "use_image_special_tokens": True},
-        "generation_config.json": {
-            "bos_token_id": ids["<|startoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|pad|>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<|startoftext|>"], ids["<|im_end|>"], ids["<|pad|>"]),
     }
     return dict(
         config=config,

@@ -39,24 +39,7 @@ PINPOINTS = [[TILE, 2 * TILE], [2 * TILE, TILE], [2 * TILE, 2 * TILE]]
 
 
 def spec(mf):
-    from tokenizers import processors
-
-    tok = mf.train_bpe(512, SPECIALS)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    fast = mf._wrap_fast(
-        tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
-        model_max_length=32768,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
+    fast = mf.llava_tokenizer(SPECIALS, model_max_length=32768)
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     n = len(fast)
     config = {
@@ -90,20 +73,7 @@ def spec(mf):
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
         },
-        "vision_config": {
-            "model_type": "clip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": TILE,
-            "patch_size": 14,
-            "projection_dim": 64,
-            "num_channels": 3,
-            "layer_norm_eps": 1e-5,
-            "vocab_size": n,
-            "hidden_act": "quick_gelu",
-        },
+        "vision_config": mf.clip_vision_config(n, image_size=TILE),
     }
     files = {
         "preprocessor_config.json": {
@@ -131,12 +101,7 @@ def spec(mf):
             "processor_class": "LlavaNextProcessor",
             "vision_feature_select_strategy": "default",
         },
-        "generation_config.json": {
-            "bos_token_id": ids["<s>"],
-            "eos_token_id": ids["</s>"],
-            "pad_token_id": ids["<pad>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<s>"], ids["</s>"], ids["<pad>"]),
     }
     return dict(
         config=config,

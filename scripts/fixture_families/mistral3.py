@@ -52,8 +52,6 @@ def spec(mf):
         eos_token="</s>",
         pad_token="<unk>",
         model_max_length=8192,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
     n = len(fast)
@@ -128,12 +126,7 @@ def spec(mf):
             "processor_class": "PixtralProcessor",
             "spatial_merge_size": 2,
         },
-        "generation_config.json": {
-            "bos_token_id": ids["<s>"],
-            "eos_token_id": ids["</s>"],
-            "pad_token_id": ids["<unk>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<s>"], ids["</s>"], ids["<unk>"]),
     }
     return dict(
         config=config,

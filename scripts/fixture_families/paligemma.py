@@ -38,15 +38,7 @@ TEMPLATE = (
 def spec(mf):
     tok = mf.train_bpe(512, SPECIALS)
     fast = mf._wrap_fast(
-        tok,
-        unk_token="<unk>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
-        model_max_length=8192,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
+        tok, **mf.GEMMA_TOKENIZER_SETTINGS, extra_special_tokens={"image_token": "<image>"}, model_max_length=8192
     )
     fast.add_tokens(EXTRA_TOKENS)
     ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
@@ -113,12 +105,7 @@ def spec(mf):
             "rescale_factor": 0.00392156862745098,
             "size": {"height": 56, "width": 56},
         },
-        "generation_config.json": {
-            "bos_token_id": ids["<bos>"],
-            "eos_token_id": ids["<eos>"],
-            "pad_token_id": ids["<pad>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<bos>"], ids["<eos>"], ids["<pad>"]),
     }
     return dict(
         config=config,

@@ -10,20 +10,6 @@ Fixture images: 64x48 -> 64x64 -> 4 tokens; 100x80 -> 96x96 -> 9; 224x160 -> 224
 Processor: mlx_vlm's torch-free Qwen3VLProcessor (installed for model_type qwen3_5).
 """
 
-SPECIALS = [
-    "<unk>",
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<think>",
-    "</think>",
-]
-
 # Qwen3.5's template, trimmed (no tools): list or string content, images in place, and a
 # generation prompt that opens a <think> block unless enable_thinking is false.
 TEMPLATE = (
@@ -61,46 +47,11 @@ TEMPLATE = (
     "{%- endif %}"
 )
 
-MIN_PIXELS, MAX_PIXELS = 64 * 64, 64 * 32 * 32
-
-
-def _preprocessor(processor_class):
-    return {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "merge_size": 2,
-        "patch_size": 16,
-        "processor_class": processor_class,
-        "resample": 3,
-        "rescale_factor": 0.00392156862745098,
-        "size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS},
-        "temporal_patch_size": 2,
-    }
-
 
 def spec(mf):
-    tok = mf.train_bpe(512, SPECIALS)
-    fast = mf._wrap_fast(
-        tok,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
-        model_max_length=262144,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
+    qwen3_vl = mf.load_family("qwen3_vl")  # same tokenizer, vision tower and processors
+    fast = qwen3_vl.tokenizer(mf)
+    ids = {t: fast.convert_tokens_to_ids(t) for t in qwen3_vl.specials(mf)}
     n = len(fast)
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     text = {
@@ -138,22 +89,7 @@ def spec(mf):
         "vocab_size": n,
         "dtype": "float32",
     }
-    vision = {
-        "model_type": "qwen3_5",
-        "deepstack_visual_indexes": [],
-        "depth": 2,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": 32,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "num_position_embeddings": 16,
-        "out_hidden_size": 64,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
+    vision = qwen3_vl.vision_config("qwen3_5", deepstack_visual_indexes=[])
     config = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
@@ -170,18 +106,10 @@ def spec(mf):
         "dtype": "float32",
     }
     pcls = "Qwen3VLProcessor"
-    video = _preprocessor(pcls)
-    video.pop("image_processor_type")
-    video.update({"video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "min_frames": 4, "max_frames": 768})
     files = {
-        "preprocessor_config.json": _preprocessor(pcls),
-        "video_preprocessor_config.json": video,
-        "generation_config.json": {
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": eos,
-            "pad_token_id": ids["<|endoftext|>"],
-            "do_sample": False,
-        },
+        "preprocessor_config.json": qwen3_vl.preprocessor(mf, pcls),
+        "video_preprocessor_config.json": qwen3_vl.video_preprocessor(mf, pcls),
+        "generation_config.json": mf.generation_config(ids["<|endoftext|>"], eos, ids["<|endoftext|>"]),
     }
     return dict(
         config=config,

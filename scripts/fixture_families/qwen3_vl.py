@@ -8,19 +8,8 @@ Fixture images: 64x48 -> 64x64 -> 4 tokens; 100x80 -> 96x96 -> 9; 224x160 -> 224
 Processor: mlx_vlm's torch-free Qwen3VLProcessor (installed for model_type qwen3_vl).
 """
 
-SPECIALS = [
-    "<unk>",
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<think>",
-    "</think>",
-]
+# The special tokens are Qwen2-VL's (mf.QWEN_SPECIALS) and these.
+THINK_SPECIALS = ["<think>", "</think>"]
 
 # The real Qwen3-VL Instruct template without tools: no default system prompt, images as
 # <|vision_start|><|image_pad|><|vision_end|> where they appear in the content list.
@@ -64,23 +53,13 @@ TEMPLATE = (
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 64 * 32 * 32
 
 
+def specials(mf):
+    return mf.QWEN_SPECIALS + THINK_SPECIALS
+
+
 def tokenizer(mf):
-    tok = mf.train_bpe(512, SPECIALS)
-    return mf._wrap_fast(
-        tok,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
-        model_max_length=262144,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
+    tok = mf.train_bpe(512, specials(mf))
+    return mf._wrap_fast(tok, **{**mf.QWEN_TOKENIZER_SETTINGS, "model_max_length": 262144})
 
 
 def preprocessor(mf, processor_class):
@@ -109,10 +88,31 @@ def video_preprocessor(mf, processor_class):
     return d
 
 
+def vision_config(model_type, deepstack_visual_indexes):
+    """The tiny Qwen3-VL vision tower (qwen3_5 uses it without deepstack)."""
+    return {
+        "model_type": model_type,
+        "deepstack_visual_indexes": deepstack_visual_indexes,
+        "depth": 2,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 32,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "num_position_embeddings": 16,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+
+
 def spec(mf):
     fast = tokenizer(mf)
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
+    ids = {t: fast.convert_tokens_to_ids(t) for t in specials(mf)}
     n = len(fast)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     text = {
         "model_type": "qwen3_vl_text",
         "attention_bias": False,
@@ -135,22 +135,7 @@ def spec(mf):
         "vocab_size": n,
         "dtype": "float32",
     }
-    vision = {
-        "model_type": "qwen3_vl",
-        "deepstack_visual_indexes": [0, 1],
-        "depth": 2,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": 32,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "num_position_embeddings": 16,
-        "out_hidden_size": 64,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
+    vision = vision_config("qwen3_vl", deepstack_visual_indexes=[0, 1])
     config = {
         "architectures": ["Qwen3VLForConditionalGeneration"],
         "model_type": "qwen3_vl",
@@ -168,18 +153,13 @@ def spec(mf):
     files = {
         "preprocessor_config.json": preprocessor(mf, pcls),
         "video_preprocessor_config.json": video_preprocessor(mf, pcls),
-        "generation_config.json": {
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-            "pad_token_id": ids["<|endoftext|>"],
-            "do_sample": False,
-        },
+        "generation_config.json": mf.generation_config(ids["<|endoftext|>"], eos, ids["<|endoftext|>"]),
     }
     return dict(
         config=config,
         tokenizer=fast,
         template=TEMPLATE,
         files=files,
-        eos_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        eos_ids=eos,
         never_ids=sorted(ids.values()),
     )

@@ -38,8 +38,7 @@ SPECIALS = [
 
 TILE = 128  # vision image_size = max_image_size.longest_edge
 PATCH = 16
-SCALE = 4
-IMAGE_SEQ_LEN = (TILE // PATCH) ** 2 // SCALE**2  # 4
+SCALE = 4  # image_seq_len = (TILE // PATCH) ** 2 // SCALE**2 = 4
 
 
 def spec(mf):
@@ -59,84 +58,20 @@ def spec(mf):
         },
         additional_special_tokens=[*ROW_COL],
         model_max_length=8192,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
     )
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
-    n = len(fast)
-    eos = [ids["<end_of_utterance>"], ids["<|im_end|>"]]
-    config = {
-        "architectures": ["SmolVLMForConditionalGeneration"],
-        "model_type": "smolvlm",
-        "image_token_id": ids["<image>"],
-        "scale_factor": SCALE,
-        "vocab_size": n,
-        "pad_token_id": ids["<|im_end|>"],
-        "bos_token_id": ids["<|im_start|>"],
-        "eos_token_id": eos,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "text_config": {
-            "model_type": "llama",
-            "architectures": ["VLlama3ForCausalLM"],
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 100000.0,
-            "max_position_embeddings": 8192,
-            "vocab_size": n,
-            "pad_token_id": ids["<|im_end|>"],
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        },
-        "vision_config": {
-            "model_type": "smolvlm_vision",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "patch_size": PATCH,
-            "image_size": TILE,
-            "num_channels": 3,
-            "layer_norm_eps": 1e-6,
-            "max_image_size": {"longest_edge": TILE},
-        },
-    }
-    files = {
-        "preprocessor_config.json": {
-            "do_convert_rgb": True,
-            "do_image_splitting": True,
-            "do_normalize": True,
-            "do_pad": True,
-            "do_rescale": True,
-            "do_resize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_processor_type": "SmolVLMImageProcessor",
-            "image_std": [0.5, 0.5, 0.5],
-            "max_image_size": {"longest_edge": TILE},
-            "processor_class": "SmolVLMProcessor",
-            "resample": 1,
-            "rescale_factor": 0.00392156862745098,
-            "size": {"longest_edge": 2 * TILE},
-            "video_sampling": {"fps": 1, "max_frames": 8, "video_size": {"longest_edge": TILE}},
-        },
-        "processor_config.json": {"image_seq_len": IMAGE_SEQ_LEN, "processor_class": "SmolVLMProcessor"},
-        "generation_config.json": {
-            "bos_token_id": ids["<|im_start|>"],
-            "eos_token_id": eos,
-            "pad_token_id": ids["<|im_end|>"],
-            "do_sample": False,
-        },
-    }
-    return dict(
-        config=config,
-        tokenizer=fast,
-        template=TEMPLATE,
-        files=files,
-        eos_ids=eos,
-        never_ids=sorted(ids.values()),
+    idefics3 = mf.load_family("idefics3")
+    spec = idefics3.build_spec(
+        mf, fast, SPECIALS, TEMPLATE, bos="<|im_start|>", pad="<|im_end|>", tile=TILE, patch=PATCH, scale=SCALE
     )
+    config = spec["config"]
+    config.update(architectures=["SmolVLMForConditionalGeneration"], model_type="smolvlm")
+    config["text_config"].update(architectures=["VLlama3ForCausalLM"], head_dim=16, rope_theta=100000.0)
+    config["vision_config"]["model_type"] = "smolvlm_vision"
+    files = spec["files"]
+    files["preprocessor_config.json"].update(
+        image_processor_type="SmolVLMImageProcessor",
+        processor_class="SmolVLMProcessor",
+        video_sampling={"fps": 1, "max_frames": 8, "video_size": {"longest_edge": TILE}},
+    )
+    files["processor_config.json"]["processor_class"] = "SmolVLMProcessor"
+    return spec
