@@ -281,12 +281,6 @@ class GenericModel:
 
         The padded length is rounded up to a multiple of `bucket`, so prompts of many lengths
         share a few kernel shapes (a shape seen for the first time costs a compile on CUDA)."""
-        if len({st.embeds.dtype for st in states}) > 1:
-            # One forward would run every row in the promoted dtype (PaliGemma's image rows come out
-            # of get_input_embeddings in float32 in a bfloat16 model): run each as it runs alone.
-            for st, n in zip(states, lengths):
-                self.prefill(st, 0, n)
-            return self.merge_caches([st.cache for st in states])
         if self.prefix_lm:
             lengths = [n + 1 for n in lengths]  # whole prompts (see prefill), trimmed below
         longest = -(-max(lengths) // bucket) * bucket

@@ -44,14 +44,6 @@ KNOWN_GAPS = {
         "its image prompts embed in float32 in a bfloat16 model; mlx_vlm.generate runs the last prompt "
         "position from that float32 embedding, vlmserve from the token's bfloat16 one in the first decode step"
     ),
-    ("kimi_vl", "4bit", "concurrent"): (
-        "one float32 image row widens the shared slot KV to float32, so a bfloat16 text row beside it "
-        "decodes in float32 (alone it stays bfloat16)"
-    ),
-    ("paligemma", "4bit", "concurrent"): (
-        "its image prompts embed in float32 in a bfloat16 model: one such row widens the shared slot KV "
-        "to float32, so a bfloat16 text row beside it decodes in float32 (alone it stays bfloat16)"
-    ),
 }
 
 

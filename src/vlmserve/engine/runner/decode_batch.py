@@ -59,14 +59,15 @@ class PaddedDecodeBatch:
             for layer in self.cache:
                 layer.filter(index)
 
-    def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
-        return self.model.decode(tokens, self.cache, self.model.decode_positions(rows))
+    def forward_pieces(self, tokens: mx.array, rows: list[Any]) -> list[tuple[int, int, mx.array]]:
+        return [(0, len(rows), self.model.decode(tokens, self.cache, self.model.decode_positions(rows)))]
 
 
 class SlotDecodeBatch:
-    def __init__(self, model, step: Callable):
+    def __init__(self, model, step: Callable, dtype=None):
         self.model = model
         self.step = step  # make_decode_step(...), compiled or not; shared across batches
+        self.dtype = dtype  # of its KV buffers (None: the model's, from kv_layout)
         self.slots: list[Any] = []
         self.kv: SlotBatch | None = None
 
@@ -76,10 +77,9 @@ class SlotDecodeBatch:
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
         if self.kv is None:
-            self.kv = SlotBatch(*self.model.kv_layout(), slots=len(owners), capacity=1)
+            layers, kv_shape, dtype = self.model.kv_layout()
+            self.kv = SlotBatch(layers, kv_shape, self.dtype or dtype, slots=len(owners), capacity=1)
             self.slots = [None] * self.kv.slots
-        if getattr(rows_cache[0], "keys", None) is not None:
-            self.kv.widen(rows_cache[0].keys.dtype)  # the KV dtype is what prefill produced
         for i, owner in enumerate(owners):
             n, end = owner.cache_len, rows_cache[0]._idx
             layer_kv = (
@@ -110,6 +110,7 @@ class SlotDecodeBatch:
         self.kv.fit_capacity(_positions_needed(self.slots))
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
+        """Logits (rows, V) of one step; `rows` is this step's `layout()`."""
         kv = self.kv
         kv.ensure(kv.slots, _positions_needed(rows))
         lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
@@ -117,6 +118,50 @@ class SlotDecodeBatch:
         n = len(kv.keys)
         kv.keys, kv.values = list(out[1 : 1 + n]), list(out[1 + n :])
         return out[0]
+
+
+def kv_dtype(rows_cache: list[Any]):
+    """The dtype of the KV a prefill produced (None for an empty one)."""
+    keys = getattr(rows_cache[0], "keys", None) if rows_cache else None
+    return None if keys is None else keys.dtype
+
+
+class DtypeGroupedBatch:
+    """Slot batches by KV dtype: a row decodes in the dtype its prefill produced, as it would
+    alone. Some prompts prefill in a wider dtype than the model's (float32 image embeddings in
+    a bfloat16 model); one shared buffer would widen every other row's attention with them.
+    One dtype (the usual case) is one slot batch and one forward, as before."""
+
+    def __init__(self, make: Callable):
+        self.make = make  # dtype -> SlotDecodeBatch
+        self.groups: dict[Any, SlotDecodeBatch] = {}
+
+    def layout(self) -> list[Any]:
+        return [row for group in self.groups.values() for row in group.layout()]
+
+    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+        dtype = kv_dtype(rows_cache)
+        if dtype is None and self.groups:  # nothing cached yet: any group takes the row
+            dtype = next(iter(self.groups))
+        if dtype not in self.groups:
+            self.groups[dtype] = self.make(dtype)
+        self.groups[dtype].join(owners, rows_cache)
+
+    def remove(self, owners: list[Any]) -> None:
+        for dtype, group in list(self.groups.items()):
+            group.remove(owners)
+            if group.kv is None:
+                del self.groups[dtype]
+
+    def forward_pieces(self, tokens: mx.array, rows: list[Any]) -> list[tuple[int, int, mx.array]]:
+        """[(start, end, logits of rows[start:end])], one piece per dtype group, in layout order."""
+        pieces, start = [], 0
+        for group in self.groups.values():
+            end = start + len(group.layout())
+            piece = tokens if len(self.groups) == 1 else tokens[start:end]
+            pieces.append((start, end, group.forward(piece, rows[start:end])))
+            start = end
+        return pieces
 
 
 class DecodeBatches:
@@ -129,7 +174,9 @@ class DecodeBatches:
         self.step = make_decode_step(model.decode, self.compiled) if self.slotted else None
 
     def new(self):
-        return SlotDecodeBatch(self.model, self.step) if self.slotted else PaddedDecodeBatch(self.model)
+        if not self.slotted:
+            return PaddedDecodeBatch(self.model)
+        return DtypeGroupedBatch(lambda dtype: SlotDecodeBatch(self.model, self.step, dtype))
 
     def warm(self, max_slots: int, max_capacity: int) -> int:
         """Trace the compiled step at every (slots, capacity) bucket up to these bounds, so no

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 _EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
 
 
+def _joined(arrays: list[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
+
+
 @dataclass
 class StepStats:
     steps: int = 0
@@ -144,7 +148,16 @@ class ModelRunner:
         self._join([seq], self.model.merge_caches([seq.prompt.cache]))
 
     def prefill_group(self, group: list[Sequence], bucket: int) -> None:
-        """Whole prompts (but their last token) of several new rows in one left-padded forward."""
+        """Whole prompts (but their last token) of several new rows in one left-padded forward per
+        embedding dtype: one forward would run every row in the promoted dtype, and some prompts
+        embed wider than the model (float32 image embeddings in a bfloat16 model)."""
+        by_dtype: dict = {}
+        for seq in group:
+            by_dtype.setdefault(seq.prompt.embeds.dtype, []).append(seq)
+        for rows in by_dtype.values():
+            self._prefill_together(rows, bucket)
+
+    def _prefill_together(self, group: list[Sequence], bucket: int) -> None:
         t0 = time.perf_counter()
         cache = self.model.prefill_batch([s.prompt for s in group], [s.num_prompt - 1 for s in group], max(1, bucket))
         self.stats.batched_prefills += 1
@@ -253,10 +266,15 @@ class ModelRunner:
                 tokens = mx.concatenate([tokens, mx.array(host, dtype=mx.int32)])
             if order != list(range(tokens.shape[0])):
                 tokens = tokens[mx.array(order, dtype=mx.int32)]
-        logits = self.batch.forward(tokens, rows)
+        pieces = self.batch.forward_pieces(tokens, rows)  # one per KV dtype group
         live = [s for s in rows if s is not None]
-        next_tokens = sample_batch(logits, [s.sampler if s is not None else _EMPTY_SLOT_SAMPLER for s in rows])
-        lp = log_softmax(logits) if any(s.req.sampling.logprobs for s in live) else None
+        samplers = [s.sampler if s is not None else _EMPTY_SLOT_SAMPLER for s in rows]
+        next_tokens = _joined([sample_batch(logits, samplers[a:b]) for a, b, logits in pieces])
+        lp = (
+            _joined([log_softmax(logits) for _, _, logits in pieces])
+            if any(s.req.sampling.logprobs for s in live)
+            else None
+        )
         mx.async_eval(next_tokens, *([lp] if lp is not None else []))
         for seq in live:
             seq.cache_len += 1

@@ -49,19 +49,6 @@ class SlotBatch:
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
-    @property
-    def dtype(self):
-        return self.keys[0].dtype
-
-    def widen(self, dtype) -> None:
-        """Hold KV of `dtype` without rounding it: some prompts prefill in a wider dtype than a
-        text-only forward (float32 image KV in a bfloat16 model), and mlx_vlm's own cache keeps
-        the wider one from then on, so the buffers take the promoted dtype."""
-        wider = (mx.array(0, self.dtype) + mx.array(0, dtype)).dtype  # MLX's promotion, no data read
-        if wider != self.dtype:
-            self.keys = [k.astype(wider) for k in self.keys]
-            self.values = [v.astype(wider) for v in self.values]
-
     # ---- layout changes (eager, rare) --------------------------------------------
     def ensure(self, slots: int, capacity: int) -> None:
         """Grow to at least `slots` slots and `capacity` positions (bucketed)."""

@@ -26,20 +26,3 @@ def test_fit_capacity_keeps_rows_and_only_halves_or_more():
         assert kv.capacity == 256
 
     on_own_thread(work)
-
-
-def test_the_buffers_widen_to_the_kv_dtype_prefill_produced_and_never_narrow():
-    import mlx.core as mx
-
-    from vlmserve.engine.runner.slot_cache import SlotBatch
-
-    def work():
-        kv = SlotBatch(2, (2, 4, 4), mx.bfloat16, slots=1, capacity=1)
-        kv.write(0, [(mx.full((1, 2, 3, 4), 1.5, mx.bfloat16), mx.full((1, 2, 3, 4), -2.0, mx.bfloat16))] * 2, 3)
-        kv.widen(mx.float32)  # float32 KV of an image prompt joins: kept as float32, not rounded
-        assert kv.dtype == mx.float32 and all(a.dtype == mx.float32 for a in kv.arrays())
-        assert kv.keys[0][0, :, :3].tolist() == [[[1.5] * 4] * 3] * 2
-        kv.widen(mx.bfloat16)
-        assert kv.dtype == mx.float32
-
-    on_own_thread(work)
