@@ -112,7 +112,14 @@ class Preprocessor:
     def render(self, messages: list[ChatMessage]) -> str:
         # Some processors keep the chat template on their tokenizer only.
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
-        return owner.apply_chat_template(to_template_messages(messages), add_generation_prompt=True, tokenize=False)
+        template_messages = to_template_messages(messages)
+        if not getattr(owner, "chat_template", None):
+            # A checkpoint without a chat template (a prompt-only model): mlx-vlm's plain prompt,
+            # an image token per image, then the text; "Role: text" lines for a longer chat.
+            from mlx_vlm.prompt_utils import get_chat_template
+
+            return get_chat_template(self.processor, template_messages, add_generation_prompt=True)
+        return owner.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
 
     def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
         """Both stages from one thread, for callers outside an event loop (preprocessing

@@ -68,3 +68,41 @@ def test_an_id_missing_from_the_offline_cache_fails_with_the_reason(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and "acme/not-downloaded" in proc.stderr
+
+
+def _without_chat_template(src, dst):
+    import json
+
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink()
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        path = dst / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config.pop("chat_template", None)
+            path.write_text(json.dumps(config))
+    return dst
+
+
+def test_a_checkpoint_without_a_chat_template_is_served_with_mlx_vlms_plain_prompt(tmp_path):
+    """Prompt-only models (PaliGemma) ship no chat template: the server starts and renders as
+    mlx-vlm does (an image token per image, then the text), and answers as mlx_vlm.generate."""
+    from support.families import checkpoint
+    from support.helpers import IMAGES, data_uri
+    from support.reference import mlx_vlm_chat_text
+    from support.server import start_server
+    from vlmserve.protocol import ChatMessage, ImageRef
+
+    path = _without_chat_template(checkpoint("paligemma", "float32", tmp_path), tmp_path / "no-template")
+    server = start_server(str(path))
+    try:
+        image = IMAGES / "photo_100x80.jpg"
+        body = chat_body(server.model_id, "caption en", [data_uri(image)], max_tokens=8, temperature=0)
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        messages = [ChatMessage("user", [("image", ImageRef("x", "x")), ("text", "caption en")])]
+        assert server.state.preprocessor.render(messages).endswith("caption en")
+        assert r.json()["choices"][0]["message"]["content"] == mlx_vlm_chat_text(server, messages, [image], 8)
+    finally:
+        server.stop()
