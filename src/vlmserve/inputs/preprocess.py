@@ -24,6 +24,7 @@ from vlmserve.inputs.limits import check_context
 from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, load_image_bytes
 from vlmserve.models.base import ProcessorAdapter
 from vlmserve.models.pixels import cast_pixels
+from vlmserve.models.processor import plain_prompt
 from vlmserve.models.registry import processor_adapter
 from vlmserve.protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest, SamplingParams
 
@@ -114,11 +115,7 @@ class Preprocessor:
         owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
         template_messages = to_template_messages(messages)
         if not getattr(owner, "chat_template", None):
-            # A checkpoint without a chat template (a prompt-only model): mlx-vlm's plain prompt,
-            # an image token per image, then the text; "Role: text" lines for a longer chat.
-            from mlx_vlm.prompt_utils import get_chat_template
-
-            return get_chat_template(self.processor, template_messages, add_generation_prompt=True)
+            return plain_prompt(self.processor, template_messages)  # a prompt-only model
         return owner.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
 
     def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:

@@ -44,3 +44,11 @@ def load_processor(model_path: Path):
     processor = vlm_load_processor(model_path, add_detokenizer=False)
     _numpy_outputs(processor)
     return processor
+
+
+def plain_prompt(processor, messages: list[dict]) -> str:
+    """The prompt of a checkpoint without a chat template, as mlx-vlm renders it: an image token
+    per image, then the text; "Role: text" lines for a longer chat."""
+    from mlx_vlm.prompt_utils import get_chat_template
+
+    return get_chat_template(processor, messages, add_generation_prompt=True)
