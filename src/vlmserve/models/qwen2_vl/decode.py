@@ -8,8 +8,8 @@ reads the same weights in the same order and takes:
   - the fused q/k/v matmul (fused_projections);
   - one kernel that splits q/k/v into heads and rotates q and k, with each product and the
     sum rounded to the activation dtype as mlx_vlm's eager ops round them;
-  - the cache write (engine/slot_cache.py) and the one-query attention kernel
-    (engine/decode_attention.py), whose output is already laid out for o_proj.
+  - the cache write (engine/ops/slot_layer_cache.py) and the one-query attention kernel
+    (engine/ops/decode_attention.py), whose output is already laid out for o_proj.
 The cos/sin tables come from the model's own rotary module, once per step; norms, MLP and
 logits are the model's modules. Off CUDA, and for any other model, mlx_vlm's forward runs.
 """

@@ -99,7 +99,7 @@ def size_limits(inner, max_pixels: int | None) -> dict[str, int]:
 
 
 def unpack_patches(raw: np.ndarray, table: np.ndarray, grids: np.ndarray, layout) -> np.ndarray:
-    """Packed frames -> the processor's patches: engine/packed_pixels.py's `expand` in NumPy."""
+    """Packed frames -> the processor's patches: packed_pixels.py's `expand` in NumPy."""
     ps, tps, ms = (int(v) for v in layout)
     rows = int(sum(int(gh) * int(gw) for _, gh, gw in grids))
     out = np.empty((rows, 3, tps, ps, ps), dtype=table.dtype)

@@ -1,4 +1,4 @@
-"""Qwen-VL patches made on the device from packed uint8 frames (qwen_patches.py, `packed=True`).
+"""Qwen-VL patches made on the device from packed uint8 frames (image_processor.py, `packed=True`).
 
 Preprocessing ships each image as its resized uint8 bytes plus a 3x256 table of finished
 values (the processor's rescale and normalize, already cast to the tower's dtype). Here the
