@@ -113,6 +113,10 @@ class PromptState:
     position_offset: int  # a row's next position is its cache length plus this (M-RoPE's rope delta)
     cache: list[Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    # The prompt's embeddings are wider than a token's (float32 image embeddings in a bfloat16
+    # model): its last position runs in prefill from them, as mlx_vlm.generate runs it, not in
+    # the first decode step from the token's own embedding.
+    last_from_prompt: bool = False
 
 
 class GenericModel:
@@ -137,6 +141,7 @@ class GenericModel:
         text_config = getattr(self.model.config, "text_config", None)
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         self.install_fast_paths()
+        self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
@@ -236,6 +241,7 @@ class GenericModel:
             position_offset=offset,
             cache=vlm_cache.make_prompt_cache(self.language_model),
             extra=extra,
+            last_from_prompt=out.inputs_embeds.dtype != self.token_dtype and not self.prefix_lm,
         )
 
     @staticmethod

@@ -39,12 +39,7 @@ CASES = {
 
 # Checks a family does not pass yet, with the reason; each fails the run once it passes, so the
 # entry goes when the gap closes. docs/models.md lists them.
-KNOWN_GAPS = {
-    ("kimi_vl", "4bit", "three-turn-chat"): (
-        "its image prompts embed in float32 in a bfloat16 model; mlx_vlm.generate runs the last prompt "
-        "position from that float32 embedding, vlmserve from the token's bfloat16 one in the first decode step"
-    ),
-}
+KNOWN_GAPS = {}
 
 
 def _known_gap(server, check: str, passed: bool) -> None:

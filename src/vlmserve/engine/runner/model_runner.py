@@ -102,7 +102,8 @@ class ModelRunner:
         prepared = seq.req.prepared
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
-        seq.batchable = PrefixCache.supports(prompt.cache)
+        seq.last_in_prefill = prompt.last_from_prompt
+        seq.batchable = PrefixCache.supports(prompt.cache) and not seq.last_in_prefill
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         if self._caches_prefix(seq):
@@ -132,11 +133,12 @@ class ModelRunner:
         """Prefill up to `budget` more of prompt[:-1]; once it is in, the row joins the batch.
         The last prompt token then rides the next batched decode step, which samples the first
         token: how mlx_vlm.generate splits the prompt too (chunks, then the last token alone)."""
-        target = seq.num_prompt - 1
+        target = seq.prefill_end
         end = min(target, seq.prefilled + budget)
+        logits = None
         if end > seq.prefilled:
             t0 = time.perf_counter()
-            self.model.prefill(seq.prompt, seq.prefilled, end)
+            logits = self.model.prefill(seq.prompt, seq.prefilled, end)
             # Queue it and move on: the device runs it between decode steps, no host stall.
             mx.async_eval([c.state for c in seq.prompt.cache])
             seq.prefilled = end
@@ -145,7 +147,18 @@ class ModelRunner:
         if end < target:
             return
         self._store_prefix(seq, seq.prompt.cache)
+        if seq.last_in_prefill:
+            self._first_token_from_prefill(seq, logits)
+            if seq.finished:  # its one token was its last: it never decodes
+                self.sched.drop_prefilling(seq)
+                return
         self._join([seq], self.model.merge_caches([seq.prompt.cache]))
+
+    def _first_token_from_prefill(self, seq: Sequence, logits: mx.array) -> None:
+        """Sample a row's first token from the logits of its prompt's last position."""
+        token = int(sample_batch(logits, [seq.sampler]).item())
+        seq.cache_len = seq.num_prompt
+        self._accept(seq, token, log_softmax(logits)[0] if seq.req.sampling.logprobs else None)
 
     def prefill_group(self, group: list[Sequence], bucket: int) -> None:
         """Whole prompts (but their last token) of several new rows in one left-padded forward per
@@ -187,8 +200,9 @@ class ModelRunner:
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
         """Prefilled rows enter the running batch; their last prompt token is the next input."""
         for seq in seqs:
-            seq.cache_len = seq.num_prompt - 1
-            seq.last_token = int(seq.req.prepared.prompt_ids[-1])
+            if not seq.last_in_prefill:  # else its cache holds the whole prompt, its first token is out
+                seq.cache_len = seq.num_prompt - 1
+                seq.last_token = int(seq.req.prepared.prompt_ids[-1])
         if self.batch is None:
             self.batch = self.batches.new()
         self.batch.join(seqs, rows_cache)

@@ -40,12 +40,19 @@ class Sequence:
     finished: bool = False
     batchable: bool = True  # its prompt cache can join a batched prefill (the runner says, when embedding)
     whole_prompt: bool = False  # its prompt is prefilled in one piece, never in chunks (the runner says)
+    last_in_prefill: bool = False  # prefill runs its last prompt position too (the runner says)
     embedded_len: int | None = None  # the embedded prompt's length (a vision merge may change it)
 
     @property
     def num_prompt(self) -> int:
         """Prompt positions its KV cache will hold: the embedded length once known, else the ids'."""
         return self.embedded_len or self.req.prepared.num_prompt_tokens
+
+    @property
+    def prefill_end(self) -> int:
+        """Where its prefill stops: before the last prompt position, which rides the first decode
+        step (as mlx_vlm.generate splits a prompt), unless prefill must run that one too."""
+        return self.num_prompt if self.last_in_prefill else self.num_prompt - 1
 
     @property
     def embedded(self) -> bool:

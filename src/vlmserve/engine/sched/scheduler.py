@@ -114,7 +114,7 @@ class Scheduler:
                 break
             if not seq.embedded:
                 todo.append(seq)
-            budget -= self.step_tokens(seq.num_prompt - 1 - seq.prefilled)
+            budget -= self.step_tokens(seq.prefill_end - seq.prefilled)
         return todo, budget
 
     def plan_prefill(self, embed: Callable[[Sequence], None]) -> PrefillPlan:
@@ -136,7 +136,7 @@ class Scheduler:
             except Exception as exc:  # one bad request ends only itself
                 plan.failed.append((seq, exc))
                 continue
-            remaining = seq.num_prompt - 1 - seq.prefilled
+            remaining = seq.prefill_end - seq.prefilled
             batchable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.batchable
             if batchable and remaining <= min(budget, self.prefill_chunk):
                 plan.group.append(seq)
