@@ -68,10 +68,12 @@ class EngineCore:
         self._idle_since: float | None = None  # when the last step ran out of work (None: busy, or released)
 
     @classmethod
-    def load(cls, config: ServerConfig, model_path: Path, tokenizer: TextCodec, hooks: Any = None) -> EngineCore:
+    def load(
+        cls, config: ServerConfig, model_path: Path, model_type: str, tokenizer: TextCodec, hooks: Any = None
+    ) -> EngineCore:
         """Load the model behind its family's adapter and build the core (on the worker thread)."""
         mx.set_cache_limit(int(config.mlx_cache_limit_gb * (1 << 30)))
-        model = load_model_adapter(model_path, tokenizer.eos_token_ids)
+        model = load_model_adapter(model_path, model_type, tokenizer.eos_token_ids)
         if config.max_model_len:
             model.info.context_length = min(model.info.context_length, config.max_model_len)
         compile_decode = config.compile_decode == "on" or (

@@ -39,6 +39,7 @@ class Engine:
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # worker thread only
         self.info: ModelInfo | None = None
         self.model_path: Path | None = None
+        self.model_type: str | None = None
         self.core: EngineCore | None = None
         self.tokenizer = None
 
@@ -49,12 +50,13 @@ class Engine:
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)
         self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
-        await loop.run_in_executor(None, model_type_of, self.model_path)  # an unknown model fails here, named
+        # An unknown model fails here, named, before the tokenizer or weights load.
+        self.model_type = await loop.run_in_executor(None, model_type_of, self.model_path)
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await self.run_on_worker(self._load_on_worker)
 
     def _load_on_worker(self) -> None:
-        core = EngineCore.load(self.config, self.model_path, self.tokenizer, self.hooks)
+        core = EngineCore.load(self.config, self.model_path, self.model_type, self.tokenizer, self.hooks)
         if self.config.thread_guard:
             GUARD.watch_model(core.model.model)
         self.info = core.info

@@ -150,7 +150,9 @@ class EngineServer:
             self.send(msg.StepOutput([(add.key, error)], [], msg.EngineStats(died=True)))
 
     def _call(self, call: msg.Call) -> None:
-        future = self.engine.worker.submit(getattr(self.engine.core, CALLS[call.name]), *call.args)
+        if call.name not in CALLS:
+            raise KeyError(call.name)
+        future = self.engine.worker.submit(getattr(self.engine.core, call.name), *call.args)
 
         def answer(done) -> None:
             exc = done.exception()
@@ -162,8 +164,8 @@ class EngineServer:
         future.add_done_callback(answer)
 
 
-# Jobs the server may run on the worker, by name: EngineCore's methods.
-CALLS = {"warm_up": "warm_up", "fail_all": "fail_all"}
+# Jobs the server may run on the worker: EngineCore's methods of these names.
+CALLS = frozenset({"warm_up", "fail_all"})
 
 
 def main(conn, config: ServerConfig) -> None:

@@ -67,6 +67,7 @@ def model_type_of(model_path: Path) -> str:
     return model_type
 
 
-def load_model_adapter(model_path: Path, fallback_eos: tuple[int, ...] = ()) -> ModelAdapter:
-    """Load the model at `model_path` (on the MLX worker thread) behind its family's adapter."""
-    return model_adapter_class(model_type_of(model_path))(model_path, fallback_eos)
+def load_model_adapter(model_path: Path, model_type: str, fallback_eos: tuple[int, ...] = ()) -> ModelAdapter:
+    """Load the model at `model_path` (on the MLX worker thread) behind its family's adapter;
+    `model_type` as `model_type_of` resolved it."""
+    return model_adapter_class(model_type)(model_path, fallback_eos)

@@ -64,10 +64,10 @@ class PaddedDecodeBatch:
 
 
 class SlotDecodeBatch:
-    def __init__(self, model, step: Callable, dtype=None):
+    def __init__(self, model, step: Callable, dtype):
         self.model = model
         self.step = step  # make_decode_step(...), compiled or not; shared across batches
-        self.dtype = dtype  # of its KV buffers (None: the model's, from kv_layout)
+        self.dtype = dtype  # of its KV buffers
         self.slots: list[Any] = []
         self.kv: SlotBatch | None = None
 
@@ -77,8 +77,8 @@ class SlotDecodeBatch:
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
         if self.kv is None:
-            layers, kv_shape, dtype = self.model.kv_layout()
-            self.kv = SlotBatch(layers, kv_shape, self.dtype or dtype, slots=len(owners), capacity=1)
+            layers, kv_shape, _ = self.model.kv_layout()
+            self.kv = SlotBatch(layers, kv_shape, self.dtype, slots=len(owners), capacity=1)
             self.slots = [None] * self.kv.slots
         for i, owner in enumerate(owners):
             n, end = owner.cache_len, rows_cache[0]._idx
@@ -132,17 +132,16 @@ class DtypeGroupedBatch:
     a bfloat16 model); one shared buffer would widen every other row's attention with them.
     One dtype (the usual case) is one slot batch and one forward, as before."""
 
-    def __init__(self, make: Callable):
+    def __init__(self, make: Callable, model_dtype):
         self.make = make  # dtype -> SlotDecodeBatch
+        self.model_dtype = model_dtype  # what a row with nothing cached yet decodes in
         self.groups: dict[Any, SlotDecodeBatch] = {}
 
     def layout(self) -> list[Any]:
         return [row for group in self.groups.values() for row in group.layout()]
 
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
-        dtype = kv_dtype(rows_cache)
-        if dtype is None and self.groups:  # nothing cached yet: any group takes the row
-            dtype = next(iter(self.groups))
+        dtype = kv_dtype(rows_cache) or self.model_dtype
         if dtype not in self.groups:
             self.groups[dtype] = self.make(dtype)
         self.groups[dtype].join(owners, rows_cache)
@@ -157,7 +156,7 @@ class DtypeGroupedBatch:
         """[(start, end, logits of rows[start:end])], one piece per dtype group, in layout order."""
         pieces, start = [], 0
         for group in self.groups.values():
-            end = start + len(group.layout())
+            end = start + len(group.slots)
             piece = tokens if len(self.groups) == 1 else tokens[start:end]
             pieces.append((start, end, group.forward(piece, rows[start:end])))
             start = end
@@ -176,7 +175,7 @@ class DecodeBatches:
     def new(self):
         if not self.slotted:
             return PaddedDecodeBatch(self.model)
-        return DtypeGroupedBatch(lambda dtype: SlotDecodeBatch(self.model, self.step, dtype))
+        return DtypeGroupedBatch(lambda dtype: SlotDecodeBatch(self.model, self.step, dtype), self.model.kv_layout()[2])
 
     def warm(self, max_slots: int, max_capacity: int) -> int:
         """Trace the compiled step at every (slots, capacity) bucket up to these bounds, so no
