@@ -39,10 +39,7 @@ def pytest_runtest_logreport(report):
         return
     test, family, fmt, case = match.groups()
     check = case or test.removeprefix("test_").replace("_", " ")
-    if hasattr(report, "wasxfail"):
-        outcome = "known gap"
-    else:
-        outcome = "skipped" if report.skipped else "passed" if report.passed else "failed"
+    outcome = "skipped" if report.skipped else "passed" if report.passed else "failed"
     checks = _RESULTS[(family, fmt)]
     if checks.get(check, "passed") == "passed":  # a failed setup, call or teardown stays failed
         checks[check] = outcome
@@ -68,10 +65,7 @@ def pytest_sessionfinish(session):
     from support.families import make_fixtures
 
     not_tiny = "\n".join(f"- {name}: {why}." for name, why in sorted(make_fixtures().NOT_TINY.items()))
-    gaps = any(outcome == "known gap" for checks in _RESULTS.values() for outcome in checks.values())
     parts = [f"{_HEADER}on {date.today().isoformat()}.", "\n".join(rows)]
-    if gaps:
-        parts.append("A known gap is a check the family does not pass yet; its cause is in `KNOWN_GAPS` in the test.")
     parts.append("## Not in the table")
     parts.append(f"No tiny checkpoint can be built for these, so the suite does not check them:\n\n{not_tiny}")
     text = "\n\n".join(parts) + "\n"

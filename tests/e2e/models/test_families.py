@@ -37,20 +37,6 @@ CASES = {
 }
 
 
-# Checks a family does not pass yet, with the reason; each fails the run once it passes, so the
-# entry goes when the gap closes. docs/models.md lists them.
-KNOWN_GAPS = {}
-
-
-def _known_gap(server, check: str, passed: bool) -> None:
-    reason = KNOWN_GAPS.get((server.family, server.format, check))
-    if reason is None:
-        return
-    if passed:
-        pytest.fail(f"known gap now passes; remove it from KNOWN_GAPS: {reason}")
-    pytest.xfail(reason)
-
-
 def _body(model: str, turns) -> dict:
     messages = []
     for role, text, paths in turns:
@@ -82,7 +68,6 @@ def family_server(request, tmp_path_factory):
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     server = start_server(str(checkpoint(name, fmt, cache_dir)))
-    server.family, server.format = name, fmt
     yield server
     server.stop()
 
@@ -99,7 +84,6 @@ def test_greedy_matches_mlx_vlm_generate(family_server, case):
     got = _text(response)
     messages, paths = _chat(turns)
     expected = mlx_vlm_chat_text(family_server, messages, paths, MAX_TOKENS)
-    _known_gap(family_server, case, got == expected)
     assert got == expected
 
 
@@ -115,5 +99,4 @@ def test_concurrent_mixed_requests_equal_their_alone_outputs(family_server):
             return alone, [_text(r) for r in together]
 
     alone, together = asyncio.run(run())
-    _known_gap(family_server, "concurrent", together == alone)
     assert together == alone
