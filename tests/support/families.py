@@ -16,6 +16,7 @@ from pathlib import Path
 from support.helpers import MODELS, ROOT, on_own_thread
 
 FORMATS = ("float32", "4bit")
+BIG = {"included": False}  # set by `pytest --big-families` (tests/conftest.py)
 _lock = threading.Lock()
 
 
@@ -31,8 +32,9 @@ def make_fixtures():
 
 
 def families() -> tuple[str, ...]:
-    """The families with tiny checkpoints (make_fixtures.NOT_TINY names the others, and why)."""
-    return make_fixtures().tiny_family_names()
+    """The families with tiny checkpoints (make_fixtures.NOT_TINY names the others, and why), and
+    under `--big-families` the big ones make_fixtures builds too."""
+    return make_fixtures().tiny_family_names(big=BIG["included"])
 
 
 def checkpoint(name: str, fmt: str, cache_dir: Path) -> Path:

@@ -114,8 +114,9 @@ class PromptState:
     cache: list[Any]
     extra: dict[str, Any] = field(default_factory=dict)
     # The prompt's embeddings are wider than a token's (float32 image embeddings in a bfloat16
-    # model): its last position runs in prefill from them, as mlx_vlm.generate runs it, not in
-    # the first decode step from the token's own embedding.
+    # model), or the model reads a prompt embedding differently from a token id: its last
+    # position runs in prefill from them, as mlx_vlm.generate runs it, not in the first decode
+    # step from the token's own embedding.
     last_from_prompt: bool = False
 
 
@@ -142,6 +143,7 @@ class GenericModel:
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         self.install_fast_paths()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
+        self.prompt_path_differs = self._prompt_path_differs()
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
@@ -160,6 +162,41 @@ class GenericModel:
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
+
+    def _prompt_path_differs(self) -> bool:
+        """Whether the language model reads a text token differently from its id than from the
+        prompt embedding (Gemma-3n scales only the id's embedding). mlx_vlm.generate runs a
+        prompt's last position from the prompt embedding; where the two differ, so must we.
+
+        Probed once on a few text tokens: the id path against the embedding path, bit for bit.
+        A probe that fails assumes they differ, which costs speed (no batched prefill), never output."""
+        # Ordinary text tokens: special ones sit at either end of a vocabulary, and a fixture's
+        # may embed as zeros, which every path reads alike.
+        start = int(_embed_tokens(self.language_model).weight.shape[0]) // 3
+        ids = mx.arange(start, start + 4, dtype=mx.int32)[None]
+        try:
+            by_id = self.language_model(ids, cache=vlm_cache.make_prompt_cache(self.language_model)).logits
+            out = self.model.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32))
+            extra = {
+                k: v
+                for k, v in out.to_dict().items()
+                if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
+            }
+            cache = vlm_cache.make_prompt_cache(self.language_model)
+            by_embedding = self.language_model(ids, inputs_embeds=out.inputs_embeds, cache=cache, **extra).logits
+            return not bool(mx.array_equal(by_id, by_embedding).item())
+        except Exception:  # noqa: BLE001 - an unusual family: take the path that keeps output
+            log.debug("prompt/token path probe failed; last prompt positions run in prefill", exc_info=True)
+            return True
+        finally:
+            self._forget_positions()
+
+    def _forget_positions(self) -> None:
+        """Drop the M-RoPE state mlx-vlm leaves on the shared language model (GLM-4V): another
+        request must never read it."""
+        for name in ("_position_ids", "_rope_deltas"):
+            if getattr(self.language_model, name, None) is not None:
+                setattr(self.language_model, name, None)
 
     def pixel_dtype(self) -> str | None:
         """The dtype the model casts pixel_values to before any arithmetic, where preprocessing may
@@ -205,9 +242,7 @@ class GenericModel:
             position_ids, rope_deltas = self.language_model.get_rope_index(
                 input_ids, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), mask
             )
-        for name in ("_position_ids", "_rope_deltas"):
-            if getattr(self.language_model, name, None) is not None:
-                setattr(self.language_model, name, None)
+        self._forget_positions()
         extra = {
             k: v
             for k, v in out.to_dict().items()
@@ -241,7 +276,8 @@ class GenericModel:
             position_offset=offset,
             cache=vlm_cache.make_prompt_cache(self.language_model),
             extra=extra,
-            last_from_prompt=out.inputs_embeds.dtype != self.token_dtype and not self.prefix_lm,
+            last_from_prompt=(out.inputs_embeds.dtype != self.token_dtype or self.prompt_path_differs)
+            and not self.prefix_lm,
         )
 
     @staticmethod

@@ -138,6 +138,11 @@ class ModelRunner:
         logits = None
         if end > seq.prefilled:
             t0 = time.perf_counter()
+            if seq.last_in_prefill and end == target and end - 1 > seq.prefilled:
+                # The last position runs alone, as mlx_vlm.generate runs it: some models give
+                # another first token when it shares a forward with the positions before it.
+                self.model.prefill(seq.prompt, seq.prefilled, end - 1)
+                seq.prefilled = end - 1
             logits = self.model.prefill(seq.prompt, seq.prefilled, end)
             # Queue it and move on: the device runs it between decode steps, no host stall.
             mx.async_eval([c.state for c in seq.prompt.cache])
