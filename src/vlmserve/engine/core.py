@@ -76,13 +76,20 @@ class EngineCore:
         model = load_model_adapter(model_path, model_type, tokenizer.eos_token_ids)
         if config.max_model_len:
             model.info.context_length = min(model.info.context_length, config.max_model_len)
+        max_num_seqs = config.max_num_seqs
+        if not model.can_batch and max_num_seqs > 1:
+            log.warning(
+                "%s: its KV caches cannot be batched yet; serving one request at a time (--max-num-seqs 1)",
+                model.info.model_type,
+            )
+            max_num_seqs = 1
         compile_decode = config.compile_decode == "on" or (
             config.compile_decode == "auto" and mx.default_device() == mx.gpu
         )
         return cls(
             model,
             tokenizer,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             prefill_chunk=config.prefill_chunk,
             prefill_budget=config.prefill_token_budget,
             prefill_bucket=config.prefill_bucket,

@@ -53,6 +53,8 @@ class ModelAdapter(Protocol):
     # The prompt attends to itself bidirectionally (a prefix LM): prefilled in one piece, and
     # never from or into the token-keyed prefix cache.
     prefix_lm: bool
+    # Its per-request caches merge into a batch cache (mlx-lm's `merge`); else one row at a time.
+    can_batch: bool
 
     def stage_inputs(self, prepared: PreparedRequest) -> dict[str, Any]:
         """A request's arrays copied into MLX now, ahead of its embedding."""

@@ -141,6 +141,10 @@ class GenericModel:
         # model then builds no mask of its own, not even for decode.
         text_config = getattr(self.model.config, "text_config", None)
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
+        # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
+        self.can_batch = all(
+            callable(getattr(type(c), "merge", None)) for c in vlm_cache.make_prompt_cache(self.language_model)
+        )
         self.install_fast_paths()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self.prompt_path_differs = self._prompt_path_differs()
@@ -386,7 +390,12 @@ class GenericModel:
         return self._kv_layout
 
     def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
-        """Per-request caches -> one batch cache per layer (left-padded)."""
+        """Per-request caches -> one batch cache per layer (left-padded); a lone request of a model
+        that cannot batch keeps its own."""
+        if not self.can_batch:
+            if len(caches) != 1:
+                raise NotImplementedError(f"{self.info.model_type}: its caches cannot be batched")
+            return caches[0]
         return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
 
     def decode_positions(self, rows: list[Any]) -> mx.array | None:

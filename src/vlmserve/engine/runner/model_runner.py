@@ -103,7 +103,7 @@ class ModelRunner:
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
         seq.last_in_prefill = prompt.last_from_prompt
-        seq.batchable = PrefixCache.supports(prompt.cache) and not seq.last_in_prefill
+        seq.batchable = self.model.can_batch and PrefixCache.supports(prompt.cache) and not seq.last_in_prefill
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         if self._caches_prefix(seq):
