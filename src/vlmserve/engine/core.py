@@ -28,6 +28,8 @@ from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, Tok
 
 log = logging.getLogger(__name__)
 
+WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
+
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 
 
@@ -73,7 +75,12 @@ class EngineCore:
     ) -> EngineCore:
         """Load the model behind its family's adapter and build the core (on the worker thread)."""
         mx.set_cache_limit(int(config.mlx_cache_limit_gb * (1 << 30)))
+        log.info("loading weights: %s (%s)", model_path, model_type)
+        t0 = time.perf_counter()
         model = load_model_adapter(model_path, model_type, tokenizer.eos_token_ids)
+        log.info(
+            "loaded weights in %.1f s: %.2f GB on the device", time.perf_counter() - t0, mx.get_active_memory() / 1e9
+        )
         if config.max_model_len:
             model.info.context_length = min(model.info.context_length, config.max_model_len)
         max_num_seqs = config.max_num_seqs
@@ -146,6 +153,9 @@ class EngineCore:
         self._prefill()
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
+        # A decode shape this step met for the first time ran eagerly; trace one such shape
+        # now, between steps, so later steps at that shape run compiled.
+        self.runner.batches.trace_pending()
         self._idle_since = None if self.has_work() else time.monotonic()
 
     def _drop_cancelled(self) -> None:
@@ -233,12 +243,16 @@ class EngineCore:
             filler = int(prompts[0].prompt_ids[-1])
             for length in range(bucket, self.sched.prefill_chunk + 1, bucket):
                 jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=np.full(length + 1, filler, np.int32))))
-        for name, prepared in jobs:  # one at a time: each must be its own shape
+        t0 = time.perf_counter()
+        for i, (name, prepared) in enumerate(jobs, 1):  # one at a time: each must be its own shape
             # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
             # shape this job is here to compile.
             self.forget_prefixes()
+            t1 = time.perf_counter()
             self._generate_alone(name, prepared)
+            log.info("warm-up %d/%d: %s in %.2f s", i, len(jobs), name, time.perf_counter() - t1)
         self.forget_prefixes()
+        log.info("warm-up generations: %d in %.1f s", len(jobs), time.perf_counter() - t0)
         t0, runs = time.perf_counter(), 0
         for prepared in prompts:
             if prepared.has_pixels:
@@ -247,7 +261,9 @@ class EngineCore:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
         t0 = time.perf_counter()
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
-        traced = self.runner.batches.warm(self.sched.max_num_seqs, capacity)
+        # Bounded whatever --max-num-seqs is: bigger batches and longer rows run eagerly at first
+        # and are traced between steps (DecodeSteps).
+        traced = self.runner.batches.warm(min(self.sched.max_num_seqs, WARM_SLOTS), capacity)
         if traced:
             log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from vlmserve.config import ServerConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
+from vlmserve.engine.kernel_cache import use_persistent_kernel_cache
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.thread_guard import GUARD
@@ -46,6 +47,7 @@ class Engine:
     async def start(self) -> None:
         """Resolve and load the model on the worker; raises with the reason if that fails."""
         loop = asyncio.get_running_loop()
+        use_persistent_kernel_cache()  # before the worker's first MLX call starts CUDA
         self.worker.start()
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)

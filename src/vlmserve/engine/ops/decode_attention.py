@@ -40,8 +40,9 @@ _SOURCE = """
     const int len = lengths[bh / HKV];
     const float sc = __int_as_float(SCALE_BITS);   // a template constant: see few_row_matmul
     const size_t q0 = ((size_t)bh * NREP + (blockIdx.x % GROUPS) * HB) * D;  // this block's first query head
-    const T* kb = k + (size_t)bh * CAP * D + sub * E;
-    const T* vb = v + (size_t)bh * CAP * D + sub * E;
+    const size_t cap = (size_t)capacity[0];        // data, not a template constant: one build per model
+    const T* kb = k + (size_t)bh * cap * D + sub * E;
+    const T* vb = v + (size_t)bh * cap * D + sub * E;
     // E elements of one cached row as floats, in the widest loads their size allows (the
     // cache rows are whole arrays: D * sizeof(T) bytes apart from an aligned start).
     auto load_as = [](const T* src, float* dst, auto chunk) {  // in pieces of chunk's type
@@ -192,15 +193,14 @@ def attend(
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     rep = q_heads // kv_heads
     g, hb, nw = launch_shape(rep, dim)
-    kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths"), _SOURCE)
+    kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths", "capacity"), _SOURCE)
     return kernel(
-        inputs=[queries, keys, values, lengths.astype(mx.int32)],
+        inputs=[queries, keys, values, lengths.astype(mx.int32), mx.array([capacity], dtype=mx.int32)],
         template=[
             ("T", queries.dtype),
             ("D", dim),
             ("NREP", rep),
             ("HKV", kv_heads),
-            ("CAP", capacity),
             ("G", g),
             ("HB", hb),
             ("NW", nw),

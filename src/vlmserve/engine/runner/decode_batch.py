@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,8 @@ import mlx.core as mx
 from mlx_vlm.models import cache as vlm_cache
 
 from vlmserve.engine.runner.slot_cache import SlotBatch, buckets_up_to, make_decode_step, round_up
+
+log = logging.getLogger(__name__)
 
 
 def uses_plain_kv_cache(model) -> bool:
@@ -66,7 +70,7 @@ class PaddedDecodeBatch:
 class SlotDecodeBatch:
     def __init__(self, model, step: Callable, dtype):
         self.model = model
-        self.step = step  # make_decode_step(...), compiled or not; shared across batches
+        self.step = step  # DecodeSteps: compiled where traced, eager elsewhere; shared across batches
         self.dtype = dtype  # of its KV buffers
         self.slots: list[Any] = []
         self.kv: SlotBatch | None = None
@@ -163,6 +167,51 @@ class DtypeGroupedBatch:
         return pieces
 
 
+class DecodeSteps:
+    """The decode step at each shape (slots, capacity, KV dtype): compiled where it has been
+    traced, eager where it has not.
+
+    A shape seen for the first time runs eagerly (the same kernels, unfused) and is queued;
+    `trace_next` traces queued shapes one at a time between steps, so no request waits for the
+    trace of the shape it needs, and the next steps at that shape run compiled."""
+
+    def __init__(self, model, compiled: bool):
+        self.model = model
+        self.eager = make_decode_step(model.decode, False)
+        self.compiled = make_decode_step(model.decode, True) if compiled else None
+        self.traced: set[tuple] = set()
+        self.pending: list[tuple] = []
+
+    def __call__(self, tokens: mx.array, positions, lengths: mx.array, *kv: mx.array):
+        if self.compiled is None:
+            return self.eager(tokens, positions, lengths, *kv)
+        shape = (tokens.shape[0], kv[0].shape[2], kv[0].dtype)
+        if shape in self.traced:
+            return self.compiled(tokens, positions, lengths, *kv)
+        if shape not in self.pending:
+            self.pending.append(shape)
+        return self.eager(tokens, positions, lengths, *kv)
+
+    def trace(self, slots: int, capacity: int, dtype) -> None:
+        """Trace (and on CUDA build) the compiled step at this shape, on zeros."""
+        layers, kv_shape, _ = self.model.kv_layout()
+        kv = SlotBatch(layers, kv_shape, dtype, slots=slots, capacity=capacity)
+        zeros = mx.zeros((kv.slots,), dtype=mx.int32)
+        mx.eval(self.compiled(zeros, self.model.decode_positions([None] * kv.slots), zeros, *kv.arrays()))
+        self.traced.add((kv.slots, kv.capacity, dtype))
+
+    def trace_next(self) -> bool:
+        """Trace the oldest queued shape; False if none is queued."""
+        if not self.pending:
+            return False
+        slots, capacity, dtype = self.pending.pop(0)
+        t0 = time.perf_counter()
+        self.trace(slots, capacity, dtype)
+        seconds = time.perf_counter() - t0
+        log.info("compiled the decode step for %d rows x %d positions in %.2f s", slots, capacity, seconds)
+        return True
+
+
 class DecodeBatches:
     """Makes the running batch for this model, and pre-compiles its decode shapes."""
 
@@ -170,7 +219,7 @@ class DecodeBatches:
         self.model = model
         self.slotted = uses_plain_kv_cache(model)
         self.compiled = compiled and self.slotted
-        self.step = make_decode_step(model.decode, self.compiled) if self.slotted else None
+        self.step = DecodeSteps(model, self.compiled) if self.slotted else None
 
     def new(self):
         if not self.slotted:
@@ -178,15 +227,21 @@ class DecodeBatches:
         return DtypeGroupedBatch(lambda dtype: SlotDecodeBatch(self.model, self.step, dtype), self.model.kv_layout()[2])
 
     def warm(self, max_slots: int, max_capacity: int) -> int:
-        """Trace the compiled step at every (slots, capacity) bucket up to these bounds, so no
-        request pays a trace (~0.1 s each on CUDA once kernels are built). Returns shapes traced."""
+        """Trace the compiled step at every (slots, capacity) bucket up to these bounds; shapes
+        past them run eagerly until `trace_pending` gets to them. Returns shapes traced."""
         if not self.compiled:
             return 0
         slot_counts = buckets_up_to(max_slots, SlotBatch.SLOT_BUCKETS)
         capacities = buckets_up_to(max_capacity, SlotBatch.CAPACITY_BUCKETS)
-        for n in slot_counts:
-            zeros = mx.zeros((n,), dtype=mx.int32)
-            for cap in capacities:
-                kv = SlotBatch(*self.model.kv_layout(), slots=n, capacity=cap).arrays()
-                mx.eval(self.step(zeros, self.model.decode_positions([None] * n), zeros, *kv))
-        return len(slot_counts) * len(capacities)
+        dtype = self.model.kv_layout()[2]
+        shapes = [(n, cap) for n in slot_counts for cap in capacities]
+        t0 = time.perf_counter()
+        for i, (n, cap) in enumerate(shapes, 1):
+            self.step.trace(n, cap, dtype)
+            seconds = time.perf_counter() - t0
+            log.info("decode shapes %d/%d: %d rows x %d positions (%.1f s)", i, len(shapes), n, cap, seconds)
+        return len(shapes)
+
+    def trace_pending(self) -> bool:
+        """Trace one decode shape a step has met and run eagerly (between steps); False if none."""
+        return self.step is not None and self.compiled and self.step.trace_next()

@@ -142,7 +142,10 @@ class ServerState:
         loop.set_default_executor(executor)
         _start_threads(executor, _LOOP_EXECUTOR_THREADS)
         try:
+            log.info("starting the engine (%s)", "its own process" if self.config.engine_process else "in this process")
             await self.engine.start()
+            log.info("engine up in %.1f s", time.perf_counter() - t0)
+            t1 = time.perf_counter()
             processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
             self.preprocessor = Preprocessor(
                 processor,
@@ -153,7 +156,9 @@ class ServerState:
             )
             _start_threads(self.preprocessor.pool, self.config.preprocess_workers)
             _start_threads(self.preprocessor.fetch_pool, self.preprocessor.fetch_workers)
+            log.info("processor loaded in %.1f s", time.perf_counter() - t1)
             if self.config.preprocess_processes > 0:
+                t1 = time.perf_counter()
                 self.preprocess_processes = PreprocessProcesses(
                     self.engine.model_path,
                     self.engine.info.context_length,
@@ -162,8 +167,12 @@ class ServerState:
                     self.engine.info.model_type,
                 )
                 await self.preprocess_processes.start()
+                processes = self.config.preprocess_processes
+                log.info("%d preprocessing processes up in %.1f s", processes, time.perf_counter() - t1)
             if self.config.warmup:
+                t1 = time.perf_counter()
                 await self.warmup()
+                log.info("warm-up done in %.1f s", time.perf_counter() - t1)
         finally:
             self.loading = False
         if self.draining:

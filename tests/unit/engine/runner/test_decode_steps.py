@@ -1,0 +1,69 @@
+"""A decode shape seen for the first time runs eagerly and is traced between steps, not in the step."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from vlmserve.engine.runner.decode_batch import DecodeSteps
+from vlmserve.engine.runner.slot_cache import SlotBatch
+
+
+class _Model:
+    """Two layers of one KV head of width 4; the logits read the token and every cached key."""
+
+    def kv_layout(self):
+        return 2, (1, 4, 4), mx.float32
+
+    def decode_positions(self, rows):
+        return None
+
+    def decode(self, tokens, caches, positions):
+        new = mx.broadcast_to(tokens.astype(mx.float32)[:, None, None, None], (tokens.shape[0], 1, 1, 4))
+        total = 0
+        for cache in caches:
+            keys, _ = cache.update_and_fetch(new, new)
+            total = total + keys.sum(axis=(1, 2, 3))
+        return mx.stack([total, tokens.astype(mx.float32)], axis=1)
+
+
+class _Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+def _inputs(slots: int, capacity: int):
+    kv = SlotBatch(2, (1, 4, 4), mx.float32, slots=slots, capacity=capacity)
+    tokens = mx.arange(1, kv.slots + 1, dtype=mx.int32)
+    lengths = mx.zeros((kv.slots,), dtype=mx.int32)
+    return tokens, lengths, kv.arrays()
+
+
+def test_new_shape_runs_eagerly_then_compiled_once_traced():
+    steps = DecodeSteps(_Model(), compiled=True)
+    steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
+    tokens, lengths, kv = _inputs(4, 300)
+    first = steps(tokens, None, lengths, *kv)
+    assert (steps.eager.calls, steps.compiled.calls) == (1, 0)  # no trace inside the step
+    assert steps.pending == [(4, 512, mx.float32)]
+
+    assert steps.trace_next() is True
+    assert steps.pending == [] and (4, 512, mx.float32) in steps.traced
+    assert steps.trace_next() is False
+    calls = steps.compiled.calls
+
+    second = steps(tokens, None, lengths, *kv)
+    assert steps.eager.calls == 1 and steps.compiled.calls == calls + 1
+    for a, b in zip(first, second):
+        np.testing.assert_allclose(np.array(a), np.array(b))
+
+
+def test_without_compilation_every_shape_runs_eagerly_and_nothing_queues():
+    steps = DecodeSteps(_Model(), compiled=False)
+    tokens, lengths, kv = _inputs(2, 10)
+    steps(tokens, None, lengths, *kv)
+    assert steps.pending == [] and steps.trace_next() is False
