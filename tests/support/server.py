@@ -58,18 +58,18 @@ class RunningServer:
         """Run fn on the MLX worker thread (where references must be computed too)."""
         return self.engine.worker.submit(fn, *args, **kwargs).result(timeout=300)
 
-    def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=120, **kwargs)
+    def client(self, timeout: float = 120, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout, **kwargs)
 
     @property
     def model_id(self) -> str:
         return self.config.model_id
 
 
-def start_server(model: str, **overrides) -> RunningServer:
+def start_server(model: str, start_timeout: float = 120.0, **overrides) -> RunningServer:
     """A server of the committed fixture `model` (a name under fixtures/models, or a path)."""
     from vlmserve.config import ServerConfig
 
     path = model if "/" in str(model) else MODELS / model
     config = ServerConfig(model=str(path), port=free_port(), **overrides)
-    return RunningServer(config).start()
+    return RunningServer(config).start(start_timeout)

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from support.families import FORMATS, checkpoint, families
+from support.families import FORMATS, checkpoint, families, make_fixtures
 from support.helpers import IMAGES, data_uri
 from support.reference import mlx_vlm_chat_text
 from support.server import start_server
@@ -18,6 +18,9 @@ from vlmserve.protocol import ChatMessage, ImageRef
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
+# Seconds a server may take to start, and a request to finish: a big family's vision tower
+# takes ~40 s an image on a 2-core CPU, and its warm-up and 8 concurrent image requests wait on it.
+TIMEOUT, BIG_TIMEOUT = 120, 1800
 SMALL, PHOTO, WIDE = (IMAGES / n for n in ("small_64x48.png", "photo_100x80.jpg", "large_224x160.jpg"))
 
 # name -> turns; a turn is (role, text, images). The last turn is the user's.
@@ -67,7 +70,9 @@ def family_server(request, tmp_path_factory):
     name, fmt = request.param
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
-    server = start_server(str(checkpoint(name, fmt, cache_dir)))
+    timeout = BIG_TIMEOUT if name in make_fixtures().NOT_TINY else TIMEOUT
+    server = start_server(str(checkpoint(name, fmt, cache_dir)), start_timeout=timeout)
+    server.request_timeout = timeout
     yield server
     server.stop()
 
@@ -75,7 +80,7 @@ def family_server(request, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_mlx_vlm_generate(family_server, case):
     turns = CASES[case]
-    with family_server.client() as c:
+    with family_server.client(timeout=family_server.request_timeout) as c:
         response = c.post("/v1/chat/completions", json=_body(family_server.model_id, turns))
     limit = family_server.state.max_images
     if sum(len(images) for _, _, images in turns) > limit:  # the model reads fewer: refused, not dropped
@@ -93,7 +98,7 @@ def test_concurrent_mixed_requests_equal_their_alone_outputs(family_server):
     bodies = (bodies * 2)[:8]  # 8 requests
 
     async def run():
-        async with httpx.AsyncClient(base_url=family_server.base_url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=family_server.base_url, timeout=family_server.request_timeout) as c:
             alone = [_text(await c.post("/v1/chat/completions", json=b)) for b in bodies]
             together = await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
             return alone, [_text(r) for r in together]
