@@ -65,3 +65,15 @@ def test_closed_loop_from_load_generator_processes(qwen_server, bench, tmp_path,
     assert all(0 < ttft <= e2e for _, ttft, e2e in level["timeline"])
     assert max(s + e2e for s, _, e2e in level["timeline"]) <= level["wall_s"] + 1e-3
     assert level["output_tok_s"] == pytest.approx(18 / level["wall_s"])
+
+
+def test_new_shape_probe_records_each_long_prompt_and_the_streams_gaps(qwen_server, bench):
+    import asyncio
+
+    import new_shape_probe
+
+    wait_ready(qwen_server)
+    records = asyncio.run(new_shape_probe.probe(qwen_server.base_url, [300, 300], streams=2, max_tokens=8))
+    assert [r["status"] for r in records] == [200, 200]
+    assert all(r["prompt_tokens"] > 300 for r in records)
+    assert all(r["worst_gap_ms"] >= r["median_worst_gap_ms"] >= 0 for r in records)
