@@ -3,7 +3,10 @@
 
 Workload W1 by default: one distinct 448x448 image per request (data URI) + ~330 prompt
 tokens of text, 128 output tokens, temperature 0, streamed with include_usage, 2*c requests
-per concurrency level. Prints and records output tok/s, req/s, TTFT p50/p99, ITL p50,
+per concurrency level. `--workload mixed`: 8 image sizes and aspect ratios from 224x224 to
+1024x768, ~60-1,100 prompt tokens, 32-256 output tokens, 15% text only, drawn per request.
+`--passes 2` sends each level's requests twice and reports each pass (the first pass meets
+every shape for the first time). Prints and records output tok/s, req/s, TTFT p50/p99, ITL p50,
 E2E p50/p99 and /health p99 (sampled every 100 ms during each level, from a process of its
 own, so that the load generator's busy event loop does not delay the probe).
 
@@ -36,11 +39,19 @@ FILLER = (
 )
 
 
-def make_image(index: int, size: int) -> str:
-    """A distinct deterministic PNG per request, as a data URI."""
+# The mixed workload: what captioning and chat clients send together.
+MIXED_SIZES = ((224, 224), (336, 336), (448, 448), (512, 384), (640, 480), (384, 640), (768, 768), (1024, 768))
+MIXED_WORDS = (40, 800)  # text words: ~60 to ~1,100 prompt tokens with an image
+MIXED_MAX_TOKENS = (32, 256)
+MIXED_TEXT_ONLY = 0.15
+
+
+def make_image(index: int, size: int | tuple[int, int]) -> str:
+    """A distinct deterministic PNG per request, as a data URI; `size` is a side or (width, height)."""
+    width, height = (size, size) if isinstance(size, int) else size
     rng = np.random.default_rng(index)
     base = rng.integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
-    img = Image.fromarray(base).resize((size, size), Image.Resampling.BILINEAR)
+    img = Image.fromarray(base).resize((width, height), Image.Resampling.BILINEAR)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -49,6 +60,28 @@ def make_image(index: int, size: int) -> str:
 def make_prompt(words: int) -> str:
     text = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
     return " ".join(text)
+
+
+def request_spec(index: int, settings: dict) -> dict:
+    """Request `index` of the workload: its image (a data URI, or None), text and max_tokens.
+
+    W1: every request alike but for its image. Mixed: a size, prompt length, output length and
+    whether it has an image, drawn per request from a generator seeded by its index (so a second
+    pass sends the very same requests)."""
+    if settings["workload"] == "w1":
+        return {
+            "image": make_image(index, settings["image_size"]),
+            "prompt": make_prompt(settings["prompt_words"]),
+            "max_tokens": settings["max_tokens"],
+        }
+    rng = np.random.default_rng(10_000 + index)
+    text_only = rng.random() < MIXED_TEXT_ONLY
+    size = MIXED_SIZES[int(rng.integers(len(MIXED_SIZES)))]
+    return {
+        "image": None if text_only else make_image(index, size),
+        "prompt": make_prompt(int(rng.integers(MIXED_WORDS[0], MIXED_WORDS[1] + 1))),
+        "max_tokens": int(rng.integers(MIXED_MAX_TOKENS[0], MIXED_MAX_TOKENS[1] + 1)),
+    }
 
 
 @dataclass
@@ -63,18 +96,19 @@ class Result:
     error: str = ""
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, image: str, prompt: str, max_tokens: int, image_first: bool
-) -> Result:
-    parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": prompt}]
+async def one_request(client: httpx.AsyncClient, url: str, model: str, spec: dict, image_first: bool) -> Result:
+    parts = [{"type": "text", "text": spec["prompt"]}]
+    if spec["image"] is not None:
+        image = {"type": "image_url", "image_url": {"url": spec["image"]}}
+        parts = [image, *parts] if image_first else [*parts, image]
     body = {
         "model": model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
-        "max_tokens": max_tokens,
+        "max_tokens": spec["max_tokens"],
         "ignore_eos": True,
-        "messages": [{"role": "user", "content": parts if image_first else parts[::-1]}],
+        "messages": [{"role": "user", "content": parts}],
     }
     start = time.perf_counter()
     last = None
@@ -238,23 +272,21 @@ def profile_delta(before: dict, after: dict) -> dict:
 
 
 async def closed_loop(
-    url: str, model: str, images: list[str], workers: int, prompt: str, args: dict, ready, go
+    url: str, model: str, specs: list[dict], workers: int, args: dict, ready, go
 ) -> tuple[list[Result], float, float]:
     """`workers` clients, each sending its next request as soon as its last one ends, until none are
     left; they start when `go` is set. Returns (results, when the last ended, CPU seconds used)."""
     queue: asyncio.Queue = asyncio.Queue()
-    for img in images:
-        queue.put_nowait(img)
+    for spec in specs:
+        queue.put_nowait(spec)
     results: list[Result] = []
     limits = httpx.Limits(max_connections=workers + 4)
     async with httpx.AsyncClient(timeout=args["timeout"], limits=limits) as client:
 
         async def worker():
             while not queue.empty():
-                img = queue.get_nowait()
-                results.append(
-                    await one_request(client, url, model, img, prompt, args["max_tokens"], args["image_first"])
-                )
+                spec = queue.get_nowait()
+                results.append(await one_request(client, url, model, spec, args["image_first"]))
 
         try:  # this process's first request pays httpx's lazy imports and a connection: not on the clock
             await client.get(f"{url}/health")
@@ -267,15 +299,15 @@ async def closed_loop(
         return results, time.perf_counter(), time.process_time() - cpu0
 
 
-def _client_process(url, model, indices, workers, prompt, args, ready, go, out) -> None:
+def _client_process(url, model, indices, workers, args, ready, go, out) -> None:
     """One load-generator process: its share of the level's workers and requests."""
-    images = [make_image(i, args["image_size"]) for i in indices]  # before the level's clock starts
-    results, end, cpu = asyncio.run(closed_loop(url, model, images, workers, prompt, args, ready, go))
+    specs = [request_spec(i, args) for i in indices]  # before the level's clock starts
+    results, end, cpu = asyncio.run(closed_loop(url, model, specs, workers, args, ready, go))
     out.send(([asdict(r) for r in results], end, cpu))
 
 
 async def run_clients(
-    url: str, model: str, concurrency: int, indices: list[int], prompt: str, args, processes: int
+    url: str, model: str, concurrency: int, indices: list[int], args, processes: int
 ) -> tuple[list[Result], float, float, float]:
     """Run the level from `processes` load-generator processes. Process p holds workers w = p, p + N,
     ... of the c, and the requests those workers would have taken first (n mod c among them), in
@@ -290,7 +322,8 @@ async def run_clients(
     ready = [ctx.Event() for _ in range(processes)]
     go = ctx.Event()
     procs, pipes = [], []
-    settings = {k: getattr(args, k) for k in ("image_size", "max_tokens", "image_first", "timeout")}
+    names = ("workload", "image_size", "prompt_words", "max_tokens", "image_first", "timeout")
+    settings = {k: getattr(args, k) for k in names}
     for p in range(processes):
         workers = [w for w in range(concurrency) if w % processes == p]
         mine = [i for n, i in enumerate(indices) if n % concurrency in workers]
@@ -298,7 +331,7 @@ async def run_clients(
         proc = ctx.Process(
             target=_client_process,
             daemon=True,
-            args=(url, model, mine, len(workers), prompt, settings, ready[p], go, send),
+            args=(url, model, mine, len(workers), settings, ready[p], go, send),
         )
         proc.start()
         procs.append(proc)
@@ -318,14 +351,13 @@ async def run_clients(
 
 
 async def run_level(url: str, model: str, concurrency: int, n_requests: int, args, offset: int) -> dict:
-    prompt = make_prompt(args.prompt_words)
     stop = asyncio.Event()
     before = await scrape_profile(url)
     health = await HealthProbe(url).start()
     gpu = asyncio.create_task(gpu_peak(stop))
     processes = max(1, min(args.client_processes, concurrency))  # no process without a worker
     results, t0, end, cpu = await run_clients(
-        url, model, concurrency, list(range(offset, offset + n_requests)), prompt, args, processes
+        url, model, concurrency, list(range(offset, offset + n_requests)), args, processes
     )
     wall = end - t0
     client_cpu = cpu / wall if wall else 0.0
@@ -377,23 +409,31 @@ async def discover_model(url: str) -> str:
 async def bench_server(url: str, label: str, model: str | None, args) -> dict:
     model = model or await discover_model(url)
     levels = []
-    offset = 0
-    for c in args.concurrency:
-        n = args.requests_per_level or 2 * c
-        level = await run_level(url, model, c, n, args, offset)
-        offset += n
-        levels.append(level)
-        print(
-            f"[{label}] c={c:<3} ok={level['ok']}/{n} out={level['output_tok_s']:.1f} tok/s "
-            f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
-            f"ITL p50={fmt(level['itl_p50_s'])} E2E p50={fmt(level['e2e_p50_s'])} p99={fmt(level['e2e_p99_s'])} "
-            f"health p99={fmt(level['health_p99_s'])} client cpu={level['client_cpu']:.0%}"
-            f" ({level['client_processes']} proc)"
-            + (f" errors={level['errors']}" if level["errors"] else "")
-            + (f"\n    profile {level['server_profile']}" if level["server_profile"] else ""),
-            flush=True,
-        )
-    return {"label": label, "url": url, "model": model, "levels": levels}
+    for number in range(1, args.passes + 1):  # every pass sends the same requests
+        offset = 0
+        for c in args.concurrency:
+            n = args.requests_per_level or 2 * c
+            level = await run_level(url, model, c, n, args, offset)
+            level["pass"] = number
+            offset += n
+            levels.append(level)
+            _report(label, number, args.passes, level)
+    return {"label": label, "url": url, "model": model, "workload": args.workload, "levels": levels}
+
+
+def _report(label: str, number: int, passes: int, level: dict) -> None:
+    c, n = level["concurrency"], level["requests"]
+    tag = f" pass {number}" if passes > 1 else ""
+    print(
+        f"[{label}{tag}] c={c:<3} ok={level['ok']}/{n} out={level['output_tok_s']:.1f} tok/s "
+        f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
+        f"ITL p50={fmt(level['itl_p50_s'])} E2E p50={fmt(level['e2e_p50_s'])} p99={fmt(level['e2e_p99_s'])} "
+        f"health p99={fmt(level['health_p99_s'])} client cpu={level['client_cpu']:.0%}"
+        f" ({level['client_processes']} proc)"
+        + (f" errors={level['errors']}" if level["errors"] else "")
+        + (f"\n    profile {level['server_profile']}" if level["server_profile"] else ""),
+        flush=True,
+    )
 
 
 def fmt(value: float | None) -> str:
@@ -408,6 +448,8 @@ def plot(runs: list[dict], path: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
+        last = max(lv.get("pass", 1) for lv in run["levels"])
+        run = {**run, "levels": [lv for lv in run["levels"] if lv.get("pass", 1) == last]}  # the last pass's
         cs = [lv["concurrency"] for lv in run["levels"]]
         ax1.plot(cs, [lv["output_tok_s"] for lv in run["levels"]], marker="o", label=run["label"])
         ax2.plot(cs, [lv["ttft_p50_s"] or 0 for lv in run["levels"]], marker="o", label=f"{run['label']} p50")
@@ -433,6 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-model", default=None)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--requests-per-level", type=int, default=0, help="default: 2 x concurrency")
+    p.add_argument(
+        "--workload",
+        choices=("w1", "mixed"),
+        default="w1",
+        help="w1: one image size and prompt; mixed: 8 image sizes and aspect ratios, ~60-1,100 prompt tokens, "
+        "32-256 output tokens, 15%% text only (the --image-size, --prompt-words and --max-tokens of W1 do not apply)",
+    )
+    p.add_argument(
+        "--passes", type=int, default=1, help="send each level's requests this many times, reported per pass"
+    )
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--prompt-words", type=int, default=40, help="text words (W1: ~330 prompt tokens with the image)")
     p.add_argument("--image-first", action="store_true", default=True)
@@ -468,7 +520,15 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "workload": {
             k: getattr(args, k)
-            for k in ("image_size", "prompt_words", "max_tokens", "concurrency", "requests_per_level")
+            for k in (
+                "workload",
+                "image_size",
+                "prompt_words",
+                "max_tokens",
+                "concurrency",
+                "requests_per_level",
+                "passes",
+            )
         },
         "runs": runs,
     }

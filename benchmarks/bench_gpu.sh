@@ -1,49 +1,66 @@
 #!/usr/bin/env bash
-# Reproduce workload W1 on the lent H100: vlmserve, then `python -m mlx_vlm.server`, same model,
-# one server on the GPU at a time, results in one JSON + PNG.
+# Reproduce the benchmarks on the lent H100: for each model format (bf16, and 4-bit with bf16
+# scales made by mlx-vlm's convert), vlmserve, then `python -m mlx_vlm.server`, one server on the
+# GPU at a time; each server runs W1 at every level in LEVELS, then the mixed workload at
+# MIXED_LEVELS twice (its first pass meets every shape for the first time; both are reported).
 # On this machine:   GPU_EXTRA_WHEELS="mlx-audio cryptography cffi pycparser websockets opentelemetry-api importlib-metadata" bash ../shared/gpu/stage.sh
 # GPU command 1:     bash .gpu-a/device-setup.sh a
 # GPU command 2:     bash .gpu-b/device-setup.sh b && bash benchmarks/bench_gpu.sh
 # (the wheels for the peer and httptools may not fit beside .gpu-b in 64 MiB: move them to .gpu-c and
 #  install them with pip --target /root/site in a call of their own; see docs/benchmarks.md)
-# Results (w1.json, w1.png, server logs) land in $OUT (default /root/bench).
+# Results land in $OUT (default /root/bench): <format>-w1.json/.png, <format>-mixed.json, server logs.
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller
-MODEL=${MODEL:-/root/models/qwen2-vl-2b-bf16}
+MODELS=${MODELS:-/root/models}
+FORMATS=${FORMATS:-bf16 4bit}
+WORKLOADS=${WORKLOADS:-w1 mixed}
 OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
+MIXED_LEVELS=${MIXED_LEVELS:-32}
 PEER=${PEER:-1}
-SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to an existing w1.json (split across device calls)
+SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to existing results (split across device calls)
 CLIENTS=${CLIENTS:-4}  # load-generator processes (bench.py --client-processes; one Python process delays W1's waves)
 WRAP=${WRAP:-}  # prefix for the vlmserve command, e.g. "py-spy record --gil -f raw -o $OUT/gil.txt --"
 mkdir -p "$OUT"
-[ "$SELF" = 1 ] && rm -f "$OUT/w1.json"
-if [ ! -f "$MODEL/config.json" ]; then
-  python3 scripts/make_fixtures.py --preset qwen2-vl-2b --dtype bfloat16 --out "$MODEL"
-fi
 
-serve_and_bench() {  # name ready_url port label cmd...
-  local name=$1 ready=$2 label=$3; shift 3
+model_dir() {  # format -> the model directory, built if missing
+  local bf16=$MODELS/qwen2-vl-2b-bf16 dir=$MODELS/qwen2-vl-2b-$1
+  [ -f "$bf16/config.json" ] || python3 scripts/make_fixtures.py --preset qwen2-vl-2b --dtype bfloat16 --out "$bf16" >&2
+  if [ "$1" = 4bit ] && [ ! -f "$dir/config.json" ]; then
+    (cd scripts && python3 -c "import sys, make_fixtures as m; from pathlib import Path; m.write_quantized(Path(sys.argv[1]), Path(sys.argv[2]))" "$bf16" "$dir") >&2
+  fi
+  echo "$dir"
+}
+
+serve_and_bench() {  # format name ready_url label model_id cmd...
+  local format=$1 name=$2 ready=$3 label=$4 model_id=$5; shift 5
   local t0; t0=$(date +%s)
-  setsid "$@" > "$OUT/$name.log" 2>&1 &
+  setsid "$@" > "$OUT/$format-$name.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 1200); do
-    kill -0 "$pid" 2>/dev/null || { echo "$name died"; tail -40 "$OUT/$name.log"; return 1; }
+    kill -0 "$pid" 2>/dev/null || { echo "$name died"; tail -40 "$OUT/$format-$name.log"; return 1; }
     curl -sf "$ready" >/dev/null && break
     sleep 0.5
   done
-  echo "$name ready after $(( $(date +%s) - t0 )) s"
-  python3 benchmarks/bench.py --url "${ready%/*}" --label "$label" --model "$MODEL_ID" --concurrency "$LEVELS" --client-processes "$CLIENTS" \
-    --out "$OUT/w1.json" --plot "$OUT/w1.png" --append || true
+  echo "$format $name ready after $(( $(date +%s) - t0 )) s"
+  for workload in $WORKLOADS; do
+    local levels=$LEVELS passes=1 plot=(--plot "$OUT/$format-$workload.png")
+    if [ "$workload" = mixed ]; then levels=$MIXED_LEVELS passes=2; fi
+    python3 benchmarks/bench.py --url "${ready%/*}" --label "$label" --model "$model_id" --workload "$workload" \
+      --passes "$passes" --concurrency "$levels" --client-processes "$CLIENTS" \
+      --out "$OUT/$format-$workload.json" "${plot[@]}" --append || true
+  done
   kill -INT -- -"$pid" 2>/dev/null || true  # SIGINT: a profiler in WRAP writes its output on the way out
   wait "$pid" 2>/dev/null || true
 }
 
-MODEL_ID=$(basename "$MODEL")
-[ "$SELF" = 1 ] && serve_and_bench vlmserve http://127.0.0.1:8100/ready vlmserve \
-  $WRAP python3 -m vlmserve.cli serve "$MODEL" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
-if [ "$PEER" = 1 ]; then
-  MODEL_ID=$MODEL
-  serve_and_bench mlx_vlm http://127.0.0.1:8200/health mlx-vlm-0.7.10 \
-    python3 -m mlx_vlm.server --model "$MODEL" --port 8200
-fi
+for format in $FORMATS; do
+  model=$(model_dir "$format")
+  [ "$SELF" = 1 ] && rm -f "$OUT/$format"-*.json
+  [ "$SELF" = 1 ] && serve_and_bench "$format" vlmserve http://127.0.0.1:8100/ready vlmserve "$(basename "$model")" \
+    $WRAP python3 -m vlmserve.cli serve "$model" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
+  if [ "$PEER" = 1 ]; then
+    serve_and_bench "$format" mlx_vlm http://127.0.0.1:8200/health mlx-vlm-0.7.10 "$model" \
+      python3 -m mlx_vlm.server --model "$model" --port 8200
+  fi
+done

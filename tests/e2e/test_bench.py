@@ -77,3 +77,20 @@ def test_new_shape_probe_records_each_long_prompt_and_the_streams_gaps(qwen_serv
     assert [r["status"] for r in records] == [200, 200]
     assert all(r["prompt_tokens"] > 300 for r in records)
     assert all(r["worst_gap_ms"] >= r["median_worst_gap_ms"] >= 0 for r in records)
+
+
+def test_mixed_workload_is_the_same_requests_each_pass_and_reported_per_pass(qwen_server, bench, tmp_path):
+    settings = {"workload": "mixed", "image_size": 0, "prompt_words": 0, "max_tokens": 0}
+    specs = [bench.request_spec(i, settings) for i in range(200)]
+    assert specs[:20] == [bench.request_spec(i, settings) for i in range(20)]  # a second pass sends the same
+    text_only = sum(s["image"] is None for s in specs) / len(specs)
+    assert 0.05 < text_only < 0.3
+    assert {s["max_tokens"] for s in specs} <= set(range(32, 257)) and len({s["prompt"] for s in specs}) > 50
+
+    wait_ready(qwen_server)
+    out = tmp_path / "mixed.json"
+    args = ["--url", qwen_server.base_url, "--workload", "mixed", "--passes", "2", "--concurrency", "3"]
+    assert bench.main([*args, "--requests-per-level", "4", "--out", str(out)]) == 0
+    levels = json.loads(out.read_text())["runs"][0]["levels"]
+    assert [lv["pass"] for lv in levels] == [1, 2]
+    assert all(lv["ok"] == lv["requests"] == 4 for lv in levels)
