@@ -20,7 +20,7 @@ from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.thread_guard import GUARD
 from vlmserve.engine.worker import MLXWorkerThread
-from vlmserve.models.generic import resolve_model_path
+from vlmserve.models.paths import resolve_model_path
 from vlmserve.models.registry import model_type_of
 from vlmserve.protocol import EngineError, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
 

@@ -60,19 +60,6 @@ def device_inputs(host: dict[str, np.ndarray], bfloat16: frozenset[str] = frozen
     return {k: host_to_mx(v).view(mx.bfloat16) if k in bfloat16 else host_to_mx(v) for k, v in host.items()}
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local directory, or a Hugging Face repo id fetched (or found in the cache) via huggingface_hub."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model path not found: {model}")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py"]
-    return Path(snapshot_download(model, allow_patterns=patterns))
-
-
 def _context_length(config: dict) -> int:
     text = config.get("text_config") or {}
     for source in (text, config):

@@ -28,6 +28,7 @@ from vlmserve.inputs.admission import Admission
 from vlmserve.inputs.pool import PreprocessProcesses
 from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
 from vlmserve.metrics import Metrics, SchedulerHooks
+from vlmserve.models.paths import resolve_model_path
 from vlmserve.models.processor import load_processor
 from vlmserve.protocol import ChatRequest, EngineError, FinishReason, PreparedRequest
 
@@ -143,10 +144,16 @@ class ServerState:
         _start_threads(executor, _LOOP_EXECUTOR_THREADS)
         try:
             log.info("starting the engine (%s)", "its own process" if self.config.engine_process else "in this process")
-            await self.engine.start()
-            log.info("engine up in %.1f s", time.perf_counter() - t0)
-            t1 = time.perf_counter()
-            processor = await loop.run_in_executor(None, load_processor, self.engine.model_path)
+            # The processor loads here while the engine loads the weights (both take seconds).
+            model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
+            engine_up, processor = await asyncio.gather(
+                self._timed("engine up", self.engine.start()),
+                self._timed("processor loaded", loop.run_in_executor(None, load_processor, model_path)),
+                return_exceptions=True,
+            )
+            for outcome in (engine_up, processor):  # the engine's reason first: it names an unknown model
+                if isinstance(outcome, BaseException):
+                    raise outcome
             self.preprocessor = Preprocessor(
                 processor,
                 self.engine.info.context_length,
@@ -156,9 +163,9 @@ class ServerState:
             )
             _start_threads(self.preprocessor.pool, self.config.preprocess_workers)
             _start_threads(self.preprocessor.fetch_pool, self.preprocessor.fetch_workers)
-            log.info("processor loaded in %.1f s", time.perf_counter() - t1)
+            # The preprocessing processes start (each loads the processor) while warm-up runs.
+            jobs = []
             if self.config.preprocess_processes > 0:
-                t1 = time.perf_counter()
                 self.preprocess_processes = PreprocessProcesses(
                     self.engine.model_path,
                     self.engine.info.context_length,
@@ -166,13 +173,11 @@ class ServerState:
                     self.engine.info.pixel_dtype,
                     self.engine.info.model_type,
                 )
-                await self.preprocess_processes.start()
-                processes = self.config.preprocess_processes
-                log.info("%d preprocessing processes up in %.1f s", processes, time.perf_counter() - t1)
+                label = f"{self.config.preprocess_processes} preprocessing processes up"
+                jobs.append(self._timed(label, self.preprocess_processes.start()))
             if self.config.warmup:
-                t1 = time.perf_counter()
-                await self.warmup()
-                log.info("warm-up done in %.1f s", time.perf_counter() - t1)
+                jobs.append(self._timed("warm-up done", self.warmup()))
+            await asyncio.gather(*jobs)
         finally:
             self.loading = False
         if self.draining:
@@ -182,6 +187,13 @@ class ServerState:
         gc.freeze()
         self.ready = True
         log.info("ready: %s (%s) in %.2f s", self.model_id, self.engine.info.model_type, time.perf_counter() - t0)
+
+    @staticmethod
+    async def _timed(what: str, awaitable):
+        t0 = time.perf_counter()
+        result = await awaitable
+        log.info("%s in %.1f s", what, time.perf_counter() - t0)
+        return result
 
     def start_in_background(self) -> None:
         """Listen while loading: /health 200, /ready and /v1 503 until the model is warm."""
