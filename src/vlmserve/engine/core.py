@@ -153,9 +153,6 @@ class EngineCore:
         self._prefill()
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
-        # A decode shape this step met for the first time ran eagerly; trace one such shape
-        # now, between steps, so later steps at that shape run compiled.
-        self.runner.batches.trace_pending()
         self._idle_since = None if self.has_work() else time.monotonic()
 
     def _drop_cancelled(self) -> None:
@@ -261,8 +258,8 @@ class EngineCore:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
         t0 = time.perf_counter()
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
-        # Bounded whatever --max-num-seqs is: bigger batches and longer rows run eagerly at first
-        # and are traced between steps (DecodeSteps).
+        # Bounded whatever --max-num-seqs is: bigger batches and longer rows are traced when they
+        # come, on their second step (DecodeSteps).
         traced = self.runner.batches.warm(min(self.sched.max_num_seqs, WARM_SLOTS), capacity)
         if traced:
             log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)

@@ -171,16 +171,16 @@ class DecodeSteps:
     """The decode step at each shape (slots, capacity, KV dtype): compiled where it has been
     traced, eager where it has not.
 
-    A shape seen for the first time runs eagerly (the same kernels, unfused) and is queued;
-    `trace_next` traces queued shapes one at a time between steps, so no request waits for the
-    trace of the shape it needs, and the next steps at that shape run compiled."""
+    A shape's first step runs eagerly (the same kernels, unfused: no trace); its second step
+    traces the compiled step on the live arrays (tens of milliseconds, once, with no second set
+    of KV buffers) and every later one replays it. Warm-up traces the common shapes ahead."""
 
     def __init__(self, model, compiled: bool):
         self.model = model
         self.eager = make_decode_step(model.decode, False)
         self.compiled = make_decode_step(model.decode, True) if compiled else None
         self.traced: set[tuple] = set()
-        self.pending: list[tuple] = []
+        self.seen: set[tuple] = set()  # shapes that ran eagerly once
 
     def __call__(self, tokens: mx.array, positions, lengths: mx.array, *kv: mx.array):
         if self.compiled is None:
@@ -188,28 +188,23 @@ class DecodeSteps:
         shape = (tokens.shape[0], kv[0].shape[2], kv[0].dtype)
         if shape in self.traced:
             return self.compiled(tokens, positions, lengths, *kv)
-        if shape not in self.pending:
-            self.pending.append(shape)
-        return self.eager(tokens, positions, lengths, *kv)
+        if shape not in self.seen:  # maybe a shape of one step (a capacity on its way elsewhere)
+            self.seen.add(shape)
+            return self.eager(tokens, positions, lengths, *kv)
+        t0 = time.perf_counter()
+        out = self.compiled(tokens, positions, lengths, *kv)
+        self.traced.add(shape)
+        seconds = time.perf_counter() - t0
+        log.info("compiled the decode step for %d rows x %d positions in %.2f s", shape[0], shape[1], seconds)
+        return out
 
     def trace(self, slots: int, capacity: int, dtype) -> None:
-        """Trace (and on CUDA build) the compiled step at this shape, on zeros."""
+        """Trace (and on CUDA build) the compiled step at this shape on zeros (warm-up)."""
         layers, kv_shape, _ = self.model.kv_layout()
         kv = SlotBatch(layers, kv_shape, dtype, slots=slots, capacity=capacity)
         zeros = mx.zeros((kv.slots,), dtype=mx.int32)
         mx.eval(self.compiled(zeros, self.model.decode_positions([None] * kv.slots), zeros, *kv.arrays()))
         self.traced.add((kv.slots, kv.capacity, dtype))
-
-    def trace_next(self) -> bool:
-        """Trace the oldest queued shape; False if none is queued."""
-        if not self.pending:
-            return False
-        slots, capacity, dtype = self.pending.pop(0)
-        t0 = time.perf_counter()
-        self.trace(slots, capacity, dtype)
-        seconds = time.perf_counter() - t0
-        log.info("compiled the decode step for %d rows x %d positions in %.2f s", slots, capacity, seconds)
-        return True
 
 
 class DecodeBatches:
@@ -227,8 +222,8 @@ class DecodeBatches:
         return DtypeGroupedBatch(lambda dtype: SlotDecodeBatch(self.model, self.step, dtype), self.model.kv_layout()[2])
 
     def warm(self, max_slots: int, max_capacity: int) -> int:
-        """Trace the compiled step at every (slots, capacity) bucket up to these bounds; shapes
-        past them run eagerly until `trace_pending` gets to them. Returns shapes traced."""
+        """Trace the compiled step at every (slots, capacity) bucket up to these bounds (shapes
+        past them are traced when they come: DecodeSteps). Returns shapes traced."""
         if not self.compiled:
             return 0
         slot_counts = buckets_up_to(max_slots, SlotBatch.SLOT_BUCKETS)
@@ -241,7 +236,3 @@ class DecodeBatches:
             seconds = time.perf_counter() - t0
             log.info("decode shapes %d/%d: %d rows x %d positions (%.1f s)", i, len(shapes), n, cap, seconds)
         return len(shapes)
-
-    def trace_pending(self) -> bool:
-        """Trace one decode shape a step has met and run eagerly (between steps); False if none."""
-        return self.step is not None and self.compiled and self.step.trace_next()

@@ -1,4 +1,5 @@
-"""A decode shape seen for the first time runs eagerly and is traced between steps, not in the step."""
+"""A decode shape's first step runs eagerly; its second traces the compiled step on the live
+arrays (no second set of KV buffers), and later steps replay it."""
 
 from __future__ import annotations
 
@@ -43,27 +44,37 @@ def _inputs(slots: int, capacity: int):
     return tokens, lengths, kv.arrays()
 
 
-def test_new_shape_runs_eagerly_then_compiled_once_traced():
+def test_new_shape_runs_eagerly_once_then_compiled():
     steps = DecodeSteps(_Model(), compiled=True)
     steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
     tokens, lengths, kv = _inputs(4, 300)
     first = steps(tokens, None, lengths, *kv)
-    assert (steps.eager.calls, steps.compiled.calls) == (1, 0)  # no trace inside the step
-    assert steps.pending == [(4, 512, mx.float32)]
-
-    assert steps.trace_next() is True
-    assert steps.pending == [] and (4, 512, mx.float32) in steps.traced
-    assert steps.trace_next() is False
-    calls = steps.compiled.calls
+    assert (steps.eager.calls, steps.compiled.calls) == (1, 0)  # no trace in a shape's first step
+    assert steps.traced == set()
 
     second = steps(tokens, None, lengths, *kv)
-    assert steps.eager.calls == 1 and steps.compiled.calls == calls + 1
-    for a, b in zip(first, second):
+    assert (steps.eager.calls, steps.compiled.calls) == (1, 1)
+    assert steps.traced == {(4, 512, mx.float32)}  # slots and capacity as bucketed
+    third = steps(tokens, None, lengths, *kv)
+    assert (steps.eager.calls, steps.compiled.calls) == (1, 2)
+    for a, b, c in zip(first, second, third):
         np.testing.assert_allclose(np.array(a), np.array(b))
+        np.testing.assert_allclose(np.array(a), np.array(c))
 
 
-def test_without_compilation_every_shape_runs_eagerly_and_nothing_queues():
-    steps = DecodeSteps(_Model(), compiled=False)
-    tokens, lengths, kv = _inputs(2, 10)
+def test_warm_up_traces_ahead_so_the_first_step_runs_compiled():
+    steps = DecodeSteps(_Model(), compiled=True)
+    steps.trace(4, 300, mx.float32)
+    steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
+    tokens, lengths, kv = _inputs(4, 300)
     steps(tokens, None, lengths, *kv)
-    assert steps.pending == [] and steps.trace_next() is False
+    assert (steps.eager.calls, steps.compiled.calls) == (0, 1)
+
+
+def test_without_compilation_every_step_runs_eagerly():
+    steps = DecodeSteps(_Model(), compiled=False)
+    steps.eager = _Counting(steps.eager)
+    tokens, lengths, kv = _inputs(2, 10)
+    for _ in range(3):
+        steps(tokens, None, lengths, *kv)
+    assert steps.eager.calls == 3 and steps.traced == set()
