@@ -77,6 +77,7 @@ class Admission:
         The reservation is released when the pool job ends, not when this await is cancelled,
         so a client that leaves cannot make room while its work still occupies the pool.
         """
+        self.preprocessor.check_text_length(chat)  # before any slot, fetch or tokenizing
         in_process = self.reserve(chat.n)
         t0 = time.perf_counter()
 

@@ -1,8 +1,8 @@
 """A request's limits, each checked once on its path and answered in OpenAI's shape.
 
 The image count is checked where the request is parsed (entrypoints), before anything is
-fetched or decoded; the context after tokenization (Preprocessor.encode_chat), where the
-prompt's length is first known.
+fetched or decoded; a text too long for any tokenization before admission; the context after
+tokenization (Preprocessor.encode_chat), where the prompt's length is first known.
 """
 
 from __future__ import annotations
@@ -16,6 +16,22 @@ def check_image_count(chat: ChatRequest, max_images: int) -> None:
     if count > max_images:
         raise EngineError(
             f"too many images: {count} > {max_images} per request", code="invalid_image", param="messages"
+        )
+
+
+def check_text_length(chat: ChatRequest, context_length: int, max_token_chars: int) -> None:
+    """400 before any tokenizing when the messages' text alone must exceed the context: no token
+    covers more characters than the vocabulary's longest entry (twice that, for normalizers
+    that merge characters), so that many characters need at least this many tokens. A 20 MB
+    text is refused in milliseconds instead of being tokenized for a minute."""
+    chars = sum(len(value) for m in chat.messages for kind, value in m.parts if kind == "text")
+    at_least = chars // (2 * max(1, max_token_chars))
+    if at_least + 1 > context_length:
+        raise EngineError(
+            f"prompt is at least {at_least} tokens ({chars} characters of text); "
+            f"this model's context is {context_length} tokens",
+            code="context_length_exceeded",
+            param="messages",
         )
 
 

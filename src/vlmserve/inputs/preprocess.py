@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from vlmserve.config import ServerConfig
-from vlmserve.inputs.limits import check_context
+from vlmserve.inputs.limits import check_context, check_text_length
 from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, load_image_bytes
 from vlmserve.models.base import ProcessorAdapter
 from vlmserve.models.pixels import cast_pixels
@@ -86,6 +86,7 @@ class Preprocessor:
         self.adapter: ProcessorAdapter = processor_adapter(model_type or "")
         self.processor = self.adapter.prepare_processor(processor, pixel_dtype, config.max_pixels)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         call = getattr(self.processor, "process", self.processor)
         self._takes_special_tokens_flag = "add_special_tokens" in inspect.signature(call).parameters
         self.policy = media_policy(config)
@@ -118,6 +119,10 @@ class Preprocessor:
             return plain_prompt(self.processor, template_messages)  # a prompt-only model
         return owner.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
 
+    def check_text_length(self, chat: ChatRequest) -> None:
+        """400 when the text alone cannot fit the context (limits.check_text_length)."""
+        check_text_length(chat, self.context_length, self.max_token_chars)
+
     def prepare_sync(self, chat: ChatRequest) -> PreparedRequest:
         """Both stages from one thread, for callers outside an event loop (preprocessing
         processes, tools, tests). Like fetch_images, it takes the request's image count as
@@ -143,6 +148,13 @@ class Preprocessor:
         except ValueError as exc:  # the image processor rejects some images (e.g. an extreme aspect ratio)
             raise EngineError(
                 f"an image could not be processed: {exc}", code="invalid_image", param="messages"
+            ) from None
+        except (IndexError, KeyError, TypeError) as exc:  # e.g. the text itself holds the image placeholder
+            raise EngineError(
+                f"the model's processor could not match the text to its images ({type(exc).__name__}: {exc}); "
+                "does the text contain the model's image placeholder?",
+                code="invalid_prompt",
+                param="messages",
             ) from None
         ids = np.asarray(enc["input_ids"], dtype=np.int32).reshape(-1)
         inputs = {

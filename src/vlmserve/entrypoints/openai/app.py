@@ -427,6 +427,9 @@ def create_app(config: ServerConfig) -> Starlette:
         middleware=middleware,
         exception_handlers={404: not_found, 405: method_not_allowed},
     )
+    # A path with a trailing slash is a 404 in the error shape, not a 307 to a URL built from the
+    # client's Host header.
+    app.router.redirect_slashes = False
     app.state.server = state
     return app
 

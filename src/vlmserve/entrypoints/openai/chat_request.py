@@ -85,7 +85,7 @@ def parse_messages(messages: Any) -> list[ChatMessage]:
         if not isinstance(msg, dict):
             raise _bad("each message must be an object", f"messages[{i}]")
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise _bad(f"unsupported role {role!r}; use one of {sorted(_ROLES)}", f"messages[{i}].role")
         if "content" not in msg and role != "assistant":
             raise _bad("message needs 'content'", f"messages[{i}].content")

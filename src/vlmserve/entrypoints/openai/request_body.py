@@ -15,11 +15,9 @@ _PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
 def _check_content_type(request: Request) -> None:
-    """JSON bodies only; a missing Content-Type is tolerated (the body must still parse)."""
-    ctype = request.headers.get("content-type")
-    if ctype is None:
-        return
-    media = ctype.split(";", 1)[0].strip().lower()
+    """JSON bodies only, declared as such. A web page can send a body cross-origin without a
+    preflight only as text/plain, a form or no type at all: none of those is accepted."""
+    media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise APIError(
             400, f"Content-Type must be application/json, got {media or 'nothing'!r}", code="invalid_content_type"
@@ -28,9 +26,32 @@ def _check_content_type(request: Request) -> None:
 
 def _parse_json(body: bytes | bytearray):
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+    _reject_lone_surrogates(parsed)
+    return parsed
+
+
+def _reject_lone_surrogates(value) -> None:
+    """400 for a string holding half of a UTF-16 pair: json.loads lets one through (an escaped
+    "\\ud800", or the raw bytes ED A0 80), and it cannot be encoded as UTF-8 later on."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(
+                        400, "request body holds an unpaired UTF-16 surrogate", code="invalid_json"
+                    ) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 async def read_json(request: Request, limit: int):

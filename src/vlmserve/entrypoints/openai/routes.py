@@ -17,7 +17,13 @@ def _state(request: Request):
 
 
 async def list_models(request: Request) -> Response:
+    """The served model, once it can answer: clients that poll this before chatting (the openai
+    client, vLLM's users) would otherwise send requests that get 503s while it loads."""
     server = _state(request)
+    try:
+        server.check_accepting()
+    except APIError as exc:
+        return error_response(exc)
     data = [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "vlmserve"}]
     return JSONResponse({"object": "list", "data": data})
 

@@ -87,6 +87,45 @@ CASES = [
         400,
         "invalid_content_type",
     ),
+    (
+        "lone-surrogate-escaped",
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "__model__", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+        {},
+        400,
+        "invalid_json",
+    ),
+    (
+        "lone-surrogate-raw-bytes",
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "__model__", "messages": [{"role": "user", "content": "a\xed\xa0\x80b"}], "max_tokens": 2}',
+        {},
+        400,
+        "invalid_json",
+    ),
+    (
+        "lone-surrogate-in-model",
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "\\udfff", "messages": [{"role": "user", "content": "Hi"}]}',
+        {},
+        400,
+        "invalid_json",
+    ),
+    ("role-is-list", "POST", "/v1/chat/completions", body(messages=[{"role": [], "content": "Hi"}]), {}, 400, None),
+    ("role-is-object", "POST", "/v1/chat/completions", body(messages=[{"role": {}, "content": "Hi"}]), {}, 400, None),
+    (
+        "image-placeholder-in-text",  # the processor would find two placeholders for one image
+        "POST",
+        "/v1/chat/completions",
+        body(messages=user("__image__", {"type": "text", "text": "<|image_pad|> what is it?"})),
+        {},
+        400,
+        "invalid_prompt",
+    ),
+    ("trailing-slash", "POST", "/v1/chat/completions/", body(), {}, 404, "not_found"),
     ("missing-model", "POST", "/v1/chat/completions", {"messages": USER}, {}, 400, None),
     ("model-wrong-type", "POST", "/v1/chat/completions", body(model=7), {}, 400, None),
     ("unknown-model", "POST", "/v1/chat/completions", body(model="gpt-4o"), {}, 404, "model_not_found"),
@@ -302,6 +341,8 @@ def _materialize(value, server):
         for msg in out["messages"]:
             if isinstance(msg, dict) and msg.get("content") == ["__image__"]:
                 msg["content"] = [_img(), TEXT]
+            elif isinstance(msg, dict) and isinstance(msg.get("content"), list):
+                msg["content"] = [_img() if part == "__image__" else part for part in msg["content"]]
     return out
 
 
@@ -376,3 +417,39 @@ def test_a_large_body_is_parsed_off_the_event_loop(qwen_server, monkeypatch):
     loop_thread = qwen_server.thread.name
     assert threads[0] != loop_thread  # the large body
     assert threads[1] == loop_thread  # a small one: parsed in place
+
+
+def test_a_body_without_content_type_is_refused(qwen_server):
+    """A web page can POST a body cross-origin without a preflight when it names no type."""
+    payload = json.dumps({"model": qwen_server.model_id, "messages": USER, "max_tokens": 1}).encode()
+    with qwen_server.client() as c:
+        request = c.build_request("POST", "/v1/chat/completions", content=payload)
+        assert "content-type" not in request.headers
+        r = c.send(request)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
+
+
+def test_a_text_longer_than_any_tokenization_of_the_context_is_refused_before_tokenizing(qwen_server, monkeypatch):
+    state = qwen_server.state
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the text was tokenized")
+
+    monkeypatch.setattr(state.preprocessor, "encode_chat", no_tokenizing)
+    if state.preprocess_processes is not None:
+        monkeypatch.setattr(state.preprocess_processes, "prepare", no_tokenizing)
+    chars = 2 * state.preprocessor.max_token_chars * (state.engine.info.context_length + 1)
+    big = {"model": qwen_server.model_id, "messages": [{"role": "user", "content": "a" * chars}], "max_tokens": 1}
+    with qwen_server.client() as c:
+        r = c.post("/v1/chat/completions", json=big)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_models_answers_503_until_the_model_is_ready(qwen_server, monkeypatch):
+    with qwen_server.client() as c:
+        assert c.get("/v1/models").status_code == 200
+        monkeypatch.setattr(qwen_server.state, "ready", False)
+        r = c.get("/v1/models")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    assert r.headers.get("retry-after") == "1"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from support.helpers import on_own_thread
 from vlmserve.engine.runner.decode_batch import DecodeSteps
 from vlmserve.engine.runner.slot_cache import SlotBatch
 
@@ -45,36 +46,45 @@ def _inputs(slots: int, capacity: int):
 
 
 def test_new_shape_runs_eagerly_once_then_compiled():
-    steps = DecodeSteps(_Model(), compiled=True)
-    steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
-    tokens, lengths, kv = _inputs(4, 300)
-    first = steps(tokens, None, lengths, *kv)
-    assert (steps.eager.calls, steps.compiled.calls) == (1, 0)  # no trace in a shape's first step
-    assert steps.traced == set()
+    def work():
+        steps = DecodeSteps(_Model(), compiled=True)
+        steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
+        tokens, lengths, kv = _inputs(4, 300)
+        first = steps(tokens, None, lengths, *kv)
+        assert (steps.eager.calls, steps.compiled.calls) == (1, 0)  # no trace in a shape's first step
+        assert steps.traced == set()
 
-    second = steps(tokens, None, lengths, *kv)
-    assert (steps.eager.calls, steps.compiled.calls) == (1, 1)
-    assert steps.traced == {(4, 512, mx.float32)}  # slots and capacity as bucketed
-    third = steps(tokens, None, lengths, *kv)
-    assert (steps.eager.calls, steps.compiled.calls) == (1, 2)
-    for a, b, c in zip(first, second, third):
-        np.testing.assert_allclose(np.array(a), np.array(b))
-        np.testing.assert_allclose(np.array(a), np.array(c))
+        second = steps(tokens, None, lengths, *kv)
+        assert (steps.eager.calls, steps.compiled.calls) == (1, 1)
+        assert steps.traced == {(4, 512, mx.float32)}  # slots and capacity as bucketed
+        third = steps(tokens, None, lengths, *kv)
+        assert (steps.eager.calls, steps.compiled.calls) == (1, 2)
+        for a, b, c in zip(first, second, third):
+            np.testing.assert_allclose(np.array(a), np.array(b))
+            np.testing.assert_allclose(np.array(a), np.array(c))
+
+    on_own_thread(work)
 
 
 def test_warm_up_traces_ahead_so_the_first_step_runs_compiled():
-    steps = DecodeSteps(_Model(), compiled=True)
-    steps.trace(4, 300, mx.float32)
-    steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
-    tokens, lengths, kv = _inputs(4, 300)
-    steps(tokens, None, lengths, *kv)
-    assert (steps.eager.calls, steps.compiled.calls) == (0, 1)
+    def work():
+        steps = DecodeSteps(_Model(), compiled=True)
+        steps.trace(4, 300, mx.float32)
+        steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
+        tokens, lengths, kv = _inputs(4, 300)
+        steps(tokens, None, lengths, *kv)
+        assert (steps.eager.calls, steps.compiled.calls) == (0, 1)
+
+    on_own_thread(work)
 
 
 def test_without_compilation_every_step_runs_eagerly():
-    steps = DecodeSteps(_Model(), compiled=False)
-    steps.eager = _Counting(steps.eager)
-    tokens, lengths, kv = _inputs(2, 10)
-    for _ in range(3):
-        steps(tokens, None, lengths, *kv)
-    assert steps.eager.calls == 3 and steps.traced == set()
+    def work():
+        steps = DecodeSteps(_Model(), compiled=False)
+        steps.eager = _Counting(steps.eager)
+        tokens, lengths, kv = _inputs(2, 10)
+        for _ in range(3):
+            steps(tokens, None, lengths, *kv)
+        assert steps.eager.calls == 3 and steps.traced == set()
+
+    on_own_thread(work)
