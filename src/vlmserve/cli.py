@@ -102,7 +102,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)"
     )
     p.add_argument("--metrics-require-key", action="store_true", help="also require the key on /metrics")
-    p.add_argument("--cors-origins", type=_csv, default=(), help="comma list of allowed origins (default: no CORS)")
+    p.add_argument(
+        "--cors-origins",
+        type=_csv,
+        default=(),
+        help="comma list of origins browsers may call from ('*': any; default: loopback pages only, no CORS)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=_csv,
+        default=(),
+        help="bound to loopback: Host names accepted besides loopback ones, e.g. a reverse proxy's ('*': any)",
+    )
     p.add_argument(
         "--max-waiting", type=int, default=d.max_waiting, help="waiting requests (queued + preprocessing) before 429"
     )

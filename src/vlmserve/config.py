@@ -52,6 +52,7 @@ class ServerConfig:
     api_key: str | None = None
     metrics_require_key: bool = False
     cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback when bound to loopback
     max_waiting: int = 256
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout: float = 30.0

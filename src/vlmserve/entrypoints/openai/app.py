@@ -22,7 +22,7 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine.client import EngineClient, create_engine_client
 from vlmserve.entrypoints.openai.chat_request import model_aliases
 from vlmserve.entrypoints.openai.errors import APIError
-from vlmserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeMiddleware
+from vlmserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeMiddleware, BrowserGuardMiddleware
 from vlmserve.entrypoints.openai.routes import method_not_allowed, not_found, routes
 from vlmserve.inputs.admission import Admission
 from vlmserve.inputs.pool import PreprocessProcesses
@@ -406,7 +406,14 @@ def create_app(config: ServerConfig) -> Starlette:
             watcher.cancel()
             await state.stop()
 
-    middleware = []
+    middleware = [
+        Middleware(
+            BrowserGuardMiddleware,
+            allowed_origins=config.cors_origins,
+            loopback_only=config.host in ("127.0.0.1", "localhost", "::1"),
+            allowed_hosts=config.allowed_hosts,
+        )
+    ]
     if config.cors_origins:
         middleware.append(
             Middleware(

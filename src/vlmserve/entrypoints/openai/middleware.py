@@ -1,4 +1,5 @@
-"""Pure ASGI middleware (keeps streaming and disconnect detection intact): API key, body cap."""
+"""Pure ASGI middleware (keeps streaming and disconnect detection intact): API key, body cap,
+browser guard."""
 
 from __future__ import annotations
 
@@ -88,4 +89,55 @@ class BodySizeMiddleware:
                         await response(scope, receive, send)
                         return
                     break
+        await self.app(scope, receive, send)
+
+
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether a Host header (or an origin's host) names this machine's loopback, any port."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        return host.split("]", 1)[0] + "]" == "[::1]"
+    return host.rsplit(":", 1)[0] in _LOOPBACK_NAMES or host in _LOOPBACK_NAMES
+
+
+class BrowserGuardMiddleware:
+    """What a web page may not do to a server without an API key, as Ollama guards its own:
+
+    - a request that carries an `Origin` (only browsers send one) gets 403 unless the origin is
+      on loopback or in --cors-origins (`*`: any), so a page elsewhere cannot drive the server;
+    - bound to loopback, a request whose Host is not a loopback name (or in --allowed-hosts) gets
+      403: a DNS-rebinding page reaches 127.0.0.1 under its own host name."""
+
+    def __init__(
+        self, app: ASGIApp, allowed_origins: tuple[str, ...], loopback_only: bool, allowed_hosts: tuple[str, ...] = ()
+    ):
+        self.app = app
+        self.any_origin = "*" in allowed_origins
+        self.allowed = {o.rstrip("/").lower() for o in allowed_origins}
+        self.loopback_only = loopback_only and "*" not in allowed_hosts
+        self.hosts = {h.lower() for h in allowed_hosts}
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        if self.loopback_only:
+            host = headers.get(b"host", b"").decode("latin-1")
+            if not _loopback_host(host) and host.lower().rsplit(":", 1)[0] not in self.hosts:
+                return APIError(403, f"host {host!r} is not this server's loopback name", code="host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is not None and not self.any_origin:
+            text = origin.decode("latin-1").strip().rstrip("/").lower()
+            host = text.split("://", 1)[-1]
+            if text not in self.allowed and not _loopback_host(host):
+                return APIError(403, f"origin {text!r} is not allowed (see --cors-origins)", code="origin_not_allowed")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
