@@ -13,7 +13,12 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-    ERROR = "error"
+    ERROR = "error"  # this request failed (its input, or a bug)
+    UNAVAILABLE = "unavailable"  # the server could not finish it (engine lost, shutdown): retry elsewhere
+
+    @property
+    def failed(self) -> bool:
+        return self in (FinishReason.ERROR, FinishReason.ABORT, FinishReason.UNAVAILABLE)
 
 
 @dataclass

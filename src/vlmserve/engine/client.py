@@ -37,6 +37,11 @@ class EngineClient(Protocol):
     async def fail_all(self, message: str) -> None:
         """End every admitted request with an error event (shutdown, drain timeout)."""
 
+    def abandon(self, message: str) -> int:
+        """End every request this side waits on with a retryable error at once, without asking
+        the engine (hung or gone); returns how many. Events the engine sends for them later are
+        dropped."""
+
     async def stop(self) -> None: ...
 
     @property

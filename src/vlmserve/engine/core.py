@@ -205,12 +205,12 @@ class EngineCore:
             mx.clear_cache()
 
     def fail_all(self, message: str) -> None:
-        """Wake every waiter with an error (worker death or shutdown)."""
+        """Wake every waiter with an error the client may retry elsewhere (worker death or shutdown)."""
         waiting, admitted = self.sched.clear()
         for req in waiting:
-            req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=message))
+            req.emit(TokenEvent(finish_reason=FinishReason.UNAVAILABLE, error=message))
         for seq in admitted:
-            self.runner.finish(seq, FinishReason.ERROR, error=message)
+            self.runner.finish(seq, FinishReason.UNAVAILABLE, error=message)
         self.runner.drop_all()
 
     def forget_prefixes(self) -> None:
@@ -278,5 +278,5 @@ class EngineCore:
         while self.has_work():
             self.step()
         final = events[-1] if events else None
-        if final is None or final.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+        if final is None or final.finish_reason is None or final.finish_reason.failed:
             raise RuntimeError(f"warm-up generation failed: {final.error if final else 'no result'}")

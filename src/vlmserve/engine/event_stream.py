@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-from vlmserve.protocol import FinishReason, TokenEvent
+from vlmserve.protocol import TokenEvent
 
 
 async def read_events(queue: asyncio.Queue, on_early_exit: Callable[[], None]) -> AsyncIterator[TokenEvent]:
@@ -25,7 +25,7 @@ async def read_events(queue: asyncio.Queue, on_early_exit: Callable[[], None]) -
             held = None
             while event.finish_reason is None and not queue.empty():
                 after = queue.get_nowait()
-                if after.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                if after.finish_reason is not None and after.finish_reason.failed:
                     held = after
                     break
                 event = joined(event, after)

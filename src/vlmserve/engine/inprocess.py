@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from vlmserve.config import ServerConfig
@@ -22,7 +22,7 @@ from vlmserve.engine.thread_guard import GUARD
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.models.paths import resolve_model_path
 from vlmserve.models.registry import model_type_of
-from vlmserve.protocol import EngineError, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
+from vlmserve.protocol import EngineError, FinishReason, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class Engine:
         self.worker = MLXWorkerThread()
         self.worker.after_work = self._flush
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # worker thread only
+        self._waiting: dict[asyncio.Queue, Callable] = {}  # the loop's: requests being read, and how to cancel each
         self.info: ModelInfo | None = None
         self.model_path: Path | None = None
         self.model_type: str | None = None
@@ -106,10 +107,12 @@ class Engine:
             self.worker.wake()
 
         events = read_events(queue, leave)
+        self._waiting[queue] = leave
         try:
             async for event in events:
                 yield event
         finally:
+            self._waiting.pop(queue, None)
             await events.aclose()  # now, not when collected: a reader that left cancels at once
 
     def _flush(self) -> None:
@@ -129,6 +132,13 @@ class Engine:
     # ---- what the server asks of any engine (engine/client.py) ----------------------------
     async def warm_up(self, prompts: list[PreparedRequest]) -> None:
         await self.run_on_worker(self.core.warm_up, prompts)
+
+    def abandon(self, message: str) -> int:
+        waiting, self._waiting = self._waiting, {}
+        for queue, cancel in waiting.items():
+            queue.put_nowait(TokenEvent(finish_reason=FinishReason.UNAVAILABLE, error=message))
+            cancel()  # a worker that runs again drops it
+        return len(waiting)
 
     async def fail_all(self, message: str) -> None:
         if self.core is not None and self.healthy:

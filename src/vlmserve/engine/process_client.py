@@ -87,14 +87,18 @@ class EngineProcessClient:
     async def stop(self) -> None:
         if self.process is None:
             return
-        if self.healthy:
+        # A hung engine would never answer: kill it after a moment instead of waiting it out.
+        answering = self.healthy and self.problem(self.config.stall_timeout, loading=False) is None
+        if answering:
             try:
                 await asyncio.wait_for(self.fail_all("the server is shutting down"), _JOIN_S)
             except Exception:  # noqa: BLE001 - it may be gone already
                 pass
+        self.abandon("the server is shutting down")
         self._outgoing.put(msg.Stop())
         self._outgoing.put(None)  # the writer's end
-        await asyncio.get_running_loop().run_in_executor(None, self._end_process, _JOIN_S)
+        wait = _JOIN_S if answering else 1.0
+        await asyncio.get_running_loop().run_in_executor(None, self._end_process, wait)
 
     def _end_process(self, wait: float) -> None:
         with self._reap_lock:
@@ -177,6 +181,14 @@ class EngineProcessClient:
         if self.healthy:
             await self._call("fail_all", message)
 
+    def abandon(self, message: str) -> int:
+        lost = TokenEvent(finish_reason=FinishReason.UNAVAILABLE, error=message)
+        streams, self._streams = self._streams, {}  # what the engine sends for them later finds no stream
+        for key, stream in streams.items():
+            stream.put_nowait(lost)
+            self._outgoing.put(msg.CancelRequest(key))  # an engine that runs again drops them
+        return len(streams)
+
     async def _call(self, name: str, *args):
         if not self.healthy:
             raise EngineError("the inference worker is not running", code="worker_unavailable", status=503)
@@ -254,6 +266,7 @@ class EngineProcessClient:
 
     def _on_gone(self, exit_code: int | None) -> None:
         self._gone = True
+        self._running, self._gauges = 0, (None, 0)  # nothing runs there any more: the gauges say so
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(
                 RuntimeError(f"the engine process exited (code {exit_code}) before the model was loaded")
@@ -261,7 +274,7 @@ class EngineProcessClient:
             return
         if self._streams or exit_code != 0:
             log.error("the engine process exited (code %s)", exit_code)
-        lost = TokenEvent(finish_reason=FinishReason.ERROR, error="the inference worker stopped unexpectedly")
+        lost = TokenEvent(finish_reason=FinishReason.UNAVAILABLE, error="the inference worker stopped unexpectedly")
         for stream in self._streams.values():
             stream.put_nowait(lost)
         for answer in self._calls.values():

@@ -146,7 +146,7 @@ class EngineServer:
             except ValueError:
                 return  # the exiting worker took it and emits its error
             self.requests.pop(add.key, None)
-            error = TokenEvent(finish_reason=FinishReason.ERROR, error="the inference worker is not running")
+            error = TokenEvent(finish_reason=FinishReason.UNAVAILABLE, error="the inference worker is not running")
             self.send(msg.StepOutput([(add.key, error)], [], msg.EngineStats(died=True)))
 
     def _call(self, call: msg.Call) -> None:

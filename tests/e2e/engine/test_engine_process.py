@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -163,11 +164,45 @@ def test_engine_process_death_fails_streams_and_health():
                         os.kill(engine.process.pid, signal.SIGKILL)
         error = json.loads(lines[-1])["error"]
         assert error["message"] == "the inference worker stopped unexpectedly"
+        assert error["code"] == "worker_unavailable"  # the server's failure, not the request's
         with server.client() as c:
             r = c.get("/health")
             assert r.status_code == 503 and r.json()["reason"] == "inference worker died"
             r = c.post("/v1/chat/completions", json=chat_body(server.model_id, "Hi", max_tokens=4))
             assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+    finally:
+        server.stop()
+
+
+def test_engine_death_gives_waiting_requests_a_503_they_may_retry():
+    """A request the server could not finish is retried elsewhere by clients (x-should-retry), never a 500."""
+    import threading
+    import time
+
+    server = start_server("qwen2_vl", engine_process=True, warmup=False)
+    try:
+        engine = server.engine
+        body = chat_body(server.model_id, "Go on.", max_tokens=20000, ignore_eos=True)
+
+        def kill_when_running():
+            deadline = time.monotonic() + 60
+            while engine.num_running == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            os.kill(engine.process.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_running)
+        killer.start()
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json=body)
+        killer.join()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "worker_unavailable"
+        assert r.headers["x-should-retry"] == "true"
+        with server.client() as c:
+            metrics = c.get("/metrics").text
+        running = [line for line in metrics.splitlines() if line.startswith("vlmserve:num_requests_running")]
+        assert running and float(running[0].split()[-1]) == 0  # not the count before the death
     finally:
         server.stop()
 
@@ -283,3 +318,51 @@ def test_the_choices_of_one_request_send_its_inputs_once(process_server, monkeyp
     assert [a.prepared is not None for a in adds] == [True, False, False]  # the pixels crossed once
     released = [m.inputs_key for m in outgoing.sent if isinstance(m, msg.ReleaseInputs)]
     assert released == [adds[0].inputs_key] and client._inputs == {}
+
+
+def test_a_hung_engine_ends_its_requests_refuses_new_ones_and_does_not_block_shutdown():
+    """SIGSTOP on the engine process: past --stall-timeout, in-flight requests end with a retryable
+    error and new ones get a retryable 503; once it runs again, requests are served; and a
+    server whose engine hangs still shuts down."""
+    import time
+
+    server = start_server("qwen2_vl", engine_process=True, warmup=False, stall_timeout=1.0, drain_timeout=1.0)
+    stopped = False
+    try:
+        pid = server.engine.process.pid
+        lines: list[str] = []
+        body = chat_body(server.model_id, "Go on.", max_tokens=20000, ignore_eos=True, stream=True)
+        t0 = time.monotonic()
+        with server.client(timeout=30) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    if len(lines) == 3:
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped, t0 = True, time.monotonic()
+        assert time.monotonic() - t0 < 10
+        error = json.loads(lines[-1])["error"]
+        assert error["code"] == "worker_unavailable" and "stalled" in error["message"]
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json=chat_body(server.model_id, "Hi", max_tokens=2))
+            assert r.status_code == 503 and r.headers["x-should-retry"] == "true"
+            os.kill(pid, signal.SIGCONT)
+            stopped = False
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                r = c.post("/v1/chat/completions", json=chat_body(server.model_id, "Hi", max_tokens=2))
+                if r.status_code == 200:
+                    break
+                time.sleep(0.2)
+            assert r.status_code == 200, r.text
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < 1.0 + 5.0 + 10.0  # drain timeout + the engine's answer + the reaping
+        assert not server.thread.is_alive()
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        server.stop()

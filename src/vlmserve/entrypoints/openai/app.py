@@ -36,6 +36,7 @@ log = logging.getLogger("vlmserve")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 _LOOP_EXECUTOR_THREADS = 4
+_ENGINE_ANSWER_S = 5.0  # how long shutdown waits for the engine to end its requests itself
 
 
 def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
@@ -252,9 +253,27 @@ class ServerState:
         left = self.in_flight
         if left:
             log.warning("drain timeout: ending %d request(s) with an error", left)
-        with contextlib.suppress(Exception):
-            await self.engine.fail_all(SHUTDOWN_MESSAGE)
+        try:  # a hung engine never answers: the requests still waiting end here
+            await asyncio.wait_for(self.engine.fail_all(SHUTDOWN_MESSAGE), _ENGINE_ANSWER_S)
+        except Exception:  # noqa: BLE001 - timed out, or the engine is gone
+            self.engine.abandon(SHUTDOWN_MESSAGE)
         log.info("drained in %.2f s", time.monotonic() - t0)
+
+    async def watch_engine(self, period: float = 0.5) -> None:
+        """An engine that stops answering (hung, not dead) would hold every request forever:
+        past --stall-timeout its requests end with a retryable 503 (admission refuses new ones
+        meanwhile, check_accepting), and they are served again once it answers."""
+        while True:
+            await asyncio.sleep(period)
+            if self.loading or self.draining:
+                continue
+            problem = self.engine.problem(self.config.stall_timeout, self.loading)
+            if problem == "inference worker stalled":
+                ended = self.engine.abandon(
+                    f"the inference worker stalled (no answer for {self.config.stall_timeout:g} s)"
+                )
+                if ended:
+                    log.error("inference worker stalled: ended %d request(s) with a retryable error", ended)
 
     async def stop(self) -> None:
         await self.drain()
@@ -275,8 +294,14 @@ class ServerState:
             if self.load_error is not None:
                 raise APIError(503, "the model failed to load", code="worker_unavailable")
             raise APIError(503, "the model is not ready yet", code="not_ready", headers={"retry-after": "1"})
-        if not self.engine.healthy:
-            raise APIError(503, "the inference worker is not running", code="worker_unavailable")
+        problem = self.engine.problem(self.config.stall_timeout, self.loading)
+        if not self.engine.healthy or problem is not None:
+            raise APIError(
+                503,
+                f"the inference worker is not serving ({problem or 'not running'})",
+                code="worker_unavailable",
+                headers={"x-should-retry": "true", "retry-after": "1"},
+            )
 
     async def prepare(self, chat: ChatRequest) -> PreparedRequest:
         """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing."""
@@ -400,10 +425,12 @@ def create_app(config: ServerConfig) -> Starlette:
                     await state.engine.stop()
                 raise
         watcher = asyncio.create_task(watch_event_loop(state.metrics.loop_lag))
+        watchdog = asyncio.create_task(state.watch_engine())
         try:
             yield
         finally:
             watcher.cancel()
+            watchdog.cancel()
             await state.stop()
 
     middleware = [

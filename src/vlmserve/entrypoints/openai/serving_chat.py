@@ -81,19 +81,24 @@ async def _chat_completions(request: Request) -> Response:
     except EngineError as exc:
         return error_response(_engine_error(exc))
     except _ChoiceFailed as exc:
-        return error_response(APIError(exc.status, exc.message, code=exc.code))
+        return error_response(APIError(exc.status, exc.message, code=exc.code, headers=exc.headers))
     return JSONResponse(chat_response.completion_response(request_id, model, created, choices, usage))
 
 
 class _ChoiceFailed(Exception):
-    def __init__(self, message: str, status: int = 500, code: str | None = "generation_failed"):
+    def __init__(self, message: str, status: int = 500, code: str | None = "generation_failed", retry: bool = False):
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
+        # The server's own failure (its engine lost, a shutdown): the client should try again,
+        # on another replica if it has one.
+        self.headers = {"x-should-retry": "true"} if retry else {}
 
 
 def _failure(event: TokenEvent) -> _ChoiceFailed:
     if event.finish_reason == FinishReason.ABORT:
         return _ChoiceFailed("the request was aborted", 503, "aborted")
+    if event.finish_reason == FinishReason.UNAVAILABLE:
+        return _ChoiceFailed(event.error or "the server could not finish the request", 503, "worker_unavailable", True)
     return _ChoiceFailed(event.error or "generation failed")
 
 
@@ -103,7 +108,7 @@ async def _collect(streams, n: int, want_logprobs: bool):
     finish: list[str | None] = [None] * n
     prompt = cached = completion = 0
     async for i, event in merge(streams):
-        if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+        if event.finish_reason is not None and event.finish_reason.failed:
             raise _failure(event)
         texts[i] += event.text
         logprobs[i].extend(event.logprobs)
@@ -134,7 +139,7 @@ async def _sse(request_id, model, created, chat, streams):
                 if event.text:  # the common chunk: pre-rendered, see sse.py
                     yield lines.content(i, event.text)
                 continue
-            if event.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            if event.finish_reason is not None and event.finish_reason.failed:
                 failure = _failure(event)
                 yield sse.line(error_body(failure.status, failure.message, failure.code))
                 return
