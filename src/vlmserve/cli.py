@@ -125,6 +125,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds running requests may take to finish after SIGTERM/SIGINT",
     )
     p.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=d.engine_restarts,
+        help="tries to start a dead engine again (backing off 1, 4, 16 s ...) before the server exits non-zero",
+    )
+    p.add_argument(
         "--stall-timeout",
         type=float,
         default=d.stall_timeout,

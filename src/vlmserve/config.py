@@ -57,6 +57,7 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout: float = 30.0
     stall_timeout: float = 60.0
+    engine_restarts: int = 3  # a dead engine is started again this many times in a row, then the server exits
     log_level: str = "info"
     # CPython's GIL switch interval for the `vlmserve serve` process. After each launch the MLX
     # thread waits for the GIL; with CPython's 5 ms default a busy preprocessing or event-loop

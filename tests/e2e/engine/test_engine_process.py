@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -151,7 +153,7 @@ def test_client_leaving_cancels_in_the_engine(process_server):
 
 
 def test_engine_process_death_fails_streams_and_health():
-    server = start_server("qwen2_vl", engine_process=True, warmup=False)
+    server = start_server("qwen2_vl", engine_process=True, warmup=False, engine_restarts=0)
     try:
         engine = server.engine
         lines: list[str] = []
@@ -166,10 +168,49 @@ def test_engine_process_death_fails_streams_and_health():
         assert error["message"] == "the inference worker stopped unexpectedly"
         assert error["code"] == "worker_unavailable"  # the server's failure, not the request's
         with server.client() as c:
-            r = c.get("/health")
-            assert r.status_code == 503 and r.json()["reason"] == "inference worker died"
+            r = c.get("/health")  # dead, then (no restarts allowed) given up on
+            assert r.status_code == 503 and r.json()["reason"] in (
+                "inference worker died",
+                "engine could not be restarted",
+            )
             r = c.post("/v1/chat/completions", json=chat_body(server.model_id, "Hi", max_tokens=4))
             assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+    finally:
+        server.stop()
+
+
+def test_a_dead_engine_is_started_again_and_served_after_warm_up():
+    server = start_server("qwen2_vl", engine_process=True, warmup=True)
+    try:
+        first = server.engine.process.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        with server.client() as c:
+            saw_not_ready = False
+            while time.monotonic() < deadline:
+                if c.get("/ready").status_code == 503:
+                    saw_not_ready = True
+                elif saw_not_ready:
+                    break
+                time.sleep(0.05)
+            assert saw_not_ready and c.get("/ready").status_code == 200
+            r = c.post("/v1/chat/completions", json=chat_body(server.model_id, "Hi", max_tokens=3))
+            assert r.status_code == 200, r.text
+        assert server.engine.process.pid != first
+    finally:
+        server.stop()
+
+
+def test_an_engine_that_cannot_be_started_again_stops_the_server():
+    server = start_server("qwen2_vl", engine_process=True, warmup=False, engine_restarts=1)
+    fatal = threading.Event()
+    server.state.on_fatal = fatal.set
+    try:
+        # The next engine fails to load: its model directory is gone.
+        server.state.config = dataclasses.replace(server.state.config, model="/nonexistent/model")
+        os.kill(server.engine.process.pid, signal.SIGKILL)
+        assert fatal.wait(60)
+        assert server.state.load_error is not None
     finally:
         server.stop()
 
@@ -271,6 +312,7 @@ def test_engine_process_exits_when_the_server_is_killed():
 
 _SERVING_SIDE = """
 import sys
+import threading
 from vlmserve.entrypoints.openai.app import ServerState
 from vlmserve.config import ServerConfig
 from vlmserve.models.processor import load_processor

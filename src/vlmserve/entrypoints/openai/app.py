@@ -67,10 +67,10 @@ class ServerState:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics(config.model_id)
-        hooks = SchedulerHooks(self.metrics)
+        self.hooks = SchedulerHooks(self.metrics)
         # --engine-process: the MLX worker in a process of its own, and this process never
         # imports the engine's model, scheduler or worker (engine/client.py)
-        self.engine: EngineClient = create_engine_client(config, hooks)
+        self.engine: EngineClient = create_engine_client(config, self.hooks)
         # Admission to preprocessing (429s, pending counts) and the pools it hands requests to.
         self.admission = Admission(config, self.metrics, lambda: self.engine.num_waiting)
         self.ready = False
@@ -265,15 +265,50 @@ class ServerState:
         meanwhile, check_accepting), and they are served again once it answers."""
         while True:
             await asyncio.sleep(period)
-            if self.loading or self.draining:
+            if self.loading or self.draining or self.load_error is not None:
                 continue
             problem = self.engine.problem(self.config.stall_timeout, self.loading)
-            if problem == "inference worker stalled":
+            if problem == "inference worker died":
+                await self._restart_engine()
+            elif problem == "inference worker stalled":
                 ended = self.engine.abandon(
                     f"the inference worker stalled (no answer for {self.config.stall_timeout:g} s)"
                 )
                 if ended:
                     log.error("inference worker stalled: ended %d request(s) with a retryable error", ended)
+
+    async def _restart_engine(self) -> None:
+        """Start a dead engine again (its requests have ended with a retryable 503), warm it up
+        and serve again; after --engine-restarts failed tries in a row, exit non-zero so the
+        supervisor (systemd's Restart=, Kubernetes) takes over."""
+        self.ready, self.loading = False, True  # /ready 503 and chat 503 not_ready meanwhile
+        dead = self.engine
+        for attempt in range(1, self.config.engine_restarts + 1):
+            log.error("the engine died; starting it again (%d/%d)", attempt, self.config.engine_restarts)
+            with contextlib.suppress(Exception):
+                await dead.stop()  # reap what is left of it
+            t0 = time.perf_counter()
+            try:
+                engine = create_engine_client(self.config, self.hooks)
+                self.engine = engine
+                await engine.start()
+                if self.config.warmup:
+                    await self.warmup()
+            except Exception as exc:  # noqa: BLE001 - logged; the next try backs off
+                log.error("starting the engine again failed: %s", exc)
+                dead = self.engine
+                await asyncio.sleep(4 ** (attempt - 1))
+                continue
+            if self.draining:
+                return
+            self.ready, self.loading = True, False
+            log.info("engine started again in %.1f s; serving", time.perf_counter() - t0)
+            return
+        self.load_error = f"the engine died and could not be started again ({self.config.engine_restarts} tries)"
+        self.loading = False
+        log.error("%s; exiting", self.load_error)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     async def stop(self) -> None:
         await self.drain()
@@ -372,7 +407,7 @@ class ServerState:
     # ---- health ------------------------------------------------------------------------
     def liveness(self) -> tuple[bool, str | None]:
         if self.load_error is not None:
-            return False, "model failed to load"
+            return False, "model failed to load" if self.engine.info is None else "engine could not be restarted"
         problem = self.engine.problem(self.config.stall_timeout, self.loading)
         return problem is None, problem
 
