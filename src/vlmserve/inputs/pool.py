@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -36,6 +39,7 @@ def _start_process(
     # process whose server died exits when its work queue closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
     from vlmserve.models.processor import load_processor  # loads files only; no MLX work
 
@@ -43,6 +47,15 @@ def _start_process(
     if config.warmup:  # first use (template compile, decoder plugins) on start-up's time, not a request's
         for _, chat in warmup_chats(config.warmup_image_sizes):
             _preprocessor.prepare_sync(chat)
+
+
+def _exit_with_parent(parent: int, period: float = 1.0) -> None:
+    """Exit once the server is gone. Waiting for the work queue to close is not enough: every
+    worker holds that queue's write end too, so after a sibling died and the server exited
+    without ending the pool, the others waited forever (orphans)."""
+    while os.getppid() == parent:
+        time.sleep(period)
+    os._exit(0)
 
 
 def _started() -> bool:

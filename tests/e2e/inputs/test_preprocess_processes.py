@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 
-from support.helpers import chat_body, data_uri, images, run
+from support.helpers import MODELS, chat_body, data_uri, free_port, images, run
 from support.server import start_server
 
 # spawned preprocessing processes beside the server
@@ -116,3 +121,57 @@ def test_a_process_that_cannot_load_the_processor_fails_the_start_with_a_reason(
     pool = PreprocessProcesses(tmp_path / "no-model-here", 4096, ServerConfig(preprocess_processes=1), None)
     with pytest.raises(RuntimeError, match="preprocessing process failed to start"):
         run(pool.start())
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_no_process_outlives_the_server_after_a_preprocessing_process_was_killed():
+    """Every worker holds its pool's queue open too: once a sibling died, the others used to
+    wait on it forever after the server exited."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port", str(port)]
+        + ["--preprocess-processes", "3"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    seen: set[int] = set()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        seen.update(_children(server.pid))
+        os.kill(sorted(seen)[2], signal.SIGKILL)  # one preprocessing process (after the tracker and the engine)
+        body = chat_body("qwen2_vl", "Hi", max_tokens=2)
+        for _ in range(3):
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+            seen.update(_children(server.pid))
+        seen.update(_children(server.pid))
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in seen if _alive(p)] == []
+    finally:
+        if server.poll() is None:
+            server.kill()
+        for pid in seen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
