@@ -22,6 +22,7 @@ from PIL import Image
 from vlmserve.config import ServerConfig
 from vlmserve.inputs.limits import check_context, check_text_length
 from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, load_image_bytes
+from vlmserve.inputs.media.hosts import HostSlots, remote_host
 from vlmserve.models.base import ProcessorAdapter
 from vlmserve.models.pixels import cast_pixels
 from vlmserve.models.processor import plain_prompt
@@ -94,21 +95,36 @@ class Preprocessor:
         self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
         self.fetch_workers = max(4, config.preprocess_workers * 2)
         self.fetch_pool = ThreadPoolExecutor(self.fetch_workers, thread_name_prefix="fetch")
+        self.host_slots = HostSlots(max(1, self.fetch_workers // 2))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     async def fetch_images(self, chat: ChatRequest) -> list[Image.Image]:
-        """Fetch + decode a request's images concurrently on the fetch pool.
+        """Fetch + decode a request's images concurrently; the image count was checked when the
+        request was parsed (limits.check_image_count).
 
-        Kept off the CPU pool, so a slow image server cannot hold a preprocessing worker
-        for its whole timeout and stall every other request's tokenization. The image count
-        was checked when the request was parsed (limits.check_image_count)."""
+        Remote images are fetched on the fetch pool, at most half of it per host, so a slow or
+        hanging image server can hold neither a preprocessing worker nor the whole fetch pool.
+        Inline images (data: URIs, bare base64, allowed local files) never wait behind remote
+        ones: they are decoded on the CPU pool. When one image fails, or the client leaves, the
+        request's fetches that have not started yet never do."""
         loop = asyncio.get_running_loop()
-        return list(
-            await asyncio.gather(*(loop.run_in_executor(self.fetch_pool, self._load_image, ref) for ref in chat.images))
-        )
+        tasks = [asyncio.ensure_future(self._fetch_one(loop, ref)) for ref in chat.images]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def _fetch_one(self, loop: asyncio.AbstractEventLoop, ref: ImageRef) -> Image.Image:
+        host = remote_host(ref.url)
+        if host is None:
+            return await loop.run_in_executor(self.pool, self._load_image, ref)
+        async with self.host_slots.slot(host):
+            return await loop.run_in_executor(self.fetch_pool, self._load_image, ref)
 
     # ---- pool threads ------------------------------------------------------------
     def render(self, messages: list[ChatMessage]) -> str:

@@ -508,9 +508,13 @@ def test_media_work_runs_on_pool_threads(loop, images, monkeypatch):
     forbidden = {worker.ident, loop.thread.ident, threading.main_thread().ident}
     assert worker.name == "mlx-worker" and loop.thread.name == "uvicorn"
     assert len(seen["fetch"]) == 2 and len(seen["decode"]) == 2 and len(seen["encode"]) == 1
-    for label, prefix in (("fetch", "fetch"), ("decode", "fetch"), ("encode", "preprocess")):
+    # The URL is fetched (and decoded) on the fetch pool; the data URI on the CPU pool, never
+    # behind remote fetches.
+    assert sorted(name.split("_")[0] for name, _ in seen["fetch"]) == ["fetch", "preprocess"]
+    assert sorted(name.split("_")[0] for name, _ in seen["decode"]) == ["fetch", "preprocess"]
+    assert all(name.startswith("preprocess_") for name, _ in seen["encode"])
+    for label in ("fetch", "decode", "encode"):
         for name, ident in seen[label]:
-            assert name.startswith(prefix + "_"), (label, name)
             assert ident not in forbidden, (label, name)
 
 
@@ -552,7 +556,7 @@ def test_slow_image_urls_do_not_block_other_requests_preprocessing(loop, images)
     with ThreadPoolExecutor(slow) as pool:
         pending = [pool.submit(post, loop, body_for(loop, [images.url("/slow")])) for _ in range(slow)]
         deadline = time.monotonic() + 5
-        while images.hits["/slow"] < slow:
+        while images.hits["/slow"] < min(slow, loop.state.preprocessor.host_slots.per_host):  # the host's share
             assert time.monotonic() < deadline
             time.sleep(0.005)
         start = time.monotonic()
@@ -564,3 +568,29 @@ def test_slow_image_urls_do_not_block_other_requests_preprocessing(loop, images)
     assert resp.status_code == 200, resp.text
     assert still_fetching, "the slow fetches ended before the text request was measured"
     assert elapsed < TIMEOUT / 2, f"text request waited {elapsed:.2f}s behind slow image fetches"
+
+
+def test_a_hanging_image_host_delays_neither_data_uris_nor_more_than_its_share_of_fetches(loop, images):
+    """More fetches of one hanging host than the whole fetch pool: that host holds at most its
+    share of the pool, and a request with an inline image goes straight through meanwhile."""
+    prep = loop.state.preprocessor
+    hanging = prep.fetch_workers + 2
+    with ThreadPoolExecutor(hanging) as pool:
+        pending = [pool.submit(post, loop, body_for(loop, [images.url("/slow")])) for _ in range(hanging)]
+        deadline = time.monotonic() + 5
+        while images.hits["/slow"] < prep.host_slots.per_host:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(0.2)  # any fetch past the host's share would have started by now
+        in_flight = images.hits["/slow"]
+        start = time.monotonic()
+        resp = post(loop, body_for(loop, [data_uri_of(png_bytes(Image.effect_noise((32, 24), 50).convert("RGB")))]))
+        elapsed = time.monotonic() - start
+        still_fetching = not any(f.done() for f in pending)
+        for f in pending:
+            assert_error(f.result(), "invalid_image_url")
+    assert in_flight == prep.host_slots.per_host < prep.fetch_workers
+    assert resp.status_code == 200, resp.text
+    assert still_fetching, "the hanging fetches ended before the inline request was measured"
+    assert elapsed < TIMEOUT / 2, f"an inline image waited {elapsed:.2f}s behind a hanging host"
+    assert prep.host_slots.in_use() == 0  # no table entry left behind
