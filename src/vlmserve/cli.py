@@ -125,6 +125,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds running requests may take to finish after SIGTERM/SIGINT",
     )
     p.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=d.http_header_timeout,
+        help="close a connection whose request headers take longer than this (slow clients); 0: no limit",
+    )
+    p.add_argument(
+        "--http-keep-alive-timeout",
+        type=float,
+        default=d.http_keep_alive_timeout,
+        help="close a kept-alive connection idle for this long",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="past this many open connections requests get 503, except /health, /ready, /metrics "
+        "(default: the open-file limit less 128)",
+    )
+    p.add_argument(
         "--engine-restarts",
         type=int,
         default=d.engine_restarts,
@@ -187,7 +206,7 @@ def _make_server(app, config: ServerConfig):
 
     import uvicorn
 
-    from vlmserve.entrypoints.openai.http_protocol import BulkBodyProtocol
+    from vlmserve.entrypoints.openai.http_protocol import default_max_connections, http_protocol
 
     state = app.state.server
 
@@ -231,7 +250,8 @@ def _make_server(app, config: ServerConfig):
             log_level=config.log_level,
             log_config=None,
             loop=config.event_loop,
-            http=BulkBodyProtocol,
+            http=http_protocol(config.http_header_timeout, config.max_connections or default_max_connections()),
+            timeout_keep_alive=max(1, int(config.http_keep_alive_timeout)),
             timeout_graceful_shutdown=max(1, int(config.graceful_shutdown_extra)),
         )
     )

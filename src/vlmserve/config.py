@@ -57,6 +57,9 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     drain_timeout: float = 30.0
     stall_timeout: float = 60.0
+    http_header_timeout: float = 10.0  # a request's headers must arrive within this; 0: no limit
+    http_keep_alive_timeout: float = 5.0  # an idle kept-alive connection closes after this
+    max_connections: int = 0  # past this, 503 except the probes; 0: from the open-file limit
     engine_restarts: int = 3  # a dead engine is started again this many times in a row, then the server exits
     log_level: str = "info"
     # CPython's GIL switch interval for the `vlmserve serve` process. After each launch the MLX

@@ -21,6 +21,33 @@ def _uvicorn_name(record: logging.LogRecord) -> bool:
     return True
 
 
+class RepeatLimit(logging.Filter):
+    """At most `burst` records of one kind (logger, level and message template) per `window`
+    seconds; then one line saying how many were dropped. A flood of one error (accept() failing
+    at the open-file limit, a client population hammering a bad route) otherwise grew the log by
+    megabytes a second and cost the event loop a write each."""
+
+    def __init__(self, burst: int = 20, window: float = 10.0):
+        super().__init__()
+        self.burst, self.window = burst, window
+        self._seen: dict[tuple, list] = {}  # kind -> [window start, count]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = (record.name, record.levelno, str(record.msg))
+        now = record.created
+        entry = self._seen.get(kind)
+        if entry is None or now - entry[0] >= self.window:
+            dropped = entry[1] - self.burst if entry is not None and entry[1] > self.burst else 0
+            if len(self._seen) > 10_000:  # many kinds: start over rather than grow
+                self._seen.clear()
+            self._seen[kind] = [now, 1]
+            if dropped:
+                record.msg = f"{record.msg} [{dropped} more like this in the last {self.window:g} s not logged]"
+            return True
+        entry[1] += 1
+        return entry[1] <= self.burst
+
+
 def start_logging(level: str) -> QueueListener:
     """The root logger (and uvicorn's, which propagate to it) at `level`, to stderr via a queue;
     stop the returned listener to write what is left."""
@@ -29,6 +56,7 @@ def start_logging(level: str) -> QueueListener:
     stderr.setFormatter(logging.Formatter(FORMAT))
     stderr.addFilter(_uvicorn_name)
     queued = QueueHandler(records)
+    queued.addFilter(RepeatLimit())  # before the queue: a flood costs its loggers little
     queued.setFormatter(logging.Formatter("%(message)s"))  # the message (and traceback) only: stderr's adds the rest
     logging.basicConfig(level=level.upper(), handlers=[queued], force=True)
     listener = QueueListener(records, stderr)
