@@ -147,7 +147,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-restarts",
         type=int,
         default=d.engine_restarts,
-        help="tries to start a dead engine again (backing off 1, 4, 16 s ...) before the server exits non-zero",
+        help="engine deaths or failed starts within 10 minutes the server recovers from by starting the "
+        "engine process again; one more and it exits non-zero",
     )
     p.add_argument(
         "--stall-timeout",

@@ -159,10 +159,10 @@ class Engine:
 
     async def stop(self) -> None:
         if self.core is not None and self.worker.is_alive():
-            try:
-                await self.run_on_worker(self.core.fail_all, "the server is shutting down")
-            except Exception:  # noqa: BLE001 - the worker may already be gone
-                pass
+            try:  # a hung worker never answers: end what waits on it here instead
+                await asyncio.wait_for(self.run_on_worker(self.core.fail_all, "the server is shutting down"), 5.0)
+            except Exception:  # noqa: BLE001 - timed out, or the worker is gone
+                self.abandon("the server is shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         if self.config.thread_guard and self.worker.ident is not None:
             GUARD.release(self.worker.ident)

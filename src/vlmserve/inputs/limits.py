@@ -24,8 +24,11 @@ def check_text_length(chat: ChatRequest, context_length: int, max_token_chars: i
     covers more characters than the vocabulary's longest entry (twice that, for normalizers
     that merge characters), so that many characters need at least this many tokens. A 20 MB
     text is refused in milliseconds instead of being tokenized for a minute."""
-    chars = sum(len(value) for m in chat.messages for kind, value in m.parts if kind == "text")
-    at_least = chars // (2 * max(1, max_token_chars))
+    if max_token_chars <= 0:  # the tokenizer's vocabulary is unknown: no bound
+        return
+    # Assistant turns are left out: templates may drop parts of them (earlier reasoning).
+    chars = sum(len(v) for m in chat.messages if m.role != "assistant" for kind, v in m.parts if kind == "text")
+    at_least = chars // (2 * max_token_chars)
     if at_least + 1 > context_length:
         raise EngineError(
             f"prompt is at least {at_least} tokens ({chars} characters of text); "

@@ -31,7 +31,12 @@ _preprocessor = None  # the process's own Preprocessor, made by _start_process
 
 
 def _start_process(
-    model_path: str, context_length: int, config: ServerConfig, pixel_dtype: str | None, model_type: str | None
+    model_path: str,
+    context_length: int,
+    config: ServerConfig,
+    pixel_dtype: str | None,
+    model_type: str | None,
+    server_pid: int,
 ) -> None:
     global _preprocessor
     # Ctrl-C and a service manager's SIGTERM reach the whole process group. The server drains on
@@ -39,7 +44,8 @@ def _start_process(
     # process whose server died exits when its work queue closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+    # The server's pid as the server saw it: one that died before this ran is not mistaken for init.
+    threading.Thread(target=_exit_with_parent, args=(server_pid,), name="parent-watch", daemon=True).start()
     from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
     from vlmserve.models.processor import load_processor  # loads files only; no MLX work
 
@@ -77,7 +83,7 @@ class PreprocessProcesses:
     ):
         """`model_type` (ModelInfo.model_type): as for Preprocessor."""
         self.processes = config.preprocess_processes
-        self._args = (str(model_path), context_length, config, pixel_dtype, model_type)
+        self._args = (str(model_path), context_length, config, pixel_dtype, model_type, os.getpid())
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:

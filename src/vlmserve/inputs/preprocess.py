@@ -87,7 +87,10 @@ class Preprocessor:
         self.adapter: ProcessorAdapter = processor_adapter(model_type or "")
         self.processor = self.adapter.prepare_processor(processor, pixel_dtype, config.max_pixels)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        try:  # the longest vocabulary entry bounds the characters one token covers (check_text_length)
+            self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=0)
+        except (AttributeError, TypeError, NotImplementedError):
+            self.max_token_chars = 0
         call = getattr(self.processor, "process", self.processor)
         self._takes_special_tokens_flag = "add_special_tokens" in inspect.signature(call).parameters
         self.policy = media_policy(config)

@@ -76,6 +76,15 @@ def _embed_tokens(language_model):
     return embed if embed is not None else language_model.embed_tokens
 
 
+def _mergeable(cache) -> bool:
+    """Whether a cache merges into a batch cache: its own class defines `merge` (a subclass that
+    only inherits one, e.g. a ring or quantized variant of KVCache, would lose its own state),
+    and so does every cache it holds (CacheList)."""
+    if "merge" not in vars(type(cache)):
+        return False
+    return all(_mergeable(c) for c in getattr(cache, "caches", ()))
+
+
 def _eos_ids(path: Path, config: dict) -> tuple[int, ...]:
     ids: list[int] = []
     candidates = [config.get("eos_token_id"), (config.get("text_config") or {}).get("eos_token_id")]
@@ -129,9 +138,7 @@ class GenericModel:
         text_config = getattr(self.model.config, "text_config", None)
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
-        self.can_batch = all(
-            callable(getattr(type(c), "merge", None)) for c in vlm_cache.make_prompt_cache(self.language_model)
-        )
+        self.can_batch = all(_mergeable(c) for c in vlm_cache.make_prompt_cache(self.language_model))
         self.install_fast_paths()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self.prompt_path_differs = self._prompt_path_differs()
@@ -177,7 +184,12 @@ class GenericModel:
             by_embedding = self.language_model(ids, inputs_embeds=out.inputs_embeds, cache=cache, **extra).logits
             return not bool(mx.array_equal(by_id, by_embedding).item())
         except Exception:  # noqa: BLE001 - an unusual family: take the path that keeps output
-            log.debug("prompt/token path probe failed; last prompt positions run in prefill", exc_info=True)
+            log.warning(
+                "%s: could not compare how the model reads ids and embeddings; prompts run their last "
+                "position in prefill (no batched prefill)",
+                self.config.get("model_type", "model"),
+                exc_info=True,
+            )
             return True
         finally:
             self._forget_positions()

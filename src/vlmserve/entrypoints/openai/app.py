@@ -22,7 +22,12 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine.client import EngineClient, create_engine_client
 from vlmserve.entrypoints.openai.chat_request import model_aliases
 from vlmserve.entrypoints.openai.errors import APIError
-from vlmserve.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeMiddleware, BrowserGuardMiddleware
+from vlmserve.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeMiddleware,
+    BrowserGuardMiddleware,
+    is_loopback,
+)
 from vlmserve.entrypoints.openai.routes import method_not_allowed, not_found, routes
 from vlmserve.inputs.admission import Admission
 from vlmserve.inputs.pool import PreprocessProcesses
@@ -37,6 +42,7 @@ log = logging.getLogger("vlmserve")
 SHUTDOWN_MESSAGE = "the server is shutting down"
 _LOOP_EXECUTOR_THREADS = 4
 _ENGINE_ANSWER_S = 5.0  # how long shutdown waits for the engine to end its requests itself
+_CRASH_WINDOW_S = 600.0  # engine deaths and failed starts within this count towards --engine-restarts
 
 
 def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
@@ -76,6 +82,7 @@ class ServerState:
         self.ready = False
         self.loading = True
         self.load_error: str | None = None
+        self._deaths: list[float] = []  # when the engine died or failed to start again (monotonic)
         self.draining = False  # stop admitting; /ready 503
         self.closed = False  # drain over: anything still arriving gets an error
         self.created = int(time.time())
@@ -147,14 +154,24 @@ class ServerState:
             log.info("starting the engine (%s)", "its own process" if self.config.engine_process else "in this process")
             # The processor loads here while the engine loads the weights (both take seconds).
             model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
-            engine_up, processor = await asyncio.gather(
-                self._timed("engine up", self.engine.start()),
-                self._timed("processor loaded", loop.run_in_executor(None, load_processor, model_path)),
-                return_exceptions=True,
-            )
-            for outcome in (engine_up, processor):  # the engine's reason first: it names an unknown model
-                if isinstance(outcome, BaseException):
-                    raise outcome
+
+            async def engine_up() -> None:
+                await self._timed("engine up", self.engine.start())
+
+            async def processor_up():
+                return await self._timed("processor loaded", loop.run_in_executor(None, load_processor, model_path))
+
+            if self.config.engine_process:
+                # Beside an engine process only: in one process both would import transformers at
+                # once from two threads, which its lazy imports do not survive.
+                outcomes = await asyncio.gather(engine_up(), processor_up(), return_exceptions=True)
+                for outcome in outcomes:  # the engine's reason first: it names an unknown model
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                processor = outcomes[1]
+            else:
+                await engine_up()
+                processor = await processor_up()
             self.preprocessor = Preprocessor(
                 processor,
                 self.engine.info.context_length,
@@ -212,7 +229,7 @@ class ServerState:
 
         self._load_task = asyncio.create_task(load(), name="vlmserve-load")
 
-    async def warmup(self) -> None:
+    async def warmup(self, engine: EngineClient | None = None) -> None:
         """The engine builds the shapes traffic will use (EngineCore.warm_up) from a text prompt and
         one image per --warmup-image-sizes, prepared here as PNG data URIs through the same
         fetch/decode/process path as a client's, so the first real request does not pay that
@@ -225,7 +242,7 @@ class ServerState:
             prompts.append(
                 await loop.run_in_executor(self.preprocessor.pool, self.preprocessor.encode_chat, chat, images)
             )
-        await self.engine.warm_up(prompts)
+        await (engine or self.engine).warm_up(prompts)
 
     @property
     def in_flight(self) -> int:
@@ -278,35 +295,49 @@ class ServerState:
                     log.error("inference worker stalled: ended %d request(s) with a retryable error", ended)
 
     async def _restart_engine(self) -> None:
-        """Start a dead engine again (its requests have ended with a retryable 503), warm it up
-        and serve again; after --engine-restarts failed tries in a row, exit non-zero so the
-        supervisor (systemd's Restart=, Kubernetes) takes over."""
-        self.ready, self.loading = False, True  # /ready 503 and chat 503 not_ready meanwhile
+        """Start a dead engine process again (its requests have ended with a retryable 503),
+        warm it up and serve again. The new engine takes requests only once warm; until then
+        /ready and chat answer 503. More than --engine-restarts deaths or failed starts within
+        _CRASH_WINDOW_S (a crash loop), or a dead in-process engine (its model would stay in
+        this process beside the new one), exit non-zero for the supervisor (systemd's Restart=,
+        Kubernetes) to take over."""
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < _CRASH_WINDOW_S] + [now]
+        if not self.config.engine_process:
+            return self._give_up("the inference worker died")
+        self.ready, self.loading = False, True
         dead = self.engine
-        for attempt in range(1, self.config.engine_restarts + 1):
+        while len(self._deaths) <= self.config.engine_restarts:
+            attempt = len(self._deaths)
             log.error("the engine died; starting it again (%d/%d)", attempt, self.config.engine_restarts)
             with contextlib.suppress(Exception):
                 await dead.stop()  # reap what is left of it
             t0 = time.perf_counter()
+            engine = create_engine_client(self.config, self.hooks)
             try:
-                engine = create_engine_client(self.config, self.hooks)
-                self.engine = engine
                 await engine.start()
                 if self.config.warmup:
-                    await self.warmup()
+                    await self.warmup(engine)
             except Exception as exc:  # noqa: BLE001 - logged; the next try backs off
                 log.error("starting the engine again failed: %s", exc)
-                dead = self.engine
-                await asyncio.sleep(4 ** (attempt - 1))
+                dead = engine
+                self._deaths.append(time.monotonic())
+                if len(self._deaths) <= self.config.engine_restarts:
+                    await asyncio.sleep(4 ** (attempt - 1))
                 continue
+            self.engine = engine
             if self.draining:
                 return
             self.ready, self.loading = True, False
             log.info("engine started again in %.1f s; serving", time.perf_counter() - t0)
             return
-        self.load_error = f"the engine died and could not be started again ({self.config.engine_restarts} tries)"
-        self.loading = False
-        log.error("%s; exiting", self.load_error)
+        with contextlib.suppress(Exception):
+            await dead.stop()
+        self._give_up(f"the engine died or failed to start {len(self._deaths)} times within {_CRASH_WINDOW_S:g} s")
+
+    def _give_up(self, reason: str) -> None:
+        self.load_error, self.loading = reason, False
+        log.error("%s; exiting", reason)
         if self.on_fatal is not None:
             self.on_fatal()
 
@@ -406,9 +437,9 @@ class ServerState:
 
     # ---- health ------------------------------------------------------------------------
     def liveness(self) -> tuple[bool, str | None]:
-        if self.load_error is not None:
-            return False, "model failed to load" if self.engine.info is None else "engine could not be restarted"
         problem = self.engine.problem(self.config.stall_timeout, self.loading)
+        if problem is None and self.load_error is not None:
+            problem = "model failed to load"
         return problem is None, problem
 
     def readiness(self) -> tuple[bool, str | None]:
@@ -472,7 +503,7 @@ def create_app(config: ServerConfig) -> Starlette:
         Middleware(
             BrowserGuardMiddleware,
             allowed_origins=config.cors_origins,
-            loopback_only=config.host in ("127.0.0.1", "localhost", "::1"),
+            loopback_only=is_loopback(config.host),
             allowed_hosts=config.allowed_hosts,
         )
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -92,15 +93,26 @@ class BodySizeMiddleware:
         await self.app(scope, receive, send)
 
 
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
-
-
-def _loopback_host(host: str) -> bool:
-    """Whether a Host header (or an origin's host) names this machine's loopback, any port."""
+def _host_name(host: str) -> str:
+    """A Host header's (or an origin's) name without its port, lower-cased; IPv6 without brackets."""
     host = host.strip().lower()
-    if host.startswith("["):  # [::1]:8000
-        return host.split("]", 1)[0] + "]" == "[::1]"
-    return host.rsplit(":", 1)[0] in _LOOPBACK_NAMES or host in _LOOPBACK_NAMES
+    if host.startswith("["):
+        inner, _, rest = host[1:].partition("]")
+        return inner if rest == "" or (rest[:1] == ":" and rest[1:].isdigit()) else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback(name: str) -> bool:
+    """localhost, or any loopback address (127.0.0.0/8, ::1, IPv4-mapped ones); a trailing dot allowed."""
+    name = name.rstrip(".")
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class BrowserGuardMiddleware:
@@ -118,19 +130,19 @@ class BrowserGuardMiddleware:
         self.any_origin = "*" in allowed_origins
         self.allowed = {o.rstrip("/").lower() for o in allowed_origins}
         self.loopback_only = loopback_only and "*" not in allowed_hosts
-        self.hosts = {h.lower() for h in allowed_hosts}
+        self.hosts = {_host_name(h) for h in allowed_hosts}
 
     def _refusal(self, scope: Scope) -> APIError | None:
         headers = dict(scope["headers"])
         if self.loopback_only:
-            host = headers.get(b"host", b"").decode("latin-1")
-            if not _loopback_host(host) and host.lower().rsplit(":", 1)[0] not in self.hosts:
+            host = headers.get(b"host")  # none: HTTP/1.0, which no browser sends
+            host = None if host is None else host.decode("latin-1")
+            if host is not None and not is_loopback(_host_name(host)) and _host_name(host) not in self.hosts:
                 return APIError(403, f"host {host!r} is not this server's loopback name", code="host_not_allowed")
         origin = headers.get(b"origin")
         if origin is not None and not self.any_origin:
             text = origin.decode("latin-1").strip().rstrip("/").lower()
-            host = text.split("://", 1)[-1]
-            if text not in self.allowed and not _loopback_host(host):
+            if text not in self.allowed and not is_loopback(_host_name(text.split("://", 1)[-1])):
                 return APIError(403, f"origin {text!r} is not allowed (see --cors-origins)", code="origin_not_allowed")
         return None
 

@@ -23,6 +23,8 @@ log = logging.getLogger("vlmserve.request")
 def _engine_error(exc: EngineError) -> APIError:
     # A 429 (admission's queue_full) says when to retry, as the other "come back later" answers do.
     headers = {"retry-after": "1"} if exc.status == 429 else None
+    if exc.status == 503:  # the server's state (an engine down, a shutdown), not the request: retry
+        headers = {"x-should-retry": "true"}
     return APIError(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers)
 
 

@@ -60,3 +60,30 @@ def test_bound_to_every_interface_any_host_header_is_served():
         assert _chat(server, {"host": "vlm.example.org"}).status_code == 200
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "host,loopback",
+    [
+        ("localhost:8000", True),
+        ("LOCALHOST.", True),
+        ("127.0.0.2", True),
+        ("[::1]:8080", True),
+        ("::ffff:127.0.0.1", True),
+        ("[::1]evil.example", False),
+        ("127.0.0.1.evil.example", False),
+        ("evil.example:80", False),
+    ],
+)
+def test_loopback_names(host, loopback):
+    from vlmserve.entrypoints.openai.middleware import _host_name, is_loopback
+
+    assert is_loopback(_host_name(host)) is loopback
+
+
+def test_an_allowed_host_may_be_listed_with_its_port():
+    server = start_server("qwen2_vl", allowed_hosts=("proxy.internal:8443",))
+    try:
+        assert _chat(server, {"host": "proxy.internal:8443"}).status_code == 200
+    finally:
+        server.stop()
