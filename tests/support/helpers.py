@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import socket
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,3 +65,16 @@ def chat_body(model: str, text: str, image_urls=(), **kwargs) -> dict:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def wait_ready(base: str, timeout: float = 120.0) -> bool:
+    """Poll a server's /ready (a server in another process) until 200 or `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                return True
+        time.sleep(0.2)
+    return False

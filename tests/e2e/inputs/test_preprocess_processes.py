@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from support.helpers import MODELS, chat_body, data_uri, free_port, images, run
+from support.helpers import MODELS, chat_body, data_uri, free_port, images, run, wait_ready
 from support.server import start_server
 
 # spawned preprocessing processes beside the server
@@ -157,12 +157,7 @@ def test_no_process_outlives_the_server_after_a_preprocessing_process_was_killed
     seen: set[int] = set()
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
+        assert wait_ready(base)
         seen.update(_children(server.pid))
         spawned = sorted(p for p in seen if "spawn_main" in _cmdline(p))
         os.kill(spawned[1], signal.SIGKILL)  # a preprocessing process: the first spawned is the engine

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from support.helpers import MODELS, free_port
+from support.helpers import MODELS, free_port, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,7 @@ def server():
         preexec_fn=_low_nofile,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                break
-        time.sleep(0.2)
+    assert wait_ready(base)
     yield port, base, proc
     proc.terminate()
     _, err = proc.communicate(timeout=60)
