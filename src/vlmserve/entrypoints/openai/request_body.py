@@ -25,8 +25,8 @@ def _check_content_type(request: Request) -> None:
 
 
 def _parse_json(body: bytes | bytearray):
-    try:
-        parsed = json.loads(body)
+    try:  # UTF-8 only (RFC 8259); json.loads would guess UTF-16 or -32 from the first bytes
+        parsed = json.loads(bytes(body).decode("utf-8").removeprefix("\ufeff"))
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
     _reject_lone_surrogates(parsed)
