@@ -46,10 +46,18 @@ class APIKeyMiddleware:
         ok_token = hmac.compare_digest(_digest(token.strip()), self.expected)  # constant time
         return ok_scheme and ok_token
 
+    @staticmethod
+    def _preflight(scope: Scope) -> bool:
+        """A browser's CORS preflight (it carries no credentials): left to the CORS layer."""
+        if scope.get("method") != "OPTIONS":
+            return False
+        names = {name for name, _ in scope["headers"]}
+        return b"origin" in names and b"access-control-request-method" in names
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
-            and scope.get("method") != "OPTIONS"
+            and not self._preflight(scope)
             and self._protected(scope["path"])
             and not self._authorized(scope)
         ):

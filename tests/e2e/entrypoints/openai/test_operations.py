@@ -504,3 +504,16 @@ def test_pool_threads_are_started_before_ready(qwen_server):
     pre = qwen_server.state.preprocessor
     assert len(pre.pool._threads) == qwen_server.config.preprocess_workers
     assert len(pre.fetch_pool._threads) == pre.fetch_workers
+
+
+def test_options_without_the_key_reveals_nothing(keyed_server):
+    """Only a browser's CORS preflight passes without the key; a plain OPTIONS gets the 401."""
+    with keyed_server.client() as c:
+        r = c.options("/v1/chat/completions")
+        _assert_openai_error(r, 401, "invalid_api_key")
+        assert "allow" not in r.headers
+        preflight = c.options(
+            "/v1/chat/completions",
+            headers={"origin": "http://localhost:3000", "access-control-request-method": "POST"},
+        )
+        assert preflight.status_code != 401
