@@ -21,7 +21,7 @@ from PIL import Image
 
 from vlmserve.config import ServerConfig
 from vlmserve.inputs.limits import check_context, check_text_length
-from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, load_image_bytes
+from vlmserve.inputs.media import FetchCancel, ImageCache, MediaError, MediaPolicy, load_image_bytes
 from vlmserve.inputs.media.hosts import HostSlots, remote_host
 from vlmserve.models.base import ProcessorAdapter
 from vlmserve.models.pixels import cast_pixels
@@ -112,7 +112,7 @@ class Preprocessor:
         hanging image server can hold neither a preprocessing worker nor the whole fetch pool.
         Inline images (data: URIs, bare base64, allowed local files) never wait behind remote
         ones: they are decoded on the CPU pool. When one image fails, or the client leaves, the
-        request's fetches that have not started yet never do."""
+        request's fetches that have not started never do, and those running are stopped."""
         loop = asyncio.get_running_loop()
         tasks = [asyncio.ensure_future(self._fetch_one(loop, ref)) for ref in chat.images]
         try:
@@ -126,8 +126,13 @@ class Preprocessor:
         host = remote_host(ref.url)
         if host is None:
             return await loop.run_in_executor(self.pool, self._load_image, ref)
+        cancel = FetchCancel()
         async with self.host_slots.slot(host):
-            return await loop.run_in_executor(self.fetch_pool, self._load_image, ref)
+            try:
+                return await loop.run_in_executor(self.fetch_pool, self._load_image, ref, cancel)
+            except asyncio.CancelledError:  # the request failed or its client left: stop the fetch now
+                cancel.cancel()
+                raise
 
     # ---- pool threads ------------------------------------------------------------
     def render(self, messages: list[ChatMessage]) -> str:
@@ -194,9 +199,9 @@ class Preprocessor:
         bos = getattr(self.tokenizer, "bos_token", None)
         return not (bos and prompt.startswith(bos))
 
-    def _load_image(self, ref: ImageRef) -> Image.Image:
+    def _load_image(self, ref: ImageRef, cancel: FetchCancel | None = None) -> Image.Image:
         try:
-            data = load_image_bytes(ref.url, self.policy)
+            data = load_image_bytes(ref.url, self.policy, cancel)
             image = self.images.get_or_decode(data, self.policy)
         except MediaError as exc:
             raise EngineError(exc.message, code=exc.code, param=ref.param) from None

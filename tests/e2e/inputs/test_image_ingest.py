@@ -102,6 +102,9 @@ class Handler(QuietHandler):
                 self._send(200, PNG, "image/png")
             elif path == "/missing":
                 self._send(404, b"not found")
+            elif path == "/missing-late":  # fails once the request's other fetches are under way
+                self.server.stopping.wait(0.3)
+                self._send(404, b"not found")
             elif path == "/big-declared":
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
@@ -594,3 +597,29 @@ def test_a_hanging_image_host_delays_neither_data_uris_nor_more_than_its_share_o
     assert still_fetching, "the hanging fetches ended before the inline request was measured"
     assert elapsed < TIMEOUT / 2, f"an inline image waited {elapsed:.2f}s behind a hanging host"
     assert prep.host_slots.in_use() == 0  # no table entry left behind
+
+
+def test_a_failed_request_stops_its_fetches_that_are_still_running(loop, images, monkeypatch):
+    """One image fails at once: the request's hanging fetch is stopped then, not left to its timeout."""
+    ended: list[tuple[float, str]] = []
+    real = preprocess_mod.load_image_bytes
+
+    def timed(url, policy, cancel=None):
+        try:
+            return real(url, policy, cancel)
+        except Exception as exc:
+            if "/slow" in url:
+                ended.append((time.monotonic(), str(exc)))
+            raise
+
+    monkeypatch.setattr(preprocess_mod, "load_image_bytes", timed)
+    resp = post(loop, body_for(loop, [images.url("/slow"), images.url("/missing-late")]))
+    answered = time.monotonic()
+    assert images.hits["/slow"] == 1  # it was running when the other image failed
+    assert_error(resp, "invalid_image_url", "messages[0].content[1]")  # the late 404
+    deadline = answered + TIMEOUT
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ended, "the hanging fetch was not stopped"
+    assert ended[0][0] - answered < TIMEOUT / 2, "the hanging fetch ran on to its timeout"
+    assert "cancelled" in ended[0][1]

@@ -8,7 +8,7 @@ code "invalid_image_url" or "invalid_image" and a client-safe message.
 from vlmserve.inputs.media.cache import ImageCache
 from vlmserve.inputs.media.decode import decode_image, sniff_format
 from vlmserve.inputs.media.errors import INVALID_IMAGE, INVALID_IMAGE_URL, MediaError
-from vlmserve.inputs.media.fetch import load_image_bytes
+from vlmserve.inputs.media.fetch import FetchCancel, load_image_bytes
 from vlmserve.inputs.media.policy import MediaPolicy
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "MediaError",
     "MediaPolicy",
     "decode_image",
+    "FetchCancel",
     "load_image_bytes",
     "sniff_format",
 ]

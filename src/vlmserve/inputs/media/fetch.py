@@ -32,7 +32,29 @@ _CHUNK = 64 * 1024
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
-def load_image_bytes(url: str, policy: MediaPolicy) -> bytes:
+class FetchCancel:
+    """Lets another thread stop a fetch that is running: its sockets are shut down, and the
+    fetch ends with a MediaError (the request it was for has failed, or its client left)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._deadline: _Deadline | None = None
+        self.cancelled = False
+
+    def watch(self, deadline: _Deadline) -> None:
+        with self._lock:
+            self._deadline = deadline
+            if self.cancelled:
+                deadline.fire()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self._deadline is not None:
+                self._deadline.fire()
+
+
+def load_image_bytes(url: str, policy: MediaPolicy, cancel: FetchCancel | None = None) -> bytes:
     """Return the raw (undecoded) bytes an OpenAI `image_url.url` refers to. Raises MediaError."""
     if not isinstance(url, str) or not url.strip():
         raise url_error("image URL is empty")
@@ -47,7 +69,7 @@ def load_image_bytes(url: str, policy: MediaPolicy) -> bytes:
         raise url_error("image URL is too long")
     if scheme in ("http", "https"):
         try:
-            return fetch_http(url, policy)
+            return fetch_http(url, policy, cancel)
         except MediaError:
             raise
         except Exception as exc:  # noqa: BLE001 - contract: callers only ever see MediaError
@@ -65,7 +87,7 @@ class _Deadline:
         self.fired = False
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
-        self._timer = threading.Timer(seconds, self._fire)
+        self._timer = threading.Timer(seconds, self.fire)
         self._timer.daemon = True
         self._timer.start()
 
@@ -88,7 +110,7 @@ class _Deadline:
             if self.fired:
                 _shutdown(sock)
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         with self._lock:
             self.fired = True
             for sock in self._sockets:
@@ -106,8 +128,10 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def fetch_http(url: str, policy: MediaPolicy) -> bytes:
+def fetch_http(url: str, policy: MediaPolicy, cancel: FetchCancel | None = None) -> bytes:
     deadline = _Deadline(policy.fetch_timeout)
+    if cancel is not None:
+        cancel.watch(deadline)
     try:
         current = _parse_url(url)
         for _hop in range(policy.max_redirects + 1):
@@ -117,6 +141,8 @@ def fetch_http(url: str, policy: MediaPolicy) -> bytes:
             current = _parse_url(location, base=current)
         raise url_error("image URL redirected too many times")
     except MediaError:
+        if cancel is not None and cancel.cancelled:
+            raise url_error("image fetch cancelled") from None
         if deadline.fired:
             raise url_error("image URL timed out") from None
         raise
