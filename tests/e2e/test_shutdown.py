@@ -116,6 +116,7 @@ def test_sigterm_drains_and_exits_zero():
             json={"model": "qwen2_vl", "messages": [{"role": "user", "content": "hi"}]},
         )
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert r.headers["x-should-retry"] == "true"
 
         for t in threads:
             t.join(DRAIN + 10)

@@ -354,19 +354,22 @@ class ServerState:
 
     # ---- admission -------------------------------------------------------------------
     def check_accepting(self) -> None:
+        """503 while this server cannot take the request: another replica (or this one a moment
+        later) can, so each says retry."""
+        retry = {"x-should-retry": "true", "retry-after": "1"}
         if self.draining:
-            raise APIError(503, SHUTDOWN_MESSAGE, code="shutting_down")
+            raise APIError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=retry)
         if not self.ready:
             if self.load_error is not None:
-                raise APIError(503, "the model failed to load", code="worker_unavailable")
-            raise APIError(503, "the model is not ready yet", code="not_ready", headers={"retry-after": "1"})
+                raise APIError(503, "the model failed to load", code="worker_unavailable", headers=retry)
+            raise APIError(503, "the model is not ready yet", code="not_ready", headers=retry)
         problem = self.engine.problem(self.config.stall_timeout, self.loading)
         if not self.engine.healthy or problem is not None:
             raise APIError(
                 503,
                 f"the inference worker is not serving ({problem or 'not running'})",
                 code="worker_unavailable",
-                headers={"x-should-retry": "true", "retry-after": "1"},
+                headers=retry,
             )
 
     async def prepare(self, chat: ChatRequest) -> PreparedRequest:
