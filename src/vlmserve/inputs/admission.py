@@ -46,7 +46,12 @@ class Admission:
         self._in_process_jobs = 0  # of those, preprocessing on this process's thread pool
 
     def check_capacity(self, n: int) -> None:
-        """429 when n more choices would push the waiting work past max_waiting."""
+        """429 when n more choices would push the waiting work past max_waiting; 400 when n alone
+        is past it (no wait would let it in)."""
+        if n > self.config.max_waiting:
+            raise EngineError(
+                f"'n' must be at most {self.config.max_waiting} on this server (--max-waiting)", param="n"
+            )
         if self._engine_waiting() + self.pending_choices + n > self.config.max_waiting:
             raise queue_full()
 

@@ -16,6 +16,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jinja2
 import numpy as np
 from PIL import Image
 
@@ -141,7 +142,12 @@ class Preprocessor:
         template_messages = to_template_messages(messages)
         if not getattr(owner, "chat_template", None):
             return plain_prompt(self.processor, template_messages)  # a prompt-only model
-        return owner.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return owner.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as exc:  # the template refuses these messages (raise_exception)
+            raise EngineError(
+                f"the model's chat template rejected these messages: {exc}", code="invalid_messages", param="messages"
+            ) from None
 
     def check_text_length(self, chat: ChatRequest) -> None:
         """400 when the text alone cannot fit the context (limits.check_text_length)."""

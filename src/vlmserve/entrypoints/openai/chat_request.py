@@ -11,7 +11,7 @@ from vlmserve.inputs.limits import check_image_count
 from vlmserve.protocol import ChatMessage, ChatRequest, ImageRef, SamplingParams
 
 _ROLES = {"system", "developer", "user", "assistant"}
-MAX_N = 8
+MAX_N = 128  # OpenAI's limit; --max-waiting bounds it too (Admission)
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # OpenAI's int64, plus the unsigned range
@@ -39,6 +39,8 @@ def _number(body: dict, key: str, lo: float, hi: float, default: float | None, *
     value = body.get(key)
     if value is None:
         return default
+    if integer and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1.0 is an integer in JSON's number model (JavaScript clients send it)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise _bad(f"'{key}' must be {'an integer' if integer else 'a number'}", key)
     if not lo <= value <= hi:
@@ -90,9 +92,7 @@ def parse_messages(messages: Any) -> list[ChatMessage]:
         if "content" not in msg and role != "assistant":
             raise _bad("message needs 'content'", f"messages[{i}].content")
         out.append(ChatMessage(role=role, parts=_parse_content(msg.get("content"), i, role)))
-    if not any(m.role == "user" for m in out):
-        raise _bad("'messages' must contain at least one user message", "messages")
-    return out
+    return out  # a conversation with no user turn is the chat template's to accept or refuse
 
 
 def parse_stop(value: Any) -> tuple[str, ...]:
@@ -134,6 +134,8 @@ def parse_chat_request(
         raise _bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
 
     seed = body.get("seed")
+    if isinstance(seed, float) and seed.is_integer() and abs(seed) < 2**63:
+        seed = int(seed)  # a whole number sent as a float, as for the other integer fields
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _bad("'seed' must be an integer", "seed")
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:

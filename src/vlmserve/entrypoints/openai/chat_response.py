@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 from vlmserve.protocol import FinishReason, TokenLogprob
+
+
+def _version() -> str:
+    try:
+        return version("vlmserve").replace(".", "_")
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "dev"
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict:
@@ -34,6 +42,10 @@ def logprobs_dict(entries: list[TokenLogprob]) -> dict:
     }
 
 
+# OpenAI's schema has a string here; it names the serving build (clients log it with results).
+SYSTEM_FINGERPRINT = "fp_vlmserve_" + _version()
+
+
 def completion_response(request_id: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
     return {
         "id": request_id,
@@ -42,7 +54,7 @@ def completion_response(request_id: str, model: str, created: int, choices: list
         "model": model,
         "choices": choices,
         "usage": usage,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 
 
@@ -53,7 +65,7 @@ def chunk(request_id: str, model: str, created: int, choices: list[dict], usage:
         "created": created,
         "model": model,
         "choices": choices,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
     if usage is not None:
         body["usage"] = usage

@@ -16,6 +16,25 @@ def _state(request: Request):
     return request.app.state.server
 
 
+def _model_object(server) -> dict:
+    return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "vlmserve"}
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{id}: the served model by any of its names, else 404 model_not_found."""
+    server = _state(request)
+    try:
+        server.check_accepting()
+    except APIError as exc:
+        return error_response(exc)
+    model_id = request.path_params["model_id"]
+    if model_id not in server.model_names:
+        return error_response(
+            APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        )
+    return JSONResponse(_model_object(server))
+
+
 async def list_models(request: Request) -> Response:
     """The served model, once it can answer: clients that poll this before chatting (the openai
     client, vLLM's users) would otherwise send requests that get 503s while it loads."""
@@ -24,7 +43,7 @@ async def list_models(request: Request) -> Response:
         server.check_accepting()
     except APIError as exc:
         return error_response(exc)
-    data = [{"id": server.model_id, "object": "model", "created": server.created, "owned_by": "vlmserve"}]
+    data = [_model_object(server)]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -63,6 +82,7 @@ async def method_not_allowed(request: Request, exc) -> Response:
 routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

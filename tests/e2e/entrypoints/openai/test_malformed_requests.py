@@ -157,15 +157,6 @@ CASES = [
         400,
         None,
     ),
-    (
-        "no-user-message",
-        "POST",
-        "/v1/chat/completions",
-        body(messages=[{"role": "system", "content": "You are terse."}]),
-        {},
-        400,
-        None,
-    ),
     ("max-tokens-zero", "POST", "/v1/chat/completions", body(max_tokens=0), {}, 400, None),
     ("max-tokens-negative", "POST", "/v1/chat/completions", body(max_tokens=-5), {}, 400, None),
     ("max-tokens-huge", "POST", "/v1/chat/completions", body(max_tokens=10**12), {}, 400, None),
@@ -197,7 +188,8 @@ CASES = [
     ("top-p-above-one", "POST", "/v1/chat/completions", body(top_p=1.5), {}, 400, None),
     ("top-k-float", "POST", "/v1/chat/completions", body(top_k=1.5), {}, 400, None),
     ("n-zero", "POST", "/v1/chat/completions", body(n=0), {}, 400, None),
-    ("n-too-many", "POST", "/v1/chat/completions", body(n=9), {}, 400, None),
+    ("n-too-many", "POST", "/v1/chat/completions", body(n=129), {}, 400, None),
+    ("n-fractional", "POST", "/v1/chat/completions", body(n=1.5), {}, 400, None),
     ("stop-five-strings", "POST", "/v1/chat/completions", body(stop=["a", "b", "c", "d", "e"]), {}, 400, None),
     ("stop-number", "POST", "/v1/chat/completions", body(stop=5), {}, 400, None),
     ("seed-string", "POST", "/v1/chat/completions", body(seed="42"), {}, 400, None),
@@ -453,3 +445,13 @@ def test_models_answers_503_until_the_model_is_ready(qwen_server, monkeypatch):
         r = c.get("/v1/models")
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
     assert r.headers.get("retry-after") == "1"
+
+
+def test_a_template_that_refuses_the_messages_gives_a_400(qwen_server, monkeypatch):
+    processor = qwen_server.state.preprocessor.processor
+    monkeypatch.setattr(processor, "chat_template", "{{ raise_exception('Conversation roles must alternate') }}")
+    with qwen_server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": qwen_server.model_id, "messages": USER, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_messages"
+    assert "alternate" in r.json()["error"]["message"]

@@ -1,0 +1,65 @@
+"""Request fields and routes the OpenAI API allows that the server used to refuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.server import start_server
+
+
+def _ask(server, **fields):
+    body = {"model": server.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+    with server.client() as c:
+        return c.post("/v1/chat/completions", json=body)
+
+
+def test_whole_number_floats_are_integers(qwen_server):
+    r = _ask(qwen_server, n=2.0, max_tokens=3.0, seed=7.0)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["choices"]) == 2 and out["usage"]["completion_tokens"] == 6
+
+
+def test_n_may_go_past_eight(qwen_server):
+    r = _ask(qwen_server, n=12, max_tokens=1, temperature=1.0)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(12))
+
+
+def test_n_past_max_waiting_is_a_400_not_a_429_retried_forever():
+    server = start_server("qwen2_vl", max_waiting=4)
+    try:
+        r = _ask(server, n=5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    finally:
+        server.stop()
+
+
+def test_a_system_only_conversation_is_answered_when_the_template_renders_it(qwen_server):
+    body = {"model": qwen_server.model_id, "messages": [{"role": "system", "content": "Say hi."}], "max_tokens": 2}
+    with qwen_server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_system_fingerprint_is_a_string(qwen_server):
+    r = _ask(qwen_server)
+    assert isinstance(r.json()["system_fingerprint"], str) and r.json()["system_fingerprint"].startswith("fp_")
+
+
+@pytest.mark.parametrize("suffix", ["", "-by-alias"])
+def test_a_model_is_retrieved_by_id(qwen_server, suffix):
+    name = qwen_server.model_id if not suffix else sorted(qwen_server.state.model_names)[-1]
+    with qwen_server.client() as c:
+        r = c.get(f"/v1/models/{name}")
+        assert r.status_code == 200, r.text
+        assert r.json() == {**r.json(), "id": qwen_server.model_id, "object": "model"}
+        missing = c.get("/v1/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_openai_client_retrieves_the_model(qwen_server):
+    import openai
+
+    client = openai.OpenAI(base_url=qwen_server.base_url + "/v1", api_key="none", max_retries=0)
+    assert client.models.retrieve(qwen_server.model_id).id == qwen_server.model_id
