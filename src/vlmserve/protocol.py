@@ -51,6 +51,7 @@ class SamplingParams:
     top_logprobs: int = 0
     json_mode: bool = False
     ignore_eos: bool = False  # vLLM extension: benchmarks need exactly max_tokens tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,10 @@ class RowSampler:
         return bool(self.counts) and (self.params.presence_penalty or self.params.frequency_penalty)
 
     @property
+    def needs_adjust(self) -> bool:
+        return self.needs_penalties or bool(self.params.logit_bias)
+
+    @property
     def needs_history(self) -> bool:
         """Whether the next draw depends on the previous token's value (not just its array)."""
         return bool(self.params.presence_penalty or self.params.frequency_penalty or self.logits_mask is not None)
@@ -45,7 +49,12 @@ class RowSampler:
             self.counts[token] = self.counts.get(token, 0) + 1
 
     def adjust(self, logits: mx.array) -> mx.array:
-        """Penalties on a (V,) logits row (OpenAI semantics: subtract per generated token)."""
+        """logit_bias, then penalties, on a (V,) logits row (OpenAI semantics: the bias is added;
+        penalties are subtracted per generated token). Bias on ids past the vocabulary is ignored."""
+        bias = [(t, b) for t, b in self.params.logit_bias if t < logits.shape[-1]]
+        if bias:
+            ids = mx.array([t for t, _ in bias], dtype=mx.int32)
+            logits = logits.at[ids].add(mx.array([b for _, b in bias], dtype=logits.dtype))
         if not self.needs_penalties:
             return logits
         ids = mx.array(list(self.counts.keys()), dtype=mx.int32)
@@ -75,7 +84,7 @@ class RowSampler:
 
 def sample_batch(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     """logits (B, V) -> tokens (B,) int32, each row by its own sampler."""
-    plain = all(s.params.greedy and not s.needs_penalties and s.logits_mask is None for s in samplers)
+    plain = all(s.params.greedy and not s.needs_adjust and s.logits_mask is None for s in samplers)
     if plain:
         return greedy(logits).astype(mx.int32)
     rows = []

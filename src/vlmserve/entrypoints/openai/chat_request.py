@@ -95,6 +95,27 @@ def parse_messages(messages: Any) -> list[ChatMessage]:
     return out  # a conversation with no user turn is the chat template's to accept or refuse
 
 
+MAX_LOGIT_BIAS = 1024  # entries per request
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}; sorted (token, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise _bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise _bad(f"'logit_bias' values must be numbers between -100 and 100, got {bias!r}", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
 def parse_stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -184,6 +205,7 @@ def parse_chat_request(
         top_logprobs=int(top_logprobs),
         json_mode=json_mode,
         ignore_eos=ignore_eos,
+        logit_bias=parse_logit_bias(body.get("logit_bias")),
     )
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")

@@ -63,3 +63,23 @@ def test_the_openai_client_retrieves_the_model(qwen_server):
 
     client = openai.OpenAI(base_url=qwen_server.base_url + "/v1", api_key="none", max_retries=0)
     assert client.models.retrieve(qwen_server.model_id).id == qwen_server.model_id
+
+
+def test_logit_bias_steers_greedy_choices(qwen_server):
+    tokenizer = qwen_server.state.preprocessor.tokenizer
+    token = 100
+    r = _ask(qwen_server, temperature=0, max_tokens=4, logprobs=True, logit_bias={str(token): 100})
+    assert r.status_code == 200, r.text
+    chosen = [entry["token"] for entry in r.json()["choices"][0]["logprobs"]["content"]]
+    assert chosen == [tokenizer.decode([token])] * 4
+    plain = _ask(qwen_server, temperature=0, max_tokens=4, logprobs=True)
+    first = plain.json()["choices"][0]["logprobs"]["content"][0]["token"]
+    banned_id = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(first))[0]
+    banned = _ask(qwen_server, temperature=0, max_tokens=4, logprobs=True, logit_bias={str(banned_id): -100})
+    assert banned.json()["choices"][0]["logprobs"]["content"][0]["token"] != first
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"5": 101}, {"5": "1"}, {"-1": 1}, [1]])
+def test_bad_logit_bias_is_a_400(qwen_server, bias):
+    r = _ask(qwen_server, logit_bias=bias)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
