@@ -355,21 +355,21 @@ class ServerState:
     # ---- admission -------------------------------------------------------------------
     def check_accepting(self) -> None:
         """503 while this server cannot take the request: another replica (or this one a moment
-        later) can, so each says retry."""
-        retry = {"x-should-retry": "true", "retry-after": "1"}
+        later) can (error_response says retry on every 503)."""
+        later = {"retry-after": "1"}
         if self.draining:
-            raise APIError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=retry)
+            raise APIError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=later)
         if not self.ready:
             if self.load_error is not None:
-                raise APIError(503, "the model failed to load", code="worker_unavailable", headers=retry)
-            raise APIError(503, "the model is not ready yet", code="not_ready", headers=retry)
+                raise APIError(503, "the model failed to load", code="worker_unavailable", headers=later)
+            raise APIError(503, "the model is not ready yet", code="not_ready", headers=later)
         problem = self.engine.problem(self.config.stall_timeout, self.loading)
         if not self.engine.healthy or problem is not None:
             raise APIError(
                 503,
                 f"the inference worker is not serving ({problem or 'not running'})",
                 code="worker_unavailable",
-                headers=retry,
+                headers=later,
             )
 
     async def prepare(self, chat: ChatRequest) -> PreparedRequest:

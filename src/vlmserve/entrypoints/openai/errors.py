@@ -45,9 +45,13 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 def error_response(exc: APIError) -> JSONResponse:
     headers = dict(exc.headers)
     # Clients (the openai package) retry 408/409/429/5xx unless told not to. A 4xx other than
-    # 408/429 will not change on retry, nor will a 500 (a generation failure or a bug); 503 may.
+    # 408/429 will not change on retry, nor will a 500 (a generation failure or a bug). A 503 is
+    # the server's state (loading, draining, its engine down or lost), not the request's: retry,
+    # on another replica if there is one.
     if (400 <= exc.status < 500 and exc.status not in (408, 429)) or exc.status == 500:
         headers.setdefault("x-should-retry", "false")
+    elif exc.status == 503:
+        headers.setdefault("x-should-retry", "true")
     return JSONResponse(
         error_body(exc.status, exc.message, exc.code, exc.param), status_code=exc.status, headers=headers
     )

@@ -23,8 +23,6 @@ log = logging.getLogger("vlmserve.request")
 def _engine_error(exc: EngineError) -> APIError:
     # A 429 (admission's queue_full) says when to retry, as the other "come back later" answers do.
     headers = {"retry-after": "1"} if exc.status == 429 else None
-    if exc.status == 503:  # the server's state (an engine down, a shutdown), not the request: retry
-        headers = {"x-should-retry": "true"}
     return APIError(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers)
 
 
@@ -83,24 +81,21 @@ async def _chat_completions(request: Request) -> Response:
     except EngineError as exc:
         return error_response(_engine_error(exc))
     except _ChoiceFailed as exc:
-        return error_response(APIError(exc.status, exc.message, code=exc.code, headers=exc.headers))
+        return error_response(APIError(exc.status, exc.message, code=exc.code))
     return JSONResponse(chat_response.completion_response(request_id, model, created, choices, usage))
 
 
 class _ChoiceFailed(Exception):
-    def __init__(self, message: str, status: int = 500, code: str | None = "generation_failed", retry: bool = False):
+    def __init__(self, message: str, status: int = 500, code: str | None = "generation_failed"):
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
-        # The server's own failure (its engine lost, a shutdown): the client should try again,
-        # on another replica if it has one.
-        self.headers = {"x-should-retry": "true"} if retry else {}
 
 
 def _failure(event: TokenEvent) -> _ChoiceFailed:
     if event.finish_reason == FinishReason.ABORT:
         return _ChoiceFailed("the request was aborted", 503, "aborted")
     if event.finish_reason == FinishReason.UNAVAILABLE:
-        return _ChoiceFailed(event.error or "the server could not finish the request", 503, "worker_unavailable", True)
+        return _ChoiceFailed(event.error or "the server could not finish the request", 503, "worker_unavailable")
     return _ChoiceFailed(event.error or "generation failed")
 
 
