@@ -76,6 +76,16 @@ def _embed_tokens(language_model):
     return embed if embed is not None else language_model.embed_tokens
 
 
+def _extra_inputs(out) -> dict[str, Any]:
+    """What an embedding output hands the language model besides the embeddings and positions
+    (per_layer_inputs, deepstack rows, ...), without those that fit a lone unpadded row only."""
+    return {
+        k: v
+        for k, v in out.to_dict().items()
+        if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
+    }
+
+
 def _mergeable(cache) -> bool:
     """Whether a cache merges into a batch cache: its own class defines `merge` (a subclass that
     only inherits one, e.g. a ring or quantized variant of KVCache, would lose its own state),
@@ -175,11 +185,7 @@ class GenericModel:
         try:
             by_id = self.language_model(ids, cache=vlm_cache.make_prompt_cache(self.language_model)).logits
             out = self.model.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32))
-            extra = {
-                k: v
-                for k, v in out.to_dict().items()
-                if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
-            }
+            extra = _extra_inputs(out)
             cache = vlm_cache.make_prompt_cache(self.language_model)
             by_embedding = self.language_model(ids, inputs_embeds=out.inputs_embeds, cache=cache, **extra).logits
             return not bool(mx.array_equal(by_id, by_embedding).item())
@@ -246,11 +252,7 @@ class GenericModel:
                 input_ids, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), mask
             )
         self._forget_positions()
-        extra = {
-            k: v
-            for k, v in out.to_dict().items()
-            if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
-        }
+        extra = _extra_inputs(out)
         unknown = set(extra) - {_TOKEN_MASK, _MASK_ROWS} - _PER_POSITION
         if unknown or (_MASK_ROWS in extra and _TOKEN_MASK not in extra):
             raise NotImplementedError(f"{self.info.model_type}: embedding outputs {sorted(extra)} are not supported")
