@@ -65,6 +65,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
+    p.add_argument(
+        "--kv-cache-memory",
+        dest="kv_cache_memory_gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory for KV blocks (default: what --gpu-memory-utilization leaves after the weights)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="share of the device's memory the server may use, weights and KV blocks together",
+    )
+    p.add_argument(
+        "--block-size", dest="kv_block_size", type=int, default=d.kv_block_size, help="positions per KV block"
+    )
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
     p.add_argument(

@@ -24,6 +24,11 @@ class ServerConfig:
     prefill_bucket: int = 64  # pad prompt lengths to multiples of this; 0 keeps exact shapes
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
+    # KV memory: this many GB of blocks, or (None) what --gpu-memory-utilization of the device
+    # leaves after the weights and a working reserve (engine/memory.py).
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_block_size: int = 32  # positions per KV block
     # Run each decode step as one mx.compile'd graph ("auto": on GPU). CUDA decode is bound by
     # per-kernel launch cost, which fusion and graph replay cut; on CPU the fused-kernel JIT costs more.
     compile_decode: str = "auto"

@@ -53,6 +53,11 @@ class Metrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting for admission")
         self.prefix_cache_usage = gauge("prefix_cache_usage_perc", "Fraction of the prefix cache token budget in use")
         self.kv_cache_tokens = gauge("kv_cache_usage_tokens", "Tokens held in the running batch's KV cache")
+        self.kv_blocks_used = gauge("kv_blocks_used", "KV budget blocks held by admitted requests")
+        self.kv_blocks_free = gauge("kv_blocks_free", "KV budget blocks free")
+        self.preemptions = gauge(
+            "num_preemptions", "Requests put aside (KV to host memory) when KV blocks ran out, since start"
+        )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated")
         self.success = counter("request_success_total", "Finished requests", ["finished_reason"])

@@ -108,6 +108,17 @@ class PreparedRequest:
 
 
 @dataclass
+class CacheGauges:
+    """The engine's cache figures, for /metrics."""
+
+    prefix_usage: float | None = None  # share of the prefix cache's token budget in use (None: no cache)
+    kv_tokens: int = 0  # tokens in the running rows' KV
+    kv_blocks_used: int = 0  # KV budget blocks held by admitted rows
+    kv_blocks_total: int = 0
+    preemptions: int = 0  # rows put aside for KV memory since start
+
+
+@dataclass
 class TopLogprob:
     token_id: int
     token: str

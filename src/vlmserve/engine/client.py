@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from vlmserve.config import ServerConfig
-from vlmserve.protocol import ModelInfo, PreparedRequest, SamplingParams, TokenEvent
+from vlmserve.protocol import CacheGauges, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
 
 
 class EngineClient(Protocol):
@@ -56,8 +56,8 @@ class EngineClient(Protocol):
     def problem(self, stall_timeout: float, loading: bool) -> str | None:
         """Why the engine cannot serve (None: it can)."""
 
-    def cache_gauges(self) -> tuple[float | None, int]:
-        """(prefix cache usage fraction or None without one, tokens in the running rows' KV)."""
+    def cache_gauges(self) -> CacheGauges:
+        """The prefix cache's and KV blocks' figures."""
 
 
 def create_engine_client(config: ServerConfig, hooks=None) -> EngineClient:

@@ -19,12 +19,15 @@ import mlx.core as mx
 import numpy as np
 
 from vlmserve.config import ServerConfig
+from vlmserve.engine.memory import kv_budget_bytes
+from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
 from vlmserve.engine.runner.model_runner import ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
+from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.sched.scheduler import Scheduler
 from vlmserve.models.registry import load_model_adapter
-from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent
+from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class EngineCore:
         prefix_cache_tokens: int = 65536,
         compile_decode: bool = False,
         idle_release_s: float = 60.0,
+        kv_budget: KVBudget | None = None,
         hooks: Any = None,
     ):
         self.model = model
@@ -56,6 +60,7 @@ class EngineCore:
             prefill_chunk=prefill_chunk,
             prefill_budget=prefill_budget,
             prefill_bucket=prefill_bucket,
+            kv_budget=kv_budget,
         )
         self.runner = ModelRunner(
             model,
@@ -93,6 +98,8 @@ class EngineCore:
         compile_decode = config.compile_decode == "on" or (
             config.compile_decode == "auto" and mx.default_device() == mx.gpu
         )
+        budget = cls.kv_budget(model, config)
+        model.info.context_length = min(model.info.context_length, budget.max_tokens)
         return cls(
             model,
             tokenizer,
@@ -103,8 +110,28 @@ class EngineCore:
             prefix_cache_tokens=config.prefix_cache_tokens,
             compile_decode=compile_decode,
             idle_release_s=config.release_cache_after_idle_s,
+            kv_budget=budget,
             hooks=hooks,
         )
+
+    @staticmethod
+    def kv_budget(model, config: ServerConfig) -> KVBudget:
+        """The KV budget in blocks, from --kv-cache-memory or --gpu-memory-utilization."""
+        if not uses_plain_kv_cache(model):
+            log.info("KV budget: none (this model's caches are not paged: sliding windows or recurrent state)")
+            return KVBudget(1 << 40, config.kv_block_size)
+        layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
+        block_bytes = layers * config.kv_block_size * heads * (dim_k + dim_v) * dtype.size
+        budget = kv_budget_bytes(config.kv_cache_memory_gb, config.gpu_memory_utilization)
+        blocks = max(1, budget // block_bytes)
+        log.info(
+            "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)",
+            blocks * block_bytes / 1e9,
+            blocks,
+            config.kv_block_size,
+            blocks * config.kv_block_size,
+        )
+        return KVBudget(blocks, config.kv_block_size)
 
     @property
     def info(self):
@@ -143,6 +170,7 @@ class EngineCore:
         self.stats.steps += 1
         self.sched.take_inbox()
         self._drop_cancelled()
+        self.runner.resume_preempted()
         self._admit()
         if self.runner.inflight is not None and self.sched.prefilling:
             # Prefill holds this thread for a while (vision, embeddings, forward): hand out the
@@ -159,7 +187,7 @@ class EngineCore:
         gone = self.sched.take_cancelled()
         for req in gone.waiting:
             req.emit(TokenEvent(finish_reason=FinishReason.ABORT))
-        for seq in gone.prefilling + gone.running:
+        for seq in gone.prefilling + gone.preempted + gone.running:
             self.runner.finish(seq, FinishReason.ABORT)
         self.runner.remove_rows(gone.running)
 
@@ -202,6 +230,7 @@ class EngineCore:
         """
         if self._idle_since is not None and time.monotonic() - self._idle_since >= self.idle_release_s:
             self._idle_since = None
+            self.runner.release_memory()
             mx.clear_cache()
 
     def fail_all(self, message: str) -> None:
@@ -217,11 +246,15 @@ class EngineCore:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def cache_gauges(self) -> tuple[float | None, int]:
-        """(prefix cache usage fraction or None without one, tokens in the running rows' KV)."""
-        pc = self.prefix_cache
-        usage = pc.size_tokens / max(1, pc.max_tokens) if pc is not None else None
-        return usage, sum(s.cache_len for s in list(self.sched.running))
+    def cache_gauges(self) -> CacheGauges:
+        pc, budget = self.prefix_cache, self.sched.kv_budget
+        return CacheGauges(
+            prefix_usage=pc.size_tokens / max(1, pc.max_tokens) if pc is not None else None,
+            kv_tokens=sum(s.cache_len for s in list(self.sched.running)),
+            kv_blocks_used=budget.used,
+            kv_blocks_total=budget.total,
+            preemptions=budget.preemptions,
+        )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
     def warm_up(self, prompts: list[PreparedRequest]) -> None:
@@ -238,7 +271,8 @@ class EngineCore:
         bucket = self.sched.prefill_bucket
         if bucket > 0 and prompts:
             filler = int(prompts[0].prompt_ids[-1])
-            for length in range(bucket, self.sched.prefill_chunk + 1, bucket):
+            longest = min(self.sched.prefill_chunk, self.info.context_length - 2)  # the prompt, one more, a token
+            for length in range(bucket, longest + 1, bucket):
                 jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=np.full(length + 1, filler, np.int32))))
         t0 = time.perf_counter()
         for i, (name, prepared) in enumerate(jobs, 1):  # one at a time: each must be its own shape

@@ -22,7 +22,15 @@ from vlmserve.engine.thread_guard import GUARD
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.models.paths import resolve_model_path
 from vlmserve.models.registry import model_type_of
-from vlmserve.protocol import EngineError, FinishReason, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
+from vlmserve.protocol import (
+    CacheGauges,
+    EngineError,
+    FinishReason,
+    ModelInfo,
+    PreparedRequest,
+    SamplingParams,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +162,8 @@ class Engine:
             return "inference worker stalled"
         return None
 
-    def cache_gauges(self) -> tuple[float | None, int]:
-        return self.core.cache_gauges() if self.core is not None else (None, 0)
+    def cache_gauges(self) -> CacheGauges:
+        return self.core.cache_gauges() if self.core is not None else CacheGauges()
 
     async def stop(self) -> None:
         if self.core is not None and self.worker.is_alive():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmserve.protocol import ModelInfo, PreparedRequest, SamplingParams, TokenEvent
+from vlmserve.protocol import CacheGauges, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
 
 # ---- serving process -> engine process ---------------------------------------------------
 
@@ -67,7 +67,7 @@ class EngineStats:
     """What the serving side's admission, gauges and health need, sent with every StepOutput."""
 
     running: int = 0
-    gauges: tuple[float | None, int] = (None, 0)
+    gauges: CacheGauges = field(default_factory=CacheGauges)
     died: bool = False
     violations: list = field(default_factory=list)  # MLX calls off the worker (thread guard on)
     guard_calls: int | None = None  # MLX calls the thread guard has checked (thread guard on)

@@ -26,7 +26,15 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine import messages as msg
 from vlmserve.engine import process_main as engine_process
 from vlmserve.engine.event_stream import read_events
-from vlmserve.protocol import EngineError, FinishReason, ModelInfo, PreparedRequest, SamplingParams, TokenEvent
+from vlmserve.protocol import (
+    CacheGauges,
+    EngineError,
+    FinishReason,
+    ModelInfo,
+    PreparedRequest,
+    SamplingParams,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +64,7 @@ class EngineProcessClient:
         self._ready: asyncio.Future | None = None
         self._next_key = 0
         self._running = 0
-        self._gauges: tuple[float | None, int] = (None, 0)
+        self._gauges = CacheGauges()
         self._last_heard = time.monotonic()
         self._worker_died = False
         self._gone = False  # the process exited or closed its pipe
@@ -132,7 +140,7 @@ class EngineProcessClient:
         """Requests handed over and not yet running there (including those still in the pipe)."""
         return max(0, len(self._streams) - self._running)
 
-    def cache_gauges(self) -> tuple[float | None, int]:
+    def cache_gauges(self) -> CacheGauges:
         return self._gauges
 
     # ---- requests ----------------------------------------------------------------------
@@ -266,7 +274,7 @@ class EngineProcessClient:
 
     def _on_gone(self, exit_code: int | None) -> None:
         self._gone = True
-        self._running, self._gauges = 0, (None, 0)  # nothing runs there any more: the gauges say so
+        self._running, self._gauges = 0, CacheGauges()  # nothing runs there any more: the gauges say so
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(
                 RuntimeError(f"the engine process exited (code {exit_code}) before the model was loaded")

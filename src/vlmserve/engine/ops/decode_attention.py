@@ -1,6 +1,8 @@
-"""One-query attention over the slot KV cache as a single CUDA kernel.
+"""One-query attention over the paged KV pool as a single CUDA kernel.
 
-A decode step attends one new token per row to that row's first `length` cached positions.
+A decode step attends one new token per row to that row's first `length` cached positions,
+found through its block table (engine/ops/paged_layer_cache.py): lengths, block ids and the
+table's width are data, so one build serves every batch and context length.
 MLX's CUDA SDPA has no kernel for that masked one-query case (cuDNN's builds a plan per
 shape), so each layer ran the composed fallback: scale, a matmul, a select, a softmax and a
 second matmul, with reshapes around them, in every layer of every step, and
@@ -20,8 +22,8 @@ import mlx.core as mx
 from mlx_vlm.models import base
 
 from vlmserve.engine.ops import composed_attention, cuda_kernels
+from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 from vlmserve.engine.ops.rebind import rebind_in_mlx_vlm
-from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
 
 _SHARED_BYTES = 48 * 1024  # static shared memory a CUDA block may declare
 _ORIGINAL = base.scaled_dot_product_attention
@@ -37,12 +39,15 @@ _SOURCE = """
     const int grp = lane / G, sub = lane % G;
     const unsigned group_mask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (grp * G));
     const int bh = blockIdx.x / GROUPS;             // row * HKV + kv head
-    const int len = lengths[bh / HKV];
+    const int row = bh / HKV, kvh = bh % HKV;
+    const int len = lengths[row];
     const float sc = __int_as_float(SCALE_BITS);   // a template constant: see few_row_matmul
     const size_t q0 = ((size_t)bh * NREP + (blockIdx.x % GROUPS) * HB) * D;  // this block's first query head
-    const size_t cap = (size_t)capacity[0];        // data, not a template constant: one build per model
-    const T* kb = k + (size_t)bh * cap * D + sub * E;
-    const T* vb = v + (size_t)bh * cap * D + sub * E;
+    const int* blocks = table + (size_t)row * width[0];  // the width is data: one build per model
+    // Where position p's key (and value) for this lane's KV head and elements starts in the pool.
+    auto at = [&](int p) -> size_t {
+        return ((size_t)blocks[p / BS] * BS + p % BS) * (HKV * D) + (size_t)kvh * D + sub * E;
+    };
     // E elements of one cached row as floats, in the widest loads their size allows (the
     // cache rows are whole arrays: D * sizeof(T) bytes apart from an aligned start).
     auto load_as = [](const T* src, float* dst, auto chunk) {  // in pieces of chunk's type
@@ -71,9 +76,9 @@ _SOURCE = """
     }
     float kc[E], vc[E], kn[E], vn[E];
     int p = warp * P + grp;
-    if (p < len) { load(kb + (size_t)p * D, kc); load(vb + (size_t)p * D, vc); }
+    if (p < len) { const size_t o = at(p); load(k + o, kc); load(v + o, vc); }
     for (; p < len; p += STRIDE) {
-        if (p + STRIDE < len) { load(kb + (size_t)(p + STRIDE) * D, kn); load(vb + (size_t)(p + STRIDE) * D, vn); }
+        if (p + STRIDE < len) { const size_t o = at(p + STRIDE); load(k + o, kn); load(v + o, vn); }
         #pragma unroll
         for (int h = 0; h < HB; ++h) {
             float s = 0.f;
@@ -180,27 +185,37 @@ def serves_heads(q_heads: int, kv_heads: int, dim: int) -> bool:
 
 def attend(
     queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
+    cache: PagedLayerCache,
     lengths: mx.array,
     scale: float,
     out_shape: tuple[int, ...] | None = None,
 ) -> mx.array:
-    """queries (B, Hq, 1, D); keys, values (B, Hkv, capacity, D), whole cache arrays (the kernel
-    loads their rows in 16-byte pieces); row b attends to its first lengths[b] positions. The
-    output is (B, Hq, 1, D), or the same memory as `out_shape` (e.g. (B, 1, Hq*D))."""
+    """queries (B, Hq, 1, D) over the cache's pools (N, Hkv, D) (whole arrays: the kernel loads
+    their rows in 16-byte pieces); row b attends to its first lengths[b] positions. The output
+    is (B, Hq, 1, D), or the same memory as `out_shape` (e.g. (B, 1, Hq*D))."""
     batch, q_heads, _, dim = queries.shape
-    kv_heads, capacity = keys.shape[1], keys.shape[2]
+    kv_heads = cache.keys.shape[1]
     rep = q_heads // kv_heads
     g, hb, nw = launch_shape(rep, dim)
-    kernel = cuda_kernels.kernel("vlmserve_decode_attention", ("q", "k", "v", "lengths", "capacity"), _SOURCE)
+    kernel = cuda_kernels.kernel(
+        "vlmserve_paged_decode_attention", ("q", "k", "v", "lengths", "table", "width"), _SOURCE
+    )
+    cache.used_kernel()
     return kernel(
-        inputs=[queries, keys, values, lengths.astype(mx.int32), mx.array([capacity], dtype=mx.int32)],
+        inputs=[
+            queries,
+            cache.keys,
+            cache.values,
+            lengths.astype(mx.int32),
+            cache.table,
+            mx.array([cache.table.shape[1]], dtype=mx.int32),
+        ],
         template=[
             ("T", queries.dtype),
             ("D", dim),
             ("NREP", rep),
             ("HKV", kv_heads),
+            ("BS", cache.block_size),
             ("G", g),
             ("HB", hb),
             ("NW", nw),
@@ -214,10 +229,10 @@ def attend(
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx_vlm's attention entry point; one-token steps over the slot cache take the kernel,
+    """mlx_vlm's attention entry point; one-token steps over the paged pool take the kernel,
     and prompt attention on CUDA keeps off cuDNN's per-shape plans (composed_attention)."""
-    if sinks is None and isinstance(cache, SlotLayerCache) and cache.plain_mask and available(queries, keys):
-        return attend(queries, keys, values, cache.offset + queries.shape[2], scale)
+    if sinks is None and isinstance(cache, PagedLayerCache) and cache.plain_mask and available(queries, cache.keys):
+        return attend(queries, cache, cache.offset + queries.shape[2], scale)
     quantized = hasattr(cache, "bits") or hasattr(cache, "dequantize")  # mlx_vlm's own paths for these
     if not quantized and composed_attention.avoids_cudnn(queries, mask) and cuda_kernels.cudnn_enabled():
         return composed_attention.composed(queries, keys, values, scale, mask, sinks)

@@ -1,12 +1,14 @@
 """The running batch's KV caches, behind one interface the scheduler drives.
 
-- `SlotDecodeBatch` (plain KV-cache families): fixed-shape slots, so a decode step keeps its
-  shapes from step to step and can run as one compiled graph (see slot_cache.py).
+- `PagedDecodeBatch` (plain KV-cache families): the rows' KV lives in a paged pool
+  (block_pool.py) and each row has a block table, so a decode step's shapes depend on the
+  number of rows only, never on how long a context is: one compiled graph per row bucket.
 - `PaddedDecodeBatch` (anything else, e.g. sliding-window or SSM caches): mlx_vlm's batch
   caches, left-padded, extended on join and filtered on leave.
 
 `layout()` gives the row order of the next step: a list of the rows' owners (any object with
-`cache_len`, and what the model adapter's `decode_positions` reads), `None` for an empty slot.
+`cache_len` and `blocks`, and what the model adapter's `decode_positions` reads), `None` for
+an empty row.
 """
 
 from __future__ import annotations
@@ -17,23 +19,62 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
-from vlmserve.engine.runner.slot_cache import SlotBatch, buckets_up_to, make_decode_step, round_up
+from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+from vlmserve.engine.runner.block_pool import BlockPool
 
 log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+# Where attention gathers each row's KV densely (no kernel reads the pool: CPU, Metal), the
+# gather's width is a shape: bucketed, so few shapes are traced.
+WIDTH_BUCKETS = (256, 512, 1024, 2048, 4096)
+
+
+def round_up(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    step = buckets[-1]
+    return -(-n // step) * step
+
+
+def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
+    """Every bucket a size of at most n can round up to."""
+    return [b for b in buckets if b < n] + [round_up(n, buckets)]
 
 
 def uses_plain_kv_cache(model) -> bool:
     return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(model.language_model))
 
 
-def _positions_needed(rows: list[Any]) -> int:
-    """KV positions the next step needs: it writes each live row's position `cache_len`."""
-    return max(r.cache_len for r in rows if r is not None) + 1
+def make_decode_step(decode: Callable, block_size: int, compiled: bool) -> Callable:
+    """fn(tokens (S,), positions (S,) | None, lengths (S,), write (S,), table (S, W), *pools)
+    -> (logits (S, V), *new_pools); eager, it also takes `probe`, a dict the layers' caches
+    share (what the step learned: PagedLayerCache).
+
+    `decode(tokens, caches, positions)` is the model's one-token batched forward (ModelAdapter.decode).
+    A pure function of its inputs, so `mx.compile` can trace it once per input shape."""
+
+    def step(tokens, positions, lengths, write, table, *kv, probe=None):
+        n = len(kv) // 2
+        shared = {} if probe is None else probe
+        caches = [PagedLayerCache(kv[i], kv[n + i], lengths, write, table, block_size, shared) for i in range(n)]
+        logits = decode(tokens, caches, positions)
+        return (logits, *[c.keys for c in caches], *[c.values for c in caches])
+
+    if not compiled:
+        return step
+    with_pos = mx.compile(step)
+    without_pos = mx.compile(lambda t, n, w, b, *kv: step(t, None, n, w, b, *kv))  # compiled inputs are arrays
+    return lambda t, p, n, w, b, *kv: with_pos(t, p, n, w, b, *kv) if p is not None else without_pos(t, n, w, b, *kv)
 
 
 class PaddedDecodeBatch:
+    paged = False  # its KV is mlx_vlm's, outside the block pools and the KV budget
+
     def __init__(self, model):
         self.model = model
         self.rows: list[Any] = []
@@ -67,60 +108,135 @@ class PaddedDecodeBatch:
         return [(0, len(rows), self.model.decode(tokens, self.cache, self.model.decode_positions(rows)))]
 
 
-class SlotDecodeBatch:
-    def __init__(self, model, step: Callable, dtype):
+class BlockTable:
+    """The step's block table, kept on the device and changed where rows gained blocks.
+
+    Copying the whole table each step costs more than its size suggests on CUDA: an array
+    made from host memory is paged over to the GPU when a kernel first reads it. Usually only
+    a few rows crossed into a new block since the last step; a new width or row count (rare)
+    uploads it whole."""
+
+    def __init__(self):
+        self.array: mx.array | None = None
+        # Per row: (the block list it was copied from, how many of its blocks the table holds).
+        # A list, not its owner: a preempted row that resumes has new blocks in a new list.
+        self.synced: list[tuple[Any, int]] = []
+
+    def update(self, rows: list[Any], width: int) -> mx.array:
+        if self.array is None or self.array.shape != (len(rows), width):
+            host = np.zeros((len(rows), width), np.int32)
+            for i, row in enumerate(rows):
+                if row is not None:
+                    host[i, : len(row.blocks)] = row.blocks
+            self.array = mx.array(host)
+            self.synced = [(row.blocks, len(row.blocks)) if row is not None else (None, 0) for row in rows]
+            return self.array
+        at, cols, ids = [], [], []
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            blocks, have = self.synced[i]
+            start = have if blocks is row.blocks else 0
+            if start < len(row.blocks):
+                at += [i] * (len(row.blocks) - start)
+                cols += range(start, len(row.blocks))
+                ids += row.blocks[start:]
+                self.synced[i] = (row.blocks, len(row.blocks))
+        if ids:
+            self.array[mx.array(at), mx.array(cols)] = mx.array(ids, dtype=mx.int32)
+        return self.array
+
+
+class PagedDecodeBatch:
+    """Running rows of one KV dtype over that dtype's block pool. The runner decides how many
+    blocks a row may hold (the KV budget); this places them in the pool and builds each
+    step's block table."""
+
+    paged = True
+
+    def __init__(self, model, step: DecodeSteps, pool: BlockPool, context_length: int):
         self.model = model
         self.step = step  # DecodeSteps: compiled where traced, eager elsewhere; shared across batches
-        self.dtype = dtype  # of its KV buffers
-        self.slots: list[Any] = []
-        self.kv: SlotBatch | None = None
+        self.pool = pool
+        self.context_length = context_length
+        self.rows: list[Any] = []
+        self.table = BlockTable()
 
     def layout(self) -> list[Any]:
-        return list(self.slots)
+        return list(self.rows)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.block_size)
 
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
-        if self.kv is None:
-            layers, kv_shape, _ = self.model.kv_layout()
-            self.kv = SlotBatch(layers, kv_shape, self.dtype, slots=len(owners), capacity=1)
-            self.slots = [None] * self.kv.slots
+        end = rows_cache[0]._idx if rows_cache else 0
         for i, owner in enumerate(owners):
-            n, end = owner.cache_len, rows_cache[0]._idx
-            layer_kv = (
-                [(c.keys[i : i + 1, :, end - n : end, :], c.values[i : i + 1, :, end - n : end, :]) for c in rows_cache]
-                if n
-                else []
-            )
-            slot = self._free_slot()
-            self.kv.write(slot, layer_kv, n)
-            self.slots[slot] = owner
+            n = owner.cache_len
+            owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
+            if n:
+                layer_kv = [
+                    (c.keys[i, :, end - n : end, :].swapaxes(0, 1), c.values[i, :, end - n : end, :].swapaxes(0, 1))
+                    for c in rows_cache
+                ]
+                self.pool.write(owner.blocks, layer_kv, n)
+            self._place(owner)
 
-    def _free_slot(self) -> int:
-        if None not in self.slots:
-            self.kv.ensure(len(self.slots) + 1, 1)
-            self.slots += [None] * (self.kv.slots - len(self.slots))
-        return self.slots.index(None)
+    def resume(self, owner: Any, host_kv: list) -> None:
+        """A preempted row comes back with the KV `evict` gave out."""
+        owner.blocks = self.pool.allocate(self.blocks_for(owner.cache_len + 1))
+        self.pool.from_host(owner.blocks, host_kv, owner.cache_len)
+        self._place(owner)
+
+    def evict(self, owner: Any) -> list:
+        """Copy a row's KV to the host and take it out of the batch (preemption)."""
+        host_kv = self.pool.to_host(owner.blocks, owner.cache_len)
+        self.remove([owner])
+        return host_kv
+
+    def grow(self) -> None:
+        """Give each row the block its next position needs (the runner counted them in its budget)."""
+        for row in self.rows:
+            if row is not None and len(row.blocks) < self.blocks_for(row.cache_len + 1):
+                row.blocks += self.pool.allocate(1)
+
+    def _place(self, owner: Any) -> None:
+        if None not in self.rows:
+            self.rows += [None] * (round_up(len(self.rows) + 1, ROW_BUCKETS) - len(self.rows))
+        self.rows[self.rows.index(None)] = owner
 
     def remove(self, owners: list[Any]) -> None:
-        self.slots = [None if s is not None and s in owners else s for s in self.slots]
-        live = [i for i, s in enumerate(self.slots) if s is not None]
+        for owner in owners:
+            if owner in self.rows:
+                self.rows[self.rows.index(owner)] = None
+                self.pool.release(owner.blocks)
+                owner.blocks = []
+        live = [r for r in self.rows if r is not None]
         if not live:
-            self.slots, self.kv = [], None
-            return
-        if round_up(len(live), SlotBatch.SLOT_BUCKETS) * 2 <= self.kv.slots:  # mostly empty: fewer rows per step
-            self.kv.compact(live)
-            self.slots = [self.slots[i] for i in live] + [None] * (self.kv.slots - len(live))
-        # forward() grows the capacity back when a row needs it.
-        self.kv.fit_capacity(_positions_needed(self.slots))
+            self.rows = []
+        elif round_up(len(live), ROW_BUCKETS) * 2 <= len(self.rows):  # mostly empty: fewer rows per step
+            self.rows = live + [None] * (round_up(len(live), ROW_BUCKETS) - len(live))
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
         """Logits (rows, V) of one step; `rows` is this step's `layout()`."""
-        kv = self.kv
-        kv.ensure(kv.slots, _positions_needed(rows))
-        lengths = mx.array([0 if r is None else r.cache_len for r in rows], dtype=mx.int32)
-        out = self.step(tokens, self.model.decode_positions(rows), lengths, *kv.arrays())
-        n = len(kv.keys)
-        kv.keys, kv.values = list(out[1 : 1 + n]), list(out[1 + n :])
+        bs = self.pool.block_size
+        write = np.zeros(len(rows), np.int32)  # empty rows write into block 0, which nobody reads
+        lengths = np.zeros(len(rows), np.int32)
+        for i, row in enumerate(rows):
+            if row is not None:
+                write[i] = row.blocks[row.cache_len // bs] * bs + row.cache_len % bs
+                lengths[i] = row.cache_len
+        needed = self.blocks_for(int(lengths.max()) + 1)
+        width = self.step.table_width(self.pool.dtype, needed, self.blocks_for(self.context_length), bs)
+        out = self.step(
+            tokens,
+            self.model.decode_positions(rows),
+            mx.array(lengths),
+            mx.array(write),
+            self.table.update(rows, width),
+            *self.pool.arrays(),
+        )
+        self.pool.set_arrays(out[1:])
         return out[0]
 
 
@@ -131,36 +247,59 @@ def kv_dtype(rows_cache: list[Any]):
 
 
 class DtypeGroupedBatch:
-    """Slot batches by KV dtype: a row decodes in the dtype its prefill produced, as it would
+    """Paged batches by KV dtype: a row decodes in the dtype its prefill produced, as it would
     alone. Some prompts prefill in a wider dtype than the model's (float32 image embeddings in
-    a bfloat16 model); one shared buffer would widen every other row's attention with them.
-    One dtype (the usual case) is one slot batch and one forward, as before."""
+    a bfloat16 model); one shared pool would widen every other row's attention with them.
+    One dtype (the usual case) is one batch and one forward."""
+
+    paged = True
 
     def __init__(self, make: Callable, model_dtype):
-        self.make = make  # dtype -> SlotDecodeBatch
+        self.make = make  # dtype -> PagedDecodeBatch
         self.model_dtype = model_dtype  # what a row with nothing cached yet decodes in
-        self.groups: dict[Any, SlotDecodeBatch] = {}
+        self.groups: dict[Any, PagedDecodeBatch] = {}
 
     def layout(self) -> list[Any]:
         return [row for group in self.groups.values() for row in group.layout()]
 
-    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
-        dtype = kv_dtype(rows_cache) or self.model_dtype
+    def _group(self, dtype) -> PagedDecodeBatch:
         if dtype not in self.groups:
             self.groups[dtype] = self.make(dtype)
-        self.groups[dtype].join(owners, rows_cache)
+        return self.groups[dtype]
+
+    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+        dtype = kv_dtype(rows_cache) or self.model_dtype
+        for owner in owners:
+            owner.kv_dtype = dtype
+        self._group(dtype).join(owners, rows_cache)
+
+    def resume(self, owner: Any, host_kv: list) -> None:
+        self._group(owner.kv_dtype).resume(owner, host_kv)
+
+    def evict(self, owner: Any) -> list:
+        host_kv = self.groups[owner.kv_dtype].evict(owner)
+        self._drop_empty()
+        return host_kv
+
+    def grow(self) -> None:
+        for group in self.groups.values():
+            group.grow()
 
     def remove(self, owners: list[Any]) -> None:
-        for dtype, group in list(self.groups.items()):
+        for group in self.groups.values():
             group.remove(owners)
-            if group.kv is None:
+        self._drop_empty()
+
+    def _drop_empty(self) -> None:
+        for dtype, group in list(self.groups.items()):
+            if not group.rows:
                 del self.groups[dtype]
 
     def forward_pieces(self, tokens: mx.array, rows: list[Any]) -> list[tuple[int, int, mx.array]]:
         """[(start, end, logits of rows[start:end])], one piece per dtype group, in layout order."""
         pieces, start = [], 0
         for group in self.groups.values():
-            end = start + len(group.slots)
+            end = start + len(group.rows)
             piece = tokens if len(self.groups) == 1 else tokens[start:end]
             pieces.append((start, end, group.forward(piece, rows[start:end])))
             start = end
@@ -168,71 +307,117 @@ class DtypeGroupedBatch:
 
 
 class DecodeSteps:
-    """The decode step at each shape (slots, capacity, KV dtype): compiled where it has been
-    traced, eager where it has not.
+    """The decode step at each shape (rows, table width, pool size, KV dtype): compiled where it
+    has been traced, eager where it has not.
 
     A shape's first step runs eagerly (the same kernels, unfused: no trace); its second step
-    traces the compiled step on the live arrays (tens of milliseconds, once, with no second set
-    of KV buffers) and every later one replays it. Warm-up traces the common shapes ahead."""
+    traces the compiled step on the live arrays (tens of milliseconds, once, with no second
+    pool) and every later one replays it. Warm-up traces the common shapes ahead.
 
-    def __init__(self, model, compiled: bool):
+    The first eager step also tells whether attention read the pool itself in every layer
+    (the CUDA kernel). Then a step's table has one width for any context length, and the
+    shapes depend on the row count only; elsewhere attention gathers the rows' KV and the
+    width is bucketed to what the longest row needs (WIDTH_BUCKETS)."""
+
+    def __init__(self, model, block_size: int, compiled: bool):
         self.model = model
-        self.eager = make_decode_step(model.decode, False)
-        self.compiled = make_decode_step(model.decode, True) if compiled else None
+        self.block_size = block_size
+        self.eager = make_decode_step(model.decode, block_size, False)
+        self.compiled = make_decode_step(model.decode, block_size, True) if compiled else None
         self.traced: set[tuple] = set()
         self.seen: set[tuple] = set()  # shapes that ran eagerly once
+        self.reads_pool: dict[Any, bool] = {}  # KV dtype -> every layer's attention read the pool
 
-    def __call__(self, tokens: mx.array, positions, lengths: mx.array, *kv: mx.array):
-        if self.compiled is None:
-            return self.eager(tokens, positions, lengths, *kv)
-        shape = (tokens.shape[0], kv[0].shape[2], kv[0].dtype)
-        if shape in self.traced:
-            return self.compiled(tokens, positions, lengths, *kv)
-        if shape not in self.seen:  # maybe a shape of one step (a capacity on its way elsewhere)
+    def table_width(self, dtype, needed: int, most: int, block_size: int) -> int:
+        """Blocks per row in a step's table: `needed` holds the longest row, `most` the longest context."""
+        if self.reads_pool.get(dtype):
+            return max(needed, most)
+        return -(-round_up(needed * block_size, WIDTH_BUCKETS) // block_size)
+
+    def __call__(self, tokens: mx.array, positions, lengths: mx.array, write: mx.array, table: mx.array, *kv):
+        shape = (tokens.shape[0], table.shape[1], kv[0].shape[0], kv[0].dtype)
+        if self.compiled is not None and shape in self.traced:
+            return self.compiled(tokens, positions, lengths, write, table, *kv)
+        if self.compiled is None or shape not in self.seen:  # maybe a shape of one step
             self.seen.add(shape)
-            return self.eager(tokens, positions, lengths, *kv)
+            probe: dict = {}
+            out = self.eager(tokens, positions, lengths, write, table, *kv, probe=probe)
+            self.reads_pool.setdefault(kv[0].dtype, probe.get("kernel_layers", 0) == len(kv) // 2)
+            return out
         t0 = time.perf_counter()
-        out = self.compiled(tokens, positions, lengths, *kv)
+        out = self.compiled(tokens, positions, lengths, write, table, *kv)
         self.traced.add(shape)
         seconds = time.perf_counter() - t0
-        log.info("compiled the decode step for %d rows x %d positions in %.2f s", shape[0], shape[1], seconds)
+        log.info("compiled the decode step for %d rows x %d blocks in %.2f s", shape[0], shape[1], seconds)
         return out
 
-    def trace(self, slots: int, capacity: int, dtype) -> None:
-        """Trace (and on CUDA build) the compiled step at this shape on zeros (warm-up)."""
-        layers, kv_shape, _ = self.model.kv_layout()
-        kv = SlotBatch(layers, kv_shape, dtype, slots=slots, capacity=capacity)
-        zeros = mx.zeros((kv.slots,), dtype=mx.int32)
-        mx.eval(self.compiled(zeros, self.model.decode_positions([None] * kv.slots), zeros, *kv.arrays()))
-        self.traced.add((kv.slots, kv.capacity, dtype))
+    def trace(self, pool: BlockPool, rows: int, width: int) -> None:
+        """Trace (and on CUDA build) the compiled step at this shape (warm-up); its writes go to block 0."""
+        zeros = mx.zeros((rows,), dtype=mx.int32)
+        table = mx.zeros((rows, width), dtype=mx.int32)
+        out = self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
+        mx.eval(out)
+        pool.set_arrays(out[1:])
+        self.traced.add((rows, width, pool.keys[0].shape[0], pool.dtype))
 
 
 class DecodeBatches:
-    """Makes the running batch for this model, and pre-compiles its decode shapes."""
+    """Makes the running batch for this model, keeps its block pools, and pre-compiles its
+    decode shapes."""
 
-    def __init__(self, model, compiled: bool):
+    def __init__(self, model, compiled: bool, block_size: int, context_length: int, initial_blocks: int):
         self.model = model
-        self.slotted = uses_plain_kv_cache(model)
-        self.compiled = compiled and self.slotted
-        self.step = DecodeSteps(model, self.compiled) if self.slotted else None
+        self.paged = uses_plain_kv_cache(model)
+        self.compiled = compiled and self.paged
+        self.block_size = block_size
+        self.context_length = context_length
+        self.initial_blocks = initial_blocks
+        self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
+        self.pools: dict[Any, BlockPool] = {}
+
+    def pool(self, dtype) -> BlockPool:
+        if dtype not in self.pools:
+            layers, kv_shape, _ = self.model.kv_layout()
+            self.pools[dtype] = BlockPool(layers, kv_shape, dtype, self.block_size, self.initial_blocks)
+        return self.pools[dtype]
 
     def new(self):
-        if not self.slotted:
+        if not self.paged:
             return PaddedDecodeBatch(self.model)
-        return DtypeGroupedBatch(lambda dtype: SlotDecodeBatch(self.model, self.step, dtype), self.model.kv_layout()[2])
 
-    def warm(self, max_slots: int, max_capacity: int) -> int:
-        """Trace the compiled step at every (slots, capacity) bucket up to these bounds (shapes
-        past them are traced when they come: DecodeSteps). Returns shapes traced."""
+        def make(dtype):
+            return PagedDecodeBatch(self.model, self.step, self.pool(dtype), self.context_length)
+
+        return DtypeGroupedBatch(make, self.model.kv_layout()[2])
+
+    def release(self) -> None:
+        """Drop the pools no row holds blocks of (idle): their memory goes back."""
+        for dtype, pool in list(self.pools.items()):
+            if pool.used == 0:
+                del self.pools[dtype]
+
+    def pool_bytes(self) -> int:
+        return sum(sum(a.nbytes for a in pool.arrays()) for pool in self.pools.values())
+
+    def warm(self, max_rows: int, max_tokens: int) -> int:
+        """Trace the compiled step at every row bucket up to `max_rows` (and where attention
+        gathers, every width up to `max_tokens`) on the model dtype's pool; other shapes are
+        traced when they come (DecodeSteps). Returns shapes traced."""
         if not self.compiled:
             return 0
-        slot_counts = buckets_up_to(max_slots, SlotBatch.SLOT_BUCKETS)
-        capacities = buckets_up_to(max_capacity, SlotBatch.CAPACITY_BUCKETS)
         dtype = self.model.kv_layout()[2]
-        shapes = [(n, cap) for n in slot_counts for cap in capacities]
+        pool = self.pool(dtype)
+        most = -(-self.context_length // self.block_size)
+        widths = sorted(
+            {
+                self.step.table_width(dtype, -(-t // self.block_size), most, self.block_size)
+                for t in buckets_up_to(max_tokens, WIDTH_BUCKETS)
+            }
+        )
+        shapes = [(n, w) for n in buckets_up_to(max_rows, ROW_BUCKETS) for w in widths]
         t0 = time.perf_counter()
-        for i, (n, cap) in enumerate(shapes, 1):
-            self.step.trace(n, cap, dtype)
+        for i, (n, w) in enumerate(shapes, 1):
+            self.step.trace(pool, n, w)
             seconds = time.perf_counter() - t0
-            log.info("decode shapes %d/%d: %d rows x %d positions (%.1f s)", i, len(shapes), n, cap, seconds)
+            log.info("decode shapes %d/%d: %d rows x %d blocks (%.1f s)", i, len(shapes), n, w, seconds)
         return len(shapes)

@@ -2,6 +2,12 @@
 
 Every request owns its sampler, PRNG key, stop strings, position state and KV cache; it joins
 the running batch's cache (decode_batch.py) once its prompt is in. Runs on the MLX worker only.
+
+KV blocks are counted against the scheduler's KVBudget: a joining row pays for its prompt's
+blocks (reserved when it was admitted), a running row for each new block as its output
+grows. When a step's rows need more blocks than are free, the rows that arrived last are
+preempted: their KV is copied to host memory and they resume, exactly where they were, once
+blocks are free again.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from vlmserve.engine.runner.decode_batch import DecodeBatches
+from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
 from vlmserve.engine.runner.prefix_cache import PrefixCache
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
@@ -47,6 +53,7 @@ class ModelRunner:
         *,
         prefix_cache_tokens: int = 65536,
         compile_decode: bool = False,
+        initial_pool_tokens: int = 16384,
         hooks: Any = None,
     ):
         self.model = model  # the family's ModelAdapter (models/)
@@ -57,7 +64,14 @@ class ModelRunner:
         self.eos = set(model.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = model.info.context_length
         self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
-        self.batches = DecodeBatches(model, compile_decode)
+        self.budget = sched.kv_budget
+        self.batches = DecodeBatches(
+            model,
+            compile_decode,
+            block_size=self.budget.block_size,
+            context_length=self.context_length,
+            initial_blocks=min(self.budget.total, self.budget.blocks_for(initial_pool_tokens)) + 1,
+        )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
@@ -210,6 +224,10 @@ class ModelRunner:
                 seq.last_token = int(seq.req.prepared.prompt_ids[-1])
         if self.batch is None:
             self.batch = self.batches.new()
+        if self.batch.paged:
+            seqs = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
+            if not seqs:
+                return
         self.batch.join(seqs, rows_cache)
         self.sched.started_decoding(seqs)
         for seq in seqs:
@@ -250,6 +268,8 @@ class ModelRunner:
             self._resolve(prev)
             self.flush_events()
             prev = None
+        if self.batch is not None and self.batch.paged and self.sched.running:
+            prev = self._grow_blocks(prev)
         if self.sched.running:
             try:
                 self.inflight = self._launch(prev)
@@ -258,7 +278,7 @@ class ModelRunner:
                 for seq in list(self.sched.running):
                     self.finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
                 self.sched.remove_running(list(self.sched.running))
-                self.batch = None
+                self._drop_batch()
                 return
         if prev is not None:
             self._resolve(prev)
@@ -320,10 +340,107 @@ class ModelRunner:
         if not gone:
             return
         self.sched.remove_running(gone)
+        if self.batch is not None:
+            self.batch.remove(gone)  # their blocks go back to the pool
         if not self.sched.running:
             self.batch = None
-        elif self.batch is not None:
-            self.batch.remove(gone)
+
+    # ---- KV blocks: growth, preemption, resumption --------------------------------------
+    def _weight(self, dtype) -> int:
+        """Budget blocks one block of `dtype` KV costs (float32 rows in a bfloat16 model: 2)."""
+        model_dtype = self.batches.model.kv_layout()[2]
+        return max(1, (dtype or model_dtype).size // model_dtype.size)
+
+    def _pay_for_prompts(self, seqs: list[Sequence], dtype) -> list[Sequence]:
+        """Settle what joining rows' blocks cost against what was reserved at admission (the
+        embedded length, the KV dtype). Rows the budget cannot hold even after preempting
+        others end with an error; the rest are returned."""
+        weight, ok = self._weight(dtype), []
+        for seq in seqs:
+            cost = weight * self.budget.blocks_for(seq.cache_len + 1)
+            extra = cost - seq.kv_units
+            if extra > 0 and not self._make_room(extra, keep=seq):
+                self.sched.drop_prefilling(seq)
+                self.finish(seq, FinishReason.ERROR, error="its prompt needs more KV memory than the budget holds")
+                continue
+            if extra < 0:
+                self.budget.give(-extra)
+            else:
+                self.budget.take(extra)
+            seq.kv_units = cost
+            ok.append(seq)
+        return ok
+
+    def _make_room(self, blocks: int, keep: Sequence | None = None) -> bool:
+        """Preempt the latest-arrived running rows until `blocks` are free; False if they cannot be."""
+        while self.budget.free < blocks:
+            victim = self.sched.preemption_victim()
+            if victim is None or victim is keep:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.host_kv = self.batch.evict(seq)
+        self.sched.preempt(seq)
+        log.info(
+            "preempted request %s (%d tokens of KV to host memory): KV blocks ran out",
+            seq.req.request_id,
+            seq.cache_len,
+        )
+
+    def _growth(self) -> int:
+        """Budget blocks the running rows' next positions need beyond what they hold."""
+        return sum(self._weight(s.kv_dtype) * self._blocks_short(s) for s in self.sched.running)
+
+    def _blocks_short(self, seq: Sequence) -> int:
+        return self.budget.blocks_for(seq.cache_len + 1) - len(seq.blocks)
+
+    def _grow_blocks(self, prev):
+        """Before a step: the block each row's next position needs. When too few are free, the
+        previous step is read first (rows may finish) and then the latest rows are preempted; a
+        row alone that still cannot grow has reached what the budget holds and ends there."""
+        if self._growth() > self.budget.free:
+            if prev is not None:
+                self._resolve(prev)
+                prev = None
+            while self.sched.running and self._growth() > self.budget.free:
+                victim = self.sched.preemption_victim()
+                if len(self.sched.running) == 1 and self.budget.used == victim.kv_units:
+                    self.finish(victim, FinishReason.LENGTH)
+                    self.remove_rows([victim])
+                else:
+                    self._preempt(victim)
+        if self.sched.running:
+            self.budget.take(self._growth())
+            for seq in self.sched.running:
+                seq.kv_units += self._weight(seq.kv_dtype) * self._blocks_short(seq)
+            self.batch.grow()
+        return prev
+
+    def resume_preempted(self) -> None:
+        """Preempted rows come back, oldest first, as their blocks fit in the budget."""
+        for seq in list(self.sched.preempted):
+            cost = self._weight(seq.kv_dtype) * self.budget.blocks_for(seq.cache_len + 1)
+            if not self.budget.take(cost):
+                return
+            seq.kv_units = cost
+            if self.batch is None:
+                self.batch = self.batches.new()
+            self.batch.resume(seq, seq.host_kv)
+            seq.host_kv = None
+            self.sched.resumed(seq)
+            log.info("resumed request %s at %d tokens", seq.req.request_id, seq.cache_len)
+
+    def _drop_batch(self) -> None:
+        """Forget the running batch and every pool (nothing holds blocks any more)."""
+        self.batch = None
+        self.batches.pools.clear()
+
+    def release_memory(self) -> None:
+        """Idle: hand the block pools back (the next request starts a small one)."""
+        if self.batch is None:
+            self.batches.release()
 
     # ---- per-token bookkeeping ---------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
@@ -375,5 +492,5 @@ class ModelRunner:
 
     def drop_all(self) -> None:
         """Forget every row's device state (after the scheduler's queues were emptied)."""
-        self.batch = None
+        self._drop_batch()
         self.inflight = None

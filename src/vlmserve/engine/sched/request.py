@@ -42,6 +42,10 @@ class Sequence:
     whole_prompt: bool = False  # its prompt is prefilled in one piece, never in chunks (the runner says)
     last_in_prefill: bool = False  # prefill runs its last prompt position too (the runner says)
     embedded_len: int | None = None  # the embedded prompt's length (a vision merge may change it)
+    kv_units: int = 0  # KV budget blocks it holds (reserved at admission, then what its blocks cost)
+    blocks: list[int] = field(default_factory=list)  # its KV blocks in the pool of its dtype (the runner's)
+    kv_dtype: Any = None  # the dtype its KV decodes in (the runner's)
+    host_kv: Any = None  # its KV while preempted, copied out of the pool
 
     @property
     def num_prompt(self) -> int:

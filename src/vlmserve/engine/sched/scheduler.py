@@ -6,6 +6,10 @@ step's prefill budget is spent (short new prompts share one batched forward, a l
 goes one chunk per step), and which upcoming requests' inputs to copy to the device ahead of
 time. The runner (engine/runner/) carries the decisions out; every running row then takes
 one batched decode step. A request arriving mid-decode starts its prefill on the next step.
+
+KV memory is counted in blocks (KVBudget): a request is admitted only when the blocks its
+prompt needs are free (a small reserve left for the running rows to grow into), and while a
+preempted row waits to resume, nothing new is admitted before it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest, Sequence
 
 
@@ -31,6 +36,11 @@ class Cancelled:
     waiting: list[EngineRequest]
     prefilling: list[Sequence]
     running: list[Sequence]
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class PromptTooLong(ValueError):
+    """A prompt needs more KV blocks than the whole budget holds."""
 
 
 class Scheduler:
@@ -41,6 +51,7 @@ class Scheduler:
         prefill_chunk: int = 512,
         prefill_budget: int | None = None,
         prefill_bucket: int = 0,
+        kv_budget: KVBudget | None = None,
     ):
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
@@ -50,6 +61,8 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.preempted: list[Sequence] = []  # rows put aside for KV memory, in arrival order
+        self.kv_budget = kv_budget or KVBudget(1 << 30, 32)  # none given: unbounded
 
     # ---- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -58,14 +71,14 @@ class Scheduler:
     # ---- counts ------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.prefilling)
+        return len(self.running) + len(self.prefilling) + len(self.preempted)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.inbox)
 
     def has_requests(self) -> bool:
-        return bool(self.inbox or self.waiting or self.prefilling or self.running)
+        return bool(self.inbox or self.waiting or self.prefilling or self.running or self.preempted)
 
     # ---- decisions -----------------------------------------------------------------
     def take_inbox(self) -> None:
@@ -81,22 +94,44 @@ class Scheduler:
             self.waiting.remove(req)
         for seq in gone.prefilling:
             self.prefilling.remove(seq)
+            self._release(seq)
+        gone.preempted = [s for s in self.preempted if s.req.cancelled]
+        for seq in gone.preempted:
+            self.preempted.remove(seq)
+            seq.host_kv = None
         gone.running = [s for s in self.running if s.req.cancelled]
         return gone
 
     def admit(
         self, make_row: Callable[[EngineRequest], Sequence]
     ) -> tuple[list[Sequence], list[tuple[EngineRequest, Exception]]]:
-        """Admit waiting requests while rows are free; `make_row` builds a request's row state.
-        Returns (admitted rows, [(request, exception)] for requests whose row could not be made)."""
+        """Admit waiting requests while rows and the KV blocks of their prompts are free (none
+        while a preempted row waits); `make_row` builds a request's row state. Returns (admitted
+        rows, [(request, exception)] for requests that cannot run: a row that could not be
+        made, or a prompt longer than the whole KV budget)."""
         admitted, failed = [], []
-        while self.waiting and self.num_running < self.max_num_seqs:
-            req = self.waiting.popleft()
+        budget = self.kv_budget
+        reserve = budget.total // 100  # room for the running rows' next blocks
+        while self.waiting and not self.preempted and self.num_running < self.max_num_seqs:
+            req = self.waiting[0]
+            need = budget.blocks_for(req.prepared.num_prompt_tokens + 1)
+            if need > budget.total:
+                self.waiting.popleft()
+                too_long = PromptTooLong(f"the prompt needs {need} KV blocks; the budget holds {budget.total}")
+                failed.append((req, too_long))
+                continue
+            if need + reserve > budget.free and self.num_running:
+                break  # first come, first served: it waits for blocks
+            if not budget.take(need):
+                break
+            self.waiting.popleft()
             try:  # a request the runner cannot take (e.g. a seed out of range) ends only itself
                 seq = make_row(req)
             except Exception as exc:
+                budget.give(need)
                 failed.append((req, exc))
                 continue
+            seq.kv_units = need
             self.prefilling.append(seq)
             admitted.append(seq)
         return admitted, failed
@@ -171,15 +206,43 @@ class Scheduler:
     def drop_prefilling(self, seq: Sequence) -> None:
         if seq in self.prefilling:
             self.prefilling.remove(seq)
+            self._release(seq)
 
     def remove_running(self, gone: list[Sequence]) -> None:
+        for seq in gone:
+            if seq in self.running:
+                self._release(seq)
         self.running = [s for s in self.running if s not in gone]
+
+    def preempt(self, seq: Sequence) -> None:
+        """A running row steps aside (its KV copied out, its blocks given back by the runner)."""
+        self.running.remove(seq)
+        self._release(seq)
+        self.preempted.append(seq)
+        self.preempted.sort(key=lambda s: s.req.arrival)
+        self.kv_budget.preemptions += 1
+
+    def resumed(self, seq: Sequence) -> None:
+        self.preempted.remove(seq)
+        self.running.append(seq)
+
+    def preemption_victim(self) -> Sequence | None:
+        """The running row to put aside when blocks run out: the one that arrived last."""
+        return max(self.running, key=lambda s: s.req.arrival) if self.running else None
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv_budget.give(seq.kv_units)
+        seq.kv_units = 0
 
     def clear(self) -> tuple[list[EngineRequest], list[Sequence]]:
         """Empty every queue; returns what was waiting and what was admitted (worker death, shutdown)."""
         self.take_inbox()
-        waiting, admitted = list(self.waiting), self.prefilling + self.running
+        waiting, admitted = list(self.waiting), self.prefilling + self.running + self.preempted
         self.waiting.clear()
+        for seq in admitted:
+            self._release(seq)
+            seq.host_kv = None
         self.prefilling = []
         self.running = []
+        self.preempted = []
         return waiting, admitted

@@ -465,10 +465,13 @@ class ServerState:
         m = self.metrics
         m.running.set(self.engine.num_running)
         m.waiting.set(self.engine.num_waiting + self.pending_choices)
-        prefix_usage, kv_tokens = self.engine.cache_gauges()
-        if prefix_usage is not None:
-            m.prefix_cache_usage.set(prefix_usage)
-        m.kv_cache_tokens.set(kv_tokens)
+        gauges = self.engine.cache_gauges()
+        if gauges.prefix_usage is not None:
+            m.prefix_cache_usage.set(gauges.prefix_usage)
+        m.kv_cache_tokens.set(gauges.kv_tokens)
+        m.kv_blocks_used.set(gauges.kv_blocks_used)
+        m.kv_blocks_free.set(gauges.kv_blocks_total - gauges.kv_blocks_used)
+        m.preemptions.set(gauges.preemptions)
 
 
 async def watch_event_loop(histogram, period: float = 0.05) -> None:

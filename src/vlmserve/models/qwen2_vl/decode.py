@@ -1,4 +1,4 @@
-"""A Qwen2-VL / Qwen2.5-VL decode step over the slot cache in few kernels (CUDA).
+"""A Qwen2-VL / Qwen2.5-VL decode step over the paged KV pool in few kernels (CUDA).
 
 On CUDA a compiled decode step is bound by the host's cost per primitive, not by the
 weights' bandwidth. Through mlx_vlm's modules each layer's attention is ~35 primitives:
@@ -8,7 +8,7 @@ reads the same weights in the same order and takes:
   - the fused q/k/v matmul (fused_projections);
   - one kernel that splits q/k/v into heads and rotates q and k, with each product and the
     sum rounded to the activation dtype as mlx_vlm's eager ops round them;
-  - the cache write (engine/ops/slot_layer_cache.py) and the one-query attention kernel
+  - the cache write (engine/ops/paged_layer_cache.py) and the one-query attention kernel
     (engine/ops/decode_attention.py), whose output is already laid out for o_proj.
 The cos/sin tables come from the model's own rotary module, once per step; norms, MLP and
 logits are the model's modules. Off CUDA, and for any other model, mlx_vlm's forward runs.
@@ -25,7 +25,7 @@ from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
 
 from vlmserve.engine.ops import cuda_kernels, decode_attention, few_row_matmul
 from vlmserve.engine.ops.fused_projections import FusedPart
-from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
+from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 
 # The language modules whose layers this step reproduces (their attention and decoder layer
 # are the same code in both families).
@@ -70,8 +70,8 @@ def supports(language_model: nn.Module) -> bool:
 
 
 def applies(caches: list) -> bool:
-    """Per step (with M-RoPE positions given): kernels on, and the slot cache."""
-    return isinstance(caches[0], SlotLayerCache) and cuda_kernels.enabled()
+    """Per step (with M-RoPE positions given): kernels on, and the paged cache."""
+    return isinstance(caches[0], PagedLayerCache) and cuda_kernels.enabled()
 
 
 def _linear(layer: nn.Module, x: mx.array, kernels: bool) -> mx.array:
@@ -128,7 +128,7 @@ def rope_split(
 def forward(
     language_model: nn.Module,
     tokens: mx.array,
-    caches: list[SlotLayerCache],
+    caches: list[PagedLayerCache],
     position_ids: mx.array,
     kernels: bool = True,
 ) -> mx.array:
@@ -149,7 +149,7 @@ def forward(
         keys, values = cache.update_and_fetch(k, v)
         if kernels:
             out = decode_attention.attend(
-                q, keys, values, lengths, attn.scale, out_shape=(batch, 1, attn.n_heads * attn.head_dim)
+                q, cache, lengths, attn.scale, out_shape=(batch, 1, attn.n_heads * attn.head_dim)
             )
         else:
             # The attention function the model's module calls (rebound or not), as its layer would.

@@ -1,5 +1,5 @@
-"""Decode attention over the slot cache: the CUDA kernel agrees with the composed attention;
-elsewhere mlx_vlm's own path runs unchanged."""
+"""Decode attention over the paged KV pool: the CUDA kernel agrees with the composed attention
+(whatever blocks a row's positions sit in); elsewhere mlx_vlm's own path runs unchanged."""
 
 from __future__ import annotations
 
@@ -17,21 +17,42 @@ def test_installed_and_passes_through_off_cuda(qwen_server):
     def compare():
         import mlx.core as mx
 
-        from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
-
         q = mx.random.normal((2, 4, 1, 32), key=mx.random.key(0))
         k = mx.random.normal((2, 2, 16, 32), key=mx.random.key(1))
-        cache = SlotLayerCache(k, k, mx.array([3, 9], dtype=mx.int32))
+        cache = _paged(k, k, [3, 9], block_size=4)
         mask = cache.make_mask(1)
-        ours = decode_attention.scaled_dot_product_attention(q, k, k, cache, scale=0.2, mask=mask)
-        ref = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.2, mask=mask)
-        return np.array(ours), np.array(ref), decode_attention.available(q, k)
+        keys, values = cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+        ours = decode_attention.scaled_dot_product_attention(q, keys, values, cache, scale=0.2, mask=mask)
+        ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)
+        return np.array(ours), np.array(ref), decode_attention.available(q, cache.keys)
 
     ours, ref, on_cuda = qwen_server.on_worker(compare)
     if on_cuda:
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
     else:
         np.testing.assert_array_equal(ours, ref)
+
+
+def _paged(k, v, lengths, block_size: int, seed: int = 0):
+    """A PagedLayerCache holding dense (B, H, L, D) keys and values, each row's blocks scattered
+    over a pool in shuffled order; each row's next position is written after its `lengths`."""
+    import mlx.core as mx
+
+    from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+
+    batch, heads, length, dim = k.shape
+    per_row = -(-(length + 1) // block_size)
+    order = np.random.default_rng(seed).permutation(batch * per_row) + 1  # block 0 stays free
+    table = order.reshape(batch, per_row).astype(np.int32)
+    pool_k = mx.zeros(((batch * per_row + 1) * block_size, heads, dim), k.dtype)
+    pool_v = mx.zeros(((batch * per_row + 1) * block_size, heads, v.shape[-1]), v.dtype)
+    for b in range(batch):
+        where = (table[b][:, None] * block_size + np.arange(block_size)).reshape(-1)[:length]
+        pool_k[mx.array(where)] = k[b].swapaxes(0, 1)
+        pool_v[mx.array(where)] = v[b].swapaxes(0, 1)
+    n = np.asarray(lengths, dtype=np.int32)
+    write = table[np.arange(batch), n // block_size] * block_size + n % block_size
+    return PagedLayerCache(pool_k, pool_v, mx.array(n), mx.array(write), mx.array(table), block_size)
 
 
 def _float32_attention(q, k, v, lengths, scale):
@@ -72,7 +93,8 @@ def test_kernel_matches_float32_attention(qwen_server, dtype, atol, layout):
             for shape in shapes:
                 decode_attention.SHAPES = (shape,)
                 if decode_attention.serves(q, k):
-                    first, second = (decode_attention.attend(q, k, v, n, dim**-0.5) for _ in range(2))
+                    cache = _paged(k, v, [x - 1 for x in lengths], block_size=16, seed=len(results))
+                    first, second = (decode_attention.attend(q, cache, n, dim**-0.5) for _ in range(2))
                     results.append((shape, np.array(first.astype(mx.float32)), np.array(second.astype(mx.float32))))
         finally:
             decode_attention.SHAPES = shapes

@@ -388,26 +388,28 @@ def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_serve
     assert launched_meanwhile[2] is True  # later ones: still pipelined
 
 
-def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
-    """Slots grow their KV capacity for the longest row; once a long request ends, the rows still
-    running go back to a small capacity (not when the batch empties) with the same tokens."""
-    from vlmserve.engine.runner.slot_cache import SlotBatch
+_FIXTURE_BLOCK_BYTES = 2 * 32 * 2 * (16 + 16) * 4  # the qwen2_vl fixture: layers, block, KV heads, dims, float32
 
-    fits = []
-    original = SlotBatch.fit_capacity
 
-    def recording(self, needed):
-        before = self.capacity
-        original(self, needed)
-        fits.append((before, self.capacity))
+def _metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(f"vlmserve:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
 
-    monkeypatch.setattr(SlotBatch, "fit_capacity", recording)
-    server = start_server("qwen2_vl", compile_decode="on", max_num_seqs=4, prefix_cache_tokens=0)
+
+@pytest.mark.parametrize("compile_decode", ["off", "on"])
+def test_rows_preempted_for_kv_blocks_resume_with_the_same_tokens(compile_decode):
+    """A KV budget of 12 blocks (384 positions) holds any one of these requests but not all four
+    grown: the rows that arrived last are put aside (KV to host memory) and resume where they
+    were, with the tokens each gives alone; every block is back once they are done."""
+    budget_gb = 12 * _FIXTURE_BLOCK_BYTES / (1 << 30)
+    server = start_server(
+        "qwen2_vl", compile_decode=compile_decode, max_num_seqs=4, prefix_cache_tokens=0, kv_cache_memory_gb=budget_gb
+    )
     try:
-        long_text = "Tell me everything about this long list: " + " ".join(f"item{i}" for i in range(300))
-        bodies = [chat_body(server.model_id, long_text, [], max_tokens=2, temperature=0)] + [
-            chat_body(server.model_id, f"Short request {i}.", [], max_tokens=24, temperature=0, ignore_eos=True)
-            for i in range(2)
+        assert server.engine.core.sched.kv_budget.total == 12
+        bodies = [
+            chat_body(server.model_id, f"Short request {i}.", [], max_tokens=110, temperature=0, ignore_eos=True)
+            for i in range(4)
         ]
 
         async def run(concurrent):
@@ -417,14 +419,31 @@ def test_kv_capacity_shrinks_when_a_long_request_leaves(monkeypatch):
                     if concurrent
                     else [await _post(c, b) for b in bodies]
                 )
-                return [o["choices"][0]["message"]["content"] for o in outs], outs[0]["usage"]["prompt_tokens"]
+                return [o["choices"][0]["message"]["content"] for o in outs]
 
-        alone, prompt_tokens = asyncio.run(run(False))
-        assert prompt_tokens > 512  # the long row needs a bucket of 1024 positions or more
-        fits.clear()
-        together, _ = asyncio.run(run(True))
+        alone = asyncio.run(run(False))
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert _metric(metrics, "num_preemptions") == 0
+        together = asyncio.run(run(True))
         assert together == alone
-        assert any(before >= 1024 and after == 256 for before, after in fits)  # the short rows went on at 256
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert _metric(metrics, "num_preemptions") >= 1
+        assert _metric(metrics, "kv_blocks_used") == 0 and _metric(metrics, "kv_blocks_free") == 12
+    finally:
+        server.stop()
+
+
+def test_context_is_capped_to_what_the_kv_budget_holds():
+    """A prompt longer than the whole KV budget is a 400 before any work, not a request that
+    waits forever for blocks."""
+    server = start_server("qwen2_vl", kv_cache_memory_gb=4 * _FIXTURE_BLOCK_BYTES / (1 << 30))
+    try:
+        long_text = "Tell me everything about this long list: " + " ".join(f"item{i}" for i in range(150))
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json=chat_body(server.model_id, long_text, [], max_tokens=4))
+            assert r.status_code == 400, r.text
+            short = chat_body(server.model_id, "Hi.", [], max_tokens=4, temperature=0)
+            assert c.post("/v1/chat/completions", json=short).status_code == 200
     finally:
         server.stop()
 

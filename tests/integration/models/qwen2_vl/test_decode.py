@@ -1,4 +1,4 @@
-"""The Qwen decode step over the slot cache (engine/qwen_decode.py) computes what mlx_vlm's
+"""The Qwen decode step over the paged KV pool (models/qwen2_vl/decode.py) computes what mlx_vlm's
 language model computes for that step: bit for bit with the composed ops on every backend,
 and on CUDA with its kernels (the q/k/v split and rotation bit for bit, the attention to bf16
 rounding)."""
@@ -11,28 +11,54 @@ import pytest
 from support.helpers import MODELS, on_own_thread
 
 
-def _steps(lm, step_fn, steps: int = 3, capacity: int = 256):
-    """`steps` greedy steps from a random slot cache; returns each step's logits and the final caches."""
+def _paged_rows(layers: int, kv_shape, dtype, lengths: list[int], capacity: int, block_size: int = 16):
+    """A random pool holding `len(lengths)` rows of up to `capacity` positions each, their
+    blocks in shuffled order; a row of length 0 holds no blocks (an empty row)."""
     import mlx.core as mx
 
-    from vlmserve.engine.ops.slot_layer_cache import SlotLayerCache
-    from vlmserve.engine.runner.slot_cache import SlotBatch
+    from vlmserve.engine.runner.block_pool import BlockPool
+
+    per_row = capacity // block_size
+    pool = BlockPool(layers, kv_shape, dtype, block_size, blocks=len(lengths) * per_row + 1)
+    pool.keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(dtype) for i, k in enumerate(pool.keys)]
+    pool.values = [
+        mx.random.normal(v.shape, key=mx.random.key(100 + i)).astype(dtype) for i, v in enumerate(pool.values)
+    ]
+    order = np.random.default_rng(0).permutation(len(lengths) * per_row) + 1
+    table = order.reshape(len(lengths), per_row).astype(np.int32)
+    table[np.asarray(lengths) == 0] = 0
+    return pool, table
+
+
+def _write_index(table, lengths, block_size: int = 16):
+    import mlx.core as mx
+
+    n = np.asarray(lengths)
+    return mx.array((table[np.arange(len(n)), n // block_size] * block_size + n % block_size).astype(np.int32))
+
+
+def _steps(lm, step_fn, steps: int = 3, capacity: int = 256):
+    """`steps` greedy steps over a random paged pool; returns each step's logits and the final pools."""
+    import mlx.core as mx
+
+    from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 
     attn = lm.model.layers[0].self_attn
     layers = len(lm.model.layers)
     dtype = lm.model.embed_tokens.weight.dtype
     mx.random.seed(1)
     batch = 4
-    kv = SlotBatch(layers, (attn.n_kv_heads, attn.head_dim, attn.head_dim), dtype, slots=batch, capacity=capacity)
-    keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(dtype) for i, k in enumerate(kv.keys)]
-    values = [mx.random.normal(v.shape, key=mx.random.key(100 + i)).astype(dtype) for i, v in enumerate(kv.values)]
-    lengths = mx.array([5, 40, 1, 0], dtype=mx.int32)  # the last slot empty, as a free slot is
+    start = [5, 40, 1, 0]  # the last row empty, as a free row is
+    pool, table = _paged_rows(layers, (attn.n_kv_heads, attn.head_dim, attn.head_dim), dtype, start, capacity)
+    keys, values = pool.keys, pool.values
+    lengths = mx.array(start, dtype=mx.int32)
     tokens = mx.array([3, 17, 101, 0], dtype=mx.int32)
     positions = lengths + mx.array([0, 12, -1, 0], dtype=mx.int32)  # with rope deltas
     out = []
-    for _ in range(steps):
+    for i in range(steps):
         shared: dict = {}
-        caches = [SlotLayerCache(k, v, lengths, shared) for k, v in zip(keys, values)]
+        write = _write_index(table, [n + i if n else 0 for n in start])
+        caches = [PagedLayerCache(k, v, lengths, write, mx.array(table), 16, shared) for k, v in zip(keys, values)]
         pos = mx.broadcast_to(positions.reshape(1, -1, 1), (3, batch, 1))
         logits = step_fn(tokens, caches, pos)
         mx.eval(logits, [c.keys for c in caches], [c.values for c in caches])
@@ -40,7 +66,8 @@ def _steps(lm, step_fn, steps: int = 3, capacity: int = 256):
         out.append(np.array(logits.astype(mx.float32)))
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         lengths, positions = lengths + 1, positions + 1
-    return out, [np.array(k.astype(mx.float32)) for k in keys + values]
+    # Block 0 takes the empty row's writes, which nobody reads: compare the rest.
+    return out, [np.array(k[16:].astype(mx.float32)) for k in keys + values]
 
 
 def _language_model(name: str, tied: bool, dtype: str):
@@ -125,7 +152,7 @@ def test_which_models_take_the_step():
 
 
 def test_server_step_routes_through_forward(monkeypatch):
-    """QwenVLModel.decode (the runner's step) hands a Qwen slot-cache step to qwen_decode.forward with
+    """QwenVLModel.decode (the runner's step) hands a Qwen paged step to qwen_decode.forward with
     the positions mlx_vlm would get, and the logits match mlx_vlm's step. The kernels are
     swapped for the composed ops so this runs on any backend."""
     from vlmserve.models.qwen2_vl import decode as qwen_decode
@@ -143,23 +170,22 @@ def test_server_step_routes_through_forward(monkeypatch):
     def work():
         import mlx.core as mx
 
-        from vlmserve.engine.runner.slot_cache import SlotBatch, make_decode_step
+        from vlmserve.engine.runner.decode_batch import make_decode_step
         from vlmserve.models.qwen2_vl.adapter import QwenVLModel
 
         vlm = QwenVLModel(MODELS / "qwen2_vl")
-        kv = SlotBatch(*vlm.kv_layout(), slots=4, capacity=64)
-        kv.keys = [mx.random.normal(k.shape, key=mx.random.key(i)).astype(k.dtype) for i, k in enumerate(kv.keys)]
-        kv.values = [
-            mx.random.normal(v.shape, key=mx.random.key(50 + i)).astype(v.dtype) for i, v in enumerate(kv.values)
-        ]
+        start = [5, 40, 1, 0]
+        pool, table = _paged_rows(*vlm.kv_layout(), start, capacity=64)
         tokens = mx.array([3, 17, 101, 0], dtype=mx.int32)
-        lengths = mx.array([5, 40, 1, 0], dtype=mx.int32)
+        lengths = mx.array(start, dtype=mx.int32)
         positions = lengths + mx.array([0, 12, -1, 0], dtype=mx.int32)
-        step = make_decode_step(vlm.decode, compiled=False)
+        step = make_decode_step(vlm.decode, 16, compiled=False)
         out = {}
         for fast in (False, True):
             vlm.fast_decode = fast
-            logits, *new_kv = step(tokens, positions, lengths, *kv.arrays())
+            logits, *new_kv = step(
+                tokens, positions, lengths, _write_index(table, start), mx.array(table), *pool.arrays()
+            )
             out[fast] = [np.array(logits)] + [np.array(a) for a in new_kv]
         return out
 

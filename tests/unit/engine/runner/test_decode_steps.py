@@ -1,5 +1,5 @@
 """A decode shape's first step runs eagerly; its second traces the compiled step on the live
-arrays (no second set of KV buffers), and later steps replay it."""
+arrays (no second pool), and later steps replay it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 
 from support.helpers import on_own_thread
+from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.decode_batch import DecodeSteps
-from vlmserve.engine.runner.slot_cache import SlotBatch
 
 
 class _Model:
@@ -33,31 +33,42 @@ class _Counting:
     def __init__(self, fn):
         self.fn, self.calls = fn, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls += 1
-        return self.fn(*args)
+        return self.fn(*args, **kwargs)
 
 
-def _inputs(slots: int, capacity: int):
-    kv = SlotBatch(2, (1, 4, 4), mx.float32, slots=slots, capacity=capacity)
-    tokens = mx.arange(1, kv.slots + 1, dtype=mx.int32)
-    lengths = mx.zeros((kv.slots,), dtype=mx.int32)
-    return tokens, lengths, kv.arrays()
+BLOCK = 4
+
+
+def _pool():
+    return BlockPool(2, (1, 4, 4), mx.float32, BLOCK, blocks=16)
+
+
+def _inputs(rows: int, width: int, pool=None):
+    """Row r holds block r + 1 and writes its first position there."""
+    pool = pool or _pool()
+    tokens = mx.arange(1, rows + 1, dtype=mx.int32)
+    lengths = mx.zeros((rows,), dtype=mx.int32)
+    table = mx.array(np.arange(1, rows + 1, dtype=np.int32)[:, None] * np.ones((1, width), np.int32))
+    write = mx.arange(1, rows + 1, dtype=mx.int32) * BLOCK
+    return tokens, lengths, write, table, pool.arrays()
 
 
 def test_new_shape_runs_eagerly_once_then_compiled():
     def work():
-        steps = DecodeSteps(_Model(), compiled=True)
+        steps = DecodeSteps(_Model(), BLOCK, compiled=True)
         steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
-        tokens, lengths, kv = _inputs(4, 300)
-        first = steps(tokens, None, lengths, *kv)
+        tokens, lengths, write, table, kv = _inputs(4, 3)
+        first = steps(tokens, None, lengths, write, table, *kv)
         assert (steps.eager.calls, steps.compiled.calls) == (1, 0)  # no trace in a shape's first step
         assert steps.traced == set()
+        assert steps.reads_pool == {mx.float32: False}  # its attention gathered the rows' KV
 
-        second = steps(tokens, None, lengths, *kv)
+        second = steps(tokens, None, lengths, write, table, *kv)
         assert (steps.eager.calls, steps.compiled.calls) == (1, 1)
-        assert steps.traced == {(4, 512, mx.float32)}  # slots and capacity as bucketed
-        third = steps(tokens, None, lengths, *kv)
+        assert steps.traced == {(4, 3, 16 * BLOCK, mx.float32)}  # rows, table width, pool size, dtype
+        third = steps(tokens, None, lengths, write, table, *kv)
         assert (steps.eager.calls, steps.compiled.calls) == (1, 2)
         for a, b, c in zip(first, second, third):
             np.testing.assert_allclose(np.array(a), np.array(b))
@@ -68,11 +79,12 @@ def test_new_shape_runs_eagerly_once_then_compiled():
 
 def test_warm_up_traces_ahead_so_the_first_step_runs_compiled():
     def work():
-        steps = DecodeSteps(_Model(), compiled=True)
-        steps.trace(4, 300, mx.float32)
+        steps = DecodeSteps(_Model(), BLOCK, compiled=True)
+        pool = _pool()
+        steps.trace(pool, 4, 3)
         steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
-        tokens, lengths, kv = _inputs(4, 300)
-        steps(tokens, None, lengths, *kv)
+        tokens, lengths, write, table, kv = _inputs(4, 3, pool)
+        steps(tokens, None, lengths, write, table, *kv)
         assert (steps.eager.calls, steps.compiled.calls) == (0, 1)
 
     on_own_thread(work)
@@ -80,11 +92,11 @@ def test_warm_up_traces_ahead_so_the_first_step_runs_compiled():
 
 def test_without_compilation_every_step_runs_eagerly():
     def work():
-        steps = DecodeSteps(_Model(), compiled=False)
+        steps = DecodeSteps(_Model(), BLOCK, compiled=False)
         steps.eager = _Counting(steps.eager)
-        tokens, lengths, kv = _inputs(2, 10)
+        tokens, lengths, write, table, kv = _inputs(2, 10)
         for _ in range(3):
-            steps(tokens, None, lengths, *kv)
+            steps(tokens, None, lengths, write, table, *kv)
         assert steps.eager.calls == 3 and steps.traced == set()
 
     on_own_thread(work)

@@ -1,0 +1,60 @@
+"""The paged KV pool (engine/runner/block_pool.py): block ids, growth, and a row's KV in and
+out unchanged (to the host and back, bfloat16 included)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from support.helpers import on_own_thread
+
+
+def test_blocks_are_handed_out_grown_and_returned():
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.block_pool import BlockPool
+
+    def work():
+        pool = BlockPool(2, (2, 4, 4), mx.float32, block_size=8, blocks=4)
+        first = pool.allocate(3)
+        assert sorted(first) == [1, 2, 3] and pool.used == 3  # block 0 is never handed out
+        kv = [(mx.random.normal((20, 2, 4), key=mx.random.key(i)), mx.full((20, 2, 4), float(i))) for i in range(2)]
+        pool.write(first, kv, 20)
+        more = pool.allocate(2)  # 4 blocks cannot hold 6: the pool doubles, keeping what it holds
+        assert pool.num_blocks == 8 and pool.keys[0].shape == (64, 2, 4) and set(more) & set(first) == set()
+        for (k, v), (rk, rv) in zip(kv, pool.read(first, 20)):
+            assert mx.array_equal(k, rk).item() and mx.array_equal(v, rv).item()
+        pool.release(first)
+        assert pool.used == 2
+        again = pool.allocate(3)
+        assert sorted(again) == sorted(first)  # released blocks are used again before new ones
+
+    on_own_thread(work)
+
+
+def test_a_rows_kv_goes_to_the_host_and_back_bit_for_bit():
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.block_pool import BlockPool
+
+    def work():
+        results = []
+        for dtype in (mx.bfloat16, mx.float16, mx.float32):
+            pool = BlockPool(3, (2, 8, 8), dtype, block_size=4, blocks=8)
+            blocks = pool.allocate(3)
+            kv = [
+                (mx.random.normal((10, 2, 8), key=mx.random.key(i)).astype(dtype), mx.full((10, 2, 8), i, dtype))
+                for i in range(3)
+            ]
+            pool.write(blocks, kv, 10)
+            host = pool.to_host(blocks, 10)
+            assert all(isinstance(k, np.ndarray) for k, _ in host)
+            pool.release(blocks)
+            other = pool.allocate(1) + pool.allocate(2)  # somewhere else in the pool
+            pool.from_host(other, host, 10)
+            back = pool.read(other, 10)
+            results.append(
+                all(mx.array_equal(a, b).item() for (k, v), (rk, rv) in zip(kv, back) for a, b in ((k, rk), (v, rv)))
+            )
+        return results
+
+    assert on_own_thread(work) == [True, True, True]
