@@ -55,6 +55,12 @@ class Metrics:
         self.kv_cache_tokens = gauge("kv_cache_usage_tokens", "Tokens held in the running batch's KV cache")
         self.kv_blocks_used = gauge("kv_blocks_used", "KV budget blocks held by admitted requests")
         self.kv_blocks_free = gauge("kv_blocks_free", "KV budget blocks free")
+        self.device_memory = Gauge(
+            "vlmserve:device_memory_bytes",
+            "MLX device memory: active, cache (freed buffers kept), peak (since start), kv_pool (KV block pools)",
+            m + ["kind"],
+            registry=r,
+        )
         self.preemptions = gauge(
             "num_preemptions", "Requests put aside (KV to host memory) when KV blocks ran out, since start"
         )

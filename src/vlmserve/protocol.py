@@ -116,6 +116,7 @@ class CacheGauges:
     kv_blocks_used: int = 0  # KV budget blocks held by admitted rows
     kv_blocks_total: int = 0
     preemptions: int = 0  # rows put aside for KV memory since start
+    memory: dict[str, int] = field(default_factory=dict)  # MLX's device memory in bytes: active, cache, peak
 
 
 @dataclass

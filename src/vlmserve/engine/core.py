@@ -73,6 +73,8 @@ class EngineCore:
         self.stats = self.runner.stats
         self.idle_release_s = idle_release_s  # idle this long before MLX's buffer cache is handed back
         self._idle_since: float | None = None  # when the last step ran out of work (None: busy, or released)
+        self._memory: dict[str, int] = {}  # MLX's memory figures, read on the worker (step_memory)
+        self._memory_read = 0.0
 
     @classmethod
     def load(
@@ -182,6 +184,19 @@ class EngineCore:
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
         self._idle_since = None if self.has_work() else time.monotonic()
+        self._read_memory()
+
+    def _read_memory(self) -> None:
+        """MLX's memory figures for the gauges, at most once a second (read here, on the worker)."""
+        now = time.monotonic()
+        if now - self._memory_read >= 1.0:
+            self._memory_read = now
+            self._memory = {
+                "active": mx.get_active_memory(),
+                "cache": mx.get_cache_memory(),
+                "peak": mx.get_peak_memory(),
+                "kv_pool": self.runner.batches.pool_bytes(),
+            }
 
     def _drop_cancelled(self) -> None:
         gone = self.sched.take_cancelled()
@@ -254,6 +269,7 @@ class EngineCore:
             kv_blocks_used=budget.used,
             kv_blocks_total=budget.total,
             preemptions=budget.preemptions,
+            memory=dict(self._memory),
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------

@@ -169,18 +169,26 @@ class PagedDecodeBatch:
         return -(-tokens // self.pool.block_size)
 
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
-        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
+        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together.
+        Every row's KV goes into the pool in one gather and one scatter per layer."""
         end = rows_cache[0]._idx if rows_cache else 0
+        sources, targets = [], []
         for i, owner in enumerate(owners):
             n = owner.cache_len
             owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
             if n:
-                layer_kv = [
-                    (c.keys[i, :, end - n : end, :].swapaxes(0, 1), c.values[i, :, end - n : end, :].swapaxes(0, 1))
-                    for c in rows_cache
-                ]
-                self.pool.write(owner.blocks, layer_kv, n)
+                span = rows_cache[0].keys.shape[2]
+                sources.append(np.arange(i * span + end - n, i * span + end, dtype=np.int32))
+                targets.append(self.pool.slots(owner.blocks, n))
             self._place(owner)
+        if sources:
+            take = mx.array(np.concatenate(sources))
+
+            def rows(a: mx.array) -> mx.array:  # (B, H, T, D) -> the rows' positions, (sum n, H, D)
+                return a.swapaxes(1, 2).reshape(-1, a.shape[1], a.shape[3])[take]
+
+            layer_kv = [(rows(c.keys), rows(c.values)) for c in rows_cache]
+            self.pool.write_at(mx.array(np.concatenate(targets)), layer_kv)
 
     def resume(self, owner: Any, host_kv: list) -> None:
         """A preempted row comes back with the KV `evict` gave out."""

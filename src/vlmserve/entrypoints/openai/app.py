@@ -472,6 +472,8 @@ class ServerState:
         m.kv_blocks_used.set(gauges.kv_blocks_used)
         m.kv_blocks_free.set(gauges.kv_blocks_total - gauges.kv_blocks_used)
         m.preemptions.set(gauges.preemptions)
+        for kind, value in gauges.memory.items():
+            m.device_memory.labels(m.model_name, kind).set(value)
 
 
 async def watch_event_loop(histogram, period: float = 0.05) -> None:

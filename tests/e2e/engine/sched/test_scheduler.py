@@ -429,6 +429,8 @@ def test_rows_preempted_for_kv_blocks_resume_with_the_same_tokens(compile_decode
         metrics = httpx.get(f"{server.base_url}/metrics").text
         assert _metric(metrics, "num_preemptions") >= 1
         assert _metric(metrics, "kv_blocks_used") == 0 and _metric(metrics, "kv_blocks_free") == 12
+        pool = next(x for x in metrics.splitlines() if x.startswith("vlmserve:device_memory_bytes") and "kv_pool" in x)
+        assert float(pool.rsplit(" ", 1)[1]) > 0  # kept until idle for --release-cache-after-idle
     finally:
         server.stop()
 
