@@ -68,6 +68,9 @@ class EngineCore:
             self.sched,
             prefix_cache_tokens=prefix_cache_tokens,
             compile_decode=compile_decode,
+            # A pool that grows changes the decode step's shapes, whose first runs build GPU
+            # kernels: start with room for every row at two prefill chunks, as warm-up assumes.
+            initial_pool_tokens=max_num_seqs * 2 * prefill_chunk,
             hooks=hooks,
         )
         self.stats = self.runner.stats

@@ -5,16 +5,20 @@ a running row owns a list of block ids (its block table), so a decode step's sha
 depend on how long any row's context is (engine/ops/paged_layer_cache.py). Block 0 is never
 handed out: empty rows of a step write there.
 
-The pool starts small and doubles when rows need more blocks than it has (a copy, a few
-times over a server's life); the scheduler's KVBudget bounds how many blocks are in use, so
-the pool never outgrows the budget by more than that doubling. Dropping the pool (idle)
-hands its memory back; the next request starts a small one again.
+The pool starts with room for every row at a moderate length and doubles when rows need more
+blocks than it has (a copy, a few times over a server's life); the scheduler's KVBudget
+bounds how many blocks are in use, so the pool never outgrows the budget by more than that
+doubling. Dropping the pool (idle) hands its memory back; the next request starts anew.
 """
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 _HOST_VIEW = {mx.bfloat16: mx.uint16}  # dtypes NumPy lacks travel to the host as same-size ints
 
@@ -62,6 +66,8 @@ class BlockPool:
         self.values = [mx.concatenate([v, mx.zeros((extra, *v.shape[1:]), v.dtype)]) for v in self.values]
         self.free = list(range(size - 1, self.num_blocks - 1, -1)) + self.free
         self.num_blocks = size
+        gb = sum(a.nbytes for a in self.arrays()) / 1e9
+        log.info("KV pool (%s) grew to %d blocks (%.2f GB)", str(self.dtype).removeprefix("mlx.core."), size, gb)
 
     # ---- moving one row's KV in and out -----------------------------------------------
     def slots(self, blocks: list[int], length: int) -> np.ndarray:

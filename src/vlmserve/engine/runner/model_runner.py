@@ -53,7 +53,7 @@ class ModelRunner:
         *,
         prefix_cache_tokens: int = 65536,
         compile_decode: bool = False,
-        initial_pool_tokens: int = 16384,
+        initial_pool_tokens: int = 16384,  # what a pool holds before it first grows
         hooks: Any = None,
     ):
         self.model = model  # the family's ModelAdapter (models/)
