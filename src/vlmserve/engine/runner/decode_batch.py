@@ -108,45 +108,6 @@ class PaddedDecodeBatch:
         return [(0, len(rows), self.model.decode(tokens, self.cache, self.model.decode_positions(rows)))]
 
 
-class BlockTable:
-    """The step's block table, kept on the device and changed where rows gained blocks.
-
-    Copying the whole table each step costs more than its size suggests on CUDA: an array
-    made from host memory is paged over to the GPU when a kernel first reads it. Usually only
-    a few rows crossed into a new block since the last step; a new width or row count (rare)
-    uploads it whole."""
-
-    def __init__(self):
-        self.array: mx.array | None = None
-        # Per row: (the block list it was copied from, how many of its blocks the table holds).
-        # A list, not its owner: a preempted row that resumes has new blocks in a new list.
-        self.synced: list[tuple[Any, int]] = []
-
-    def update(self, rows: list[Any], width: int) -> mx.array:
-        if self.array is None or self.array.shape != (len(rows), width):
-            host = np.zeros((len(rows), width), np.int32)
-            for i, row in enumerate(rows):
-                if row is not None:
-                    host[i, : len(row.blocks)] = row.blocks
-            self.array = mx.array(host)
-            self.synced = [(row.blocks, len(row.blocks)) if row is not None else (None, 0) for row in rows]
-            return self.array
-        at, cols, ids = [], [], []
-        for i, row in enumerate(rows):
-            if row is None:
-                continue
-            blocks, have = self.synced[i]
-            start = have if blocks is row.blocks else 0
-            if start < len(row.blocks):
-                at += [i] * (len(row.blocks) - start)
-                cols += range(start, len(row.blocks))
-                ids += row.blocks[start:]
-                self.synced[i] = (row.blocks, len(row.blocks))
-        if ids:
-            self.array[mx.array(at), mx.array(cols)] = mx.array(ids, dtype=mx.int32)
-        return self.array
-
-
 class PagedDecodeBatch:
     """Running rows of one KV dtype over that dtype's block pool. The runner decides how many
     blocks a row may hold (the KV budget); this places them in the pool and builds each
@@ -160,7 +121,6 @@ class PagedDecodeBatch:
         self.pool = pool
         self.context_length = context_length
         self.rows: list[Any] = []
-        self.table = BlockTable()
 
     def layout(self) -> list[Any]:
         return list(self.rows)
@@ -169,26 +129,18 @@ class PagedDecodeBatch:
         return -(-tokens // self.pool.block_size)
 
     def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
-        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together.
-        Every row's KV goes into the pool in one gather and one scatter per layer."""
+        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
         end = rows_cache[0]._idx if rows_cache else 0
-        sources, targets = [], []
         for i, owner in enumerate(owners):
             n = owner.cache_len
             owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
             if n:
-                span = rows_cache[0].keys.shape[2]
-                sources.append(np.arange(i * span + end - n, i * span + end, dtype=np.int32))
-                targets.append(self.pool.slots(owner.blocks, n))
+                layer_kv = [
+                    (c.keys[i, :, end - n : end, :].swapaxes(0, 1), c.values[i, :, end - n : end, :].swapaxes(0, 1))
+                    for c in rows_cache
+                ]
+                self.pool.write(owner.blocks, layer_kv, n)
             self._place(owner)
-        if sources:
-            take = mx.array(np.concatenate(sources))
-
-            def rows(a: mx.array) -> mx.array:  # (B, H, T, D) -> the rows' positions, (sum n, H, D)
-                return a.swapaxes(1, 2).reshape(-1, a.shape[1], a.shape[3])[take]
-
-            layer_kv = [(rows(c.keys), rows(c.values)) for c in rows_cache]
-            self.pool.write_at(mx.array(np.concatenate(targets)), layer_kv)
 
     def resume(self, owner: Any, host_kv: list) -> None:
         """A preempted row comes back with the KV `evict` gave out."""
@@ -228,20 +180,23 @@ class PagedDecodeBatch:
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
         """Logits (rows, V) of one step; `rows` is this step's `layout()`."""
         bs = self.pool.block_size
+        live = [r for r in rows if r is not None]
+        needed = self.blocks_for(max(r.cache_len for r in live) + 1)
+        width = self.step.table_width(self.pool.dtype, needed, self.blocks_for(self.context_length), bs)
+        table = np.zeros((len(rows), width), np.int32)
         write = np.zeros(len(rows), np.int32)  # empty rows write into block 0, which nobody reads
         lengths = np.zeros(len(rows), np.int32)
         for i, row in enumerate(rows):
             if row is not None:
+                table[i, : len(row.blocks)] = row.blocks
                 write[i] = row.blocks[row.cache_len // bs] * bs + row.cache_len % bs
                 lengths[i] = row.cache_len
-        needed = self.blocks_for(int(lengths.max()) + 1)
-        width = self.step.table_width(self.pool.dtype, needed, self.blocks_for(self.context_length), bs)
         out = self.step(
             tokens,
             self.model.decode_positions(rows),
             mx.array(lengths),
             mx.array(write),
-            self.table.update(rows, width),
+            mx.array(table),
             *self.pool.arrays(),
         )
         self.pool.set_arrays(out[1:])
