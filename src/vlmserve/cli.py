@@ -83,6 +83,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--block-size", dest="kv_block_size", type=int, default=d.kv_block_size, help="positions per KV block"
     )
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) to use instead"
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "mistral", "llama3_json", "pythonic"],
+        default=d.tool_call_parser,
+        help="the format of the model's tool calls (auto: from its chat template)",
+    )
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
     p.add_argument(
         "--preprocess-processes",

@@ -35,6 +35,8 @@ class ServerConfig:
     mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool
     release_cache_after_idle_s: float = 60.0  # then hand that pool back (the next request re-allocates)
     default_max_tokens: int = 512
+    chat_template: str | None = None  # a Jinja file, or the template itself, instead of the model's
+    tool_call_parser: str = "auto"  # hermes | mistral | llama3_json | pythonic | auto (from the template)
 
     # CPU preprocessing
     preprocess_workers: int = max(2, min(8, os.cpu_count() or 2))

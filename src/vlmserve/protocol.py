@@ -52,6 +52,8 @@ class SamplingParams:
     json_mode: bool = False
     ignore_eos: bool = False  # vLLM extension: benchmarks need exactly max_tokens tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's logit_bias
+    # An llguidance grammar (its JSON form) the output must match: json_schema outputs, forced tool calls.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +73,9 @@ class ChatMessage:
     role: str
     # Ordered parts: ("text", str) or ("image", ImageRef)
     parts: list[tuple[str, Any]]
+    tool_calls: list[dict] | None = None  # an assistant's calls: [{"id", "type", "function": {name, arguments}}]
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
 
 @dataclass
@@ -81,6 +86,11 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens_requested: bool = False  # the client set max_tokens / max_completion_tokens (not our default)
+    tools: list[dict] | None = (
+        None  # function definitions the template is shown: [{"name", "description", "parameters"}]
+    )
+    tool_choice: Any = "auto"  # "none" | "auto" | "required" | a function's name (str, after validation)
+    parallel_tool_calls: bool = True
 
     @property
     def images(self) -> list[ImageRef]:

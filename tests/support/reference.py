@@ -6,7 +6,7 @@ from functools import cache
 from pathlib import Path
 
 from vlmserve.inputs.media import MediaPolicy, decode_image
-from vlmserve.protocol import ChatMessage, ImageRef
+from vlmserve.protocol import ChatMessage, ChatRequest, ImageRef, SamplingParams
 
 
 class _WithoutPadding:
@@ -33,7 +33,7 @@ def _mlx_vlm_processor(model_path: str):
 
 def rendered_prompt(server, text: str, n_images: int) -> str:
     parts = [("image", ImageRef("x", "x")) for _ in range(n_images)] + [("text", text)]
-    return server.state.preprocessor.render([ChatMessage("user", parts)])
+    return server.state.preprocessor.render(ChatRequest([ChatMessage("user", parts)], SamplingParams()))
 
 
 def mlx_vlm_text(server, text: str, image_paths: list[Path], max_tokens: int) -> str:
@@ -43,7 +43,9 @@ def mlx_vlm_text(server, text: str, image_paths: list[Path], max_tokens: int) ->
 
 def mlx_vlm_chat_text(server, messages: list[ChatMessage], image_paths: list[Path], max_tokens: int) -> str:
     """mlx_vlm.generate on the server's rendering of a whole chat (images in message order)."""
-    return mlx_vlm_generate(server, server.state.preprocessor.render(messages), image_paths, max_tokens)
+    return mlx_vlm_generate(
+        server, server.state.preprocessor.render(ChatRequest(messages, SamplingParams())), image_paths, max_tokens
+    )
 
 
 def mlx_vlm_generate(server, prompt: str, image_paths: list[Path], max_tokens: int) -> str:

@@ -12,8 +12,10 @@ import asyncio
 import base64
 import inspect
 import io
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -46,15 +48,46 @@ def media_policy(config: ServerConfig) -> MediaPolicy:
 def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Internal messages -> the content-part form that VLM chat templates expect. A text part
     carries its text under both keys templates read (`text`, and `content` as mlx-vlm's own
-    message builder writes it, and some templates read only that one)."""
+    message builder writes it, and some templates read only that one). Tool results and
+    assistant turns that called tools carry their text as a string (tool templates print it),
+    and earlier calls with their arguments as objects (templates serialise them)."""
     out = []
     for msg in messages:
         role = "system" if msg.role == "developer" else msg.role
-        content = [
+        content: Any = [
             {"type": "text", "text": p, "content": p} if kind == "text" else {"type": "image"} for kind, p in msg.parts
         ]
-        out.append({"role": role, "content": content})
+        if role == "tool" or msg.tool_calls:
+            content = "".join(p for kind, p in msg.parts if kind == "text")
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if msg.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": _arguments(c)}}
+                for c in msg.tool_calls
+            ]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
     return out
+
+
+def _arguments(call: dict) -> Any:
+    try:
+        return json.loads(call["arguments"])
+    except ValueError:
+        return call["arguments"]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself when it names no file."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    return value
 
 
 def warmup_chats(image_sizes) -> list[tuple[str, ChatRequest]]:
@@ -88,6 +121,11 @@ class Preprocessor:
         self.adapter: ProcessorAdapter = processor_adapter(model_type or "")
         self.processor = self.adapter.prepare_processor(processor, pixel_dtype, config.max_pixels)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        # Some processors keep the chat template on their tokenizer only.
+        self.template_owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        self.chat_template: str | None = load_chat_template(config.chat_template) or getattr(
+            self.template_owner, "chat_template", None
+        )
         try:  # the longest vocabulary entry bounds the characters one token covers (check_text_length)
             self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=0)
         except (AttributeError, TypeError, NotImplementedError):
@@ -136,14 +174,17 @@ class Preprocessor:
                 raise
 
     # ---- pool threads ------------------------------------------------------------
-    def render(self, messages: list[ChatMessage]) -> str:
-        # Some processors keep the chat template on their tokenizer only.
-        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
-        template_messages = to_template_messages(messages)
-        if not getattr(owner, "chat_template", None):
+    def render(self, chat: ChatRequest) -> str:
+        template_messages = to_template_messages(chat.messages)
+        if not self.chat_template:
             return plain_prompt(self.processor, template_messages)  # a prompt-only model
+        extra = {}
+        if chat.tools and chat.tool_choice != "none":
+            extra["tools"] = [{"type": "function", "function": t} for t in chat.tools]
         try:
-            return owner.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+            return self.template_owner.apply_chat_template(
+                template_messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False, **extra
+            )
         except jinja2.TemplateError as exc:  # the template refuses these messages (raise_exception)
             raise EngineError(
                 f"the model's chat template rejected these messages: {exc}", code="invalid_messages", param="messages"
@@ -161,7 +202,7 @@ class Preprocessor:
 
     def encode_chat(self, chat: ChatRequest, images: list[Image.Image]) -> PreparedRequest:
         """A request's PreparedRequest; 400 (context_length_exceeded) if it cannot fit the context."""
-        prepared = self.encode(self.render(chat.messages), images)
+        prepared = self.encode(self.render(chat), images)
         check_context(chat, prepared.num_prompt_tokens, self.context_length)
         return prepared
 

@@ -91,7 +91,7 @@ def test_a_checkpoint_without_a_chat_template_is_served_with_mlx_vlms_plain_prom
     from support.helpers import IMAGES, data_uri
     from support.reference import mlx_vlm_chat_text
     from support.server import start_server
-    from vlmserve.protocol import ChatMessage, ImageRef
+    from vlmserve.protocol import ChatMessage, ChatRequest, ImageRef, SamplingParams
 
     path = _without_chat_template(checkpoint("paligemma", "float32", tmp_path), tmp_path / "no-template")
     server = start_server(str(path))
@@ -102,7 +102,7 @@ def test_a_checkpoint_without_a_chat_template_is_served_with_mlx_vlms_plain_prom
             r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         messages = [ChatMessage("user", [("image", ImageRef("x", "x")), ("text", "caption en")])]
-        assert server.state.preprocessor.render(messages).endswith("caption en")
+        assert server.state.preprocessor.render(ChatRequest(messages, SamplingParams())).endswith("caption en")
         assert r.json()["choices"][0]["message"]["content"] == mlx_vlm_chat_text(server, messages, [image], 8)
     finally:
         server.stop()

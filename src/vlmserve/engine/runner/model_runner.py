@@ -75,21 +75,21 @@ class ModelRunner:
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
-        self._json_factory = None
+        self._grammar_factory = None
 
     # ---- admission -------------------------------------------------------------------
     def new_row(self, req: EngineRequest) -> Sequence:
         sampler = RowSampler.create(req.sampling)
-        if req.sampling.json_mode:
-            sampler.logits_mask = self._json_constraints().new()
+        if req.sampling.json_mode or req.sampling.grammar:
+            sampler.logits_mask = self._grammars().new(req.sampling.grammar)
         return Sequence(req=req, sampler=sampler, text=TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop))
 
-    def _json_constraints(self):
-        if self._json_factory is None:
-            from vlmserve.engine.runner.json_mode import JsonConstraintFactory
+    def _grammars(self):
+        if self._grammar_factory is None:
+            from vlmserve.engine.runner.grammar import GrammarFactory
 
-            self._json_factory = JsonConstraintFactory(self.tokenizer.hf, self.model.info.vocab_size, sorted(self.eos))
-        return self._json_factory
+            self._grammar_factory = GrammarFactory(self.tokenizer.hf, self.model.info.vocab_size, sorted(self.eos))
+        return self._grammar_factory
 
     # ---- embedding -------------------------------------------------------------------
     def embed(self, seq: Sequence) -> None:

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from vlmserve.config import ServerConfig
 from vlmserve.engine.client import EngineClient, create_engine_client
+from vlmserve.entrypoints.openai import tool_use
 from vlmserve.entrypoints.openai.chat_request import model_aliases
 from vlmserve.entrypoints.openai.errors import APIError
 from vlmserve.entrypoints.openai.middleware import (
@@ -89,6 +90,7 @@ class ServerState:
         # Once, not per request: deriving them stats the model path (the event loop's time).
         self._model_id = config.model_id
         self._model_names = frozenset(model_aliases(config))  # the served name is one of them
+        self._tool_parser = None
         self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -113,6 +115,17 @@ class ServerState:
         family_limit = self.preprocessor.adapter.max_images if self.preprocessor is not None else None
         limit = self.config.max_images_per_request
         return limit if family_limit is None else min(limit, family_limit)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.preprocessor.chat_template if self.preprocessor is not None else None
+
+    @property
+    def tool_parser(self):
+        """The format of this model's tool calls (tool_use.choose_parser), chosen once."""
+        if self._tool_parser is None:
+            self._tool_parser = tool_use.choose_parser(self.config.tool_call_parser, self.chat_template)
+        return self._tool_parser
 
     # ---- preprocessing (inputs/admission.py holds it) -------------------------------
     @property

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
+import llguidance
+
 from vlmserve.config import ServerConfig
 from vlmserve.entrypoints.openai.errors import APIError
+from vlmserve.entrypoints.openai.tool_parsers import COMPACT_JSON
 from vlmserve.inputs.limits import check_image_count
 from vlmserve.protocol import ChatMessage, ChatRequest, ImageRef, SamplingParams
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MAX_TOOLS = 128
 MAX_N = 128  # OpenAI's limit; --max-waiting bounds it too (Admission)
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
@@ -91,8 +98,87 @@ def parse_messages(messages: Any) -> list[ChatMessage]:
             raise _bad(f"unsupported role {role!r}; use one of {sorted(_ROLES)}", f"messages[{i}].role")
         if "content" not in msg and role != "assistant":
             raise _bad("message needs 'content'", f"messages[{i}].content")
-        out.append(ChatMessage(role=role, parts=_parse_content(msg.get("content"), i, role)))
+        message = ChatMessage(role=role, parts=_parse_content(msg.get("content"), i, role))
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            message.tool_calls = _parse_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad("a tool message needs 'tool_call_id'", f"messages[{i}].tool_call_id")
+            message.tool_call_id = call_id
+        name = msg.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad("'name' must be a string", f"messages[{i}].name")
+        message.name = name
+        out.append(message)
     return out  # a conversation with no user turn is the chat template's to accept or refuse
+
+
+def _parse_tool_calls(value: Any, param: str) -> list[dict]:
+    """An assistant message's earlier calls, as the template will be shown them."""
+    if not isinstance(value, list):
+        raise _bad("'tool_calls' must be an array", param)
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("each tool call needs 'function.name'", f"{param}[{j}]")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise _bad("'function.arguments' must be a JSON string", f"{param}[{j}].function.arguments")
+        calls.append({"id": call.get("id") or f"call_{j}", "name": fn["name"], "arguments": arguments})
+    return calls
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, Any, bool]:
+    """(function definitions, tool_choice, parallel_tool_calls) from a request body."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise _bad(f"'tools' must be an array of at most {MAX_TOOLS} tools", "tools")
+        functions = []
+        for j, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _FUNCTION_NAME.match(fn["name"]):
+                raise _bad("each tool must be {'type': 'function', 'function': {'name': ...}}", f"tools[{j}]")
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise _bad("'function.parameters' must be a JSON Schema object", f"tools[{j}].function.parameters")
+            functions.append({k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None})
+        tools = functions or None
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str) or not any(t["name"] == name for t in tools or []):
+            raise _bad("'tool_choice' names no function in 'tools'", "tool_choice")
+        choice = {"name": name}
+    elif choice not in ("none", "auto", "required"):
+        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or a function", "tool_choice")
+    elif choice == "required" and not tools:
+        raise _bad("'tool_choice' 'required' needs 'tools'", "tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    return tools, choice, parallel
+
+
+def json_schema_grammar(response_format: dict) -> str:
+    """`response_format: {"type": "json_schema", "json_schema": {"schema": ...}}` as a grammar."""
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if schema is None and isinstance(spec, dict) and "name" in spec:
+        schema = {"type": "object"}  # a name without a schema: any object
+    if isinstance(schema, bool) or not isinstance(schema, dict):
+        raise _bad("'response_format.json_schema.schema' must be a JSON Schema object", "response_format")
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT_JSON)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise _bad(f"unsupported JSON Schema: {problem.splitlines()[0]}", "response_format.json_schema.schema")
+    return grammar
 
 
 MAX_LOGIT_BIAS = 1024  # entries per request
@@ -177,20 +263,25 @@ def parse_chat_request(
     include_usage = bool(include_usage) and stream
 
     response_format = body.get("response_format")
-    json_mode = False
+    json_mode, grammar = False, None
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind not in ("text", "json_object"):
-            raise _bad("'response_format.type' must be 'text' or 'json_object'", "response_format")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise _bad("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "response_format")
         json_mode = kind == "json_object"
+        if kind == "json_schema":
+            grammar = json_schema_grammar(response_format)
+    tools, tool_choice, parallel_tool_calls = parse_tools(body)
+    if grammar is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        raise _bad("a forced 'tool_choice' cannot be combined with a json_schema 'response_format'", "tool_choice")
 
     ignore_eos = body.get("ignore_eos", False)
     if ignore_eos is None:
         ignore_eos = False
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
-    if ignore_eos and json_mode:
-        raise _bad("'ignore_eos' cannot be combined with response_format 'json_object'", "ignore_eos")
+    if ignore_eos and (json_mode or grammar is not None):
+        raise _bad("'ignore_eos' cannot be combined with a JSON 'response_format'", "ignore_eos")
     top_k = int(_number(body, "top_k", -1, 1 << 20, 0, integer=True))
     sampling = SamplingParams(
         max_tokens=int(max_tokens),
@@ -206,6 +297,7 @@ def parse_chat_request(
         json_mode=json_mode,
         ignore_eos=ignore_eos,
         logit_bias=parse_logit_bias(body.get("logit_bias")),
+        grammar=grammar,
     )
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")
@@ -217,6 +309,9 @@ def parse_chat_request(
         stream=stream,
         include_usage=include_usage,
         max_tokens_requested=max_completion is not None or max_legacy is not None,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
     limit = config.max_images_per_request if max_images is None else max_images
     check_image_count(chat, limit)  # before fetching or decoding any of them

@@ -10,7 +10,7 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from vlmserve.entrypoints.openai import chat_response, sse
+from vlmserve.entrypoints.openai import chat_response, sse, tool_use
 from vlmserve.entrypoints.openai.chat_request import choice_seed, parse_chat_request
 from vlmserve.entrypoints.openai.errors import APIError, error_body, error_response
 from vlmserve.entrypoints.openai.request_body import read_json
@@ -41,6 +41,7 @@ async def _chat_completions(request: Request) -> Response:
         server.check_accepting()
         body = await read_json(request, server.config.max_body_bytes)
         chat = parse_chat_request(body, server.config, server.model_names, server.context_length, server.max_images)
+        chat = tool_use.prepare(chat, server.tool_parser, server.chat_template)
         # 429 past --max-waiting; times the CPU pool; 400 past the context (inputs/limits.py)
         prepared = await server.prepare(chat)
     except APIError as exc:
@@ -63,12 +64,12 @@ async def _chat_completions(request: Request) -> Response:
 
     if chat.stream:
         return StreamingResponse(
-            _sse(request_id, model, created, chat, streams),
+            _sse(request_id, model, created, chat, streams, server.tool_parser),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
-    collect = asyncio.create_task(_collect(streams, chat.n, chat.sampling.logprobs))
+    collect = asyncio.create_task(_collect(streams, chat, server.tool_parser))
     disconnect = asyncio.create_task(wait_disconnect(request))
     done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     if collect not in done:  # the client left: cancelling the task aborts every choice
@@ -99,7 +100,8 @@ def _failure(event: TokenEvent) -> _ChoiceFailed:
     return _ChoiceFailed(event.error or "generation failed")
 
 
-async def _collect(streams, n: int, want_logprobs: bool):
+async def _collect(streams, chat, parser):
+    n, want_logprobs = chat.n, chat.sampling.logprobs
     texts = [""] * n
     logprobs: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
@@ -113,38 +115,57 @@ async def _collect(streams, n: int, want_logprobs: bool):
             finish[i] = chat_response.finish_reason_str(event.finish_reason)
             prompt, cached = event.prompt_tokens, event.cached_tokens
             completion += event.completion_tokens
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i], "refusal": None},
-            "logprobs": chat_response.logprobs_dict(logprobs[i]) if want_logprobs else None,
-            "finish_reason": finish[i],
-        }
-        for i in range(n)
-    ]
+    choices = []
+    for i in range(n):
+        message = {"role": "assistant", "content": texts[i], "refusal": None}
+        if tool_use.uses_tools(chat):
+            content, calls = tool_use.split(texts[i], parser, chat)
+            if calls:
+                message = {**message, "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
+                finish[i] = "tool_calls"
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_response.logprobs_dict(logprobs[i]) if want_logprobs else None,
+                "finish_reason": finish[i],
+            }
+        )
     return choices, chat_response.usage_dict(prompt, completion, cached)
 
 
-async def _sse(request_id, model, created, chat, streams):
+async def _sse(request_id, model, created, chat, streams, parser):
     lines = sse.ChunkLines(request_id, model, created, chat.include_usage)
+    tools = [tool_use.ChoiceToolStream(parser, chat) for _ in range(chat.n)] if tool_use.uses_tools(chat) else None
     for i in range(chat.n):
         yield lines.choice(i, {"role": "assistant", "content": ""})
     prompt = cached = completion = 0
     try:
         async for i, event in merge(streams):
+            text = tools[i].feed(event.text) if tools is not None and event.text else event.text
             if event.finish_reason is None and not event.logprobs:
-                if event.text:  # the common chunk: pre-rendered, see sse.py
-                    yield lines.content(i, event.text)
+                if text:  # the common chunk: pre-rendered, see sse.py
+                    yield lines.content(i, text)
                 continue
             if event.finish_reason is not None and event.finish_reason.failed:
                 failure = _failure(event)
                 yield sse.line(error_body(failure.status, failure.message, failure.code))
                 return
+            finish = chat_response.finish_reason_str(event.finish_reason)
+            if tools is not None and event.finish_reason is not None:
+                rest, calls = tools[i].finish()
+                text += rest
+                if calls:
+                    if text:
+                        yield lines.content(i, text)
+                        text = ""
+                    yield lines.choice(i, {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]})
+                    finish = "tool_calls"
             yield lines.choice(
                 i,
-                {"content": event.text} if event.text else {},
+                {"content": text} if text else {},
                 chat_response.logprobs_dict(event.logprobs) if event.logprobs else None,
-                chat_response.finish_reason_str(event.finish_reason),
+                finish,
             )
             if event.finish_reason is not None:
                 prompt, cached = event.prompt_tokens, event.cached_tokens

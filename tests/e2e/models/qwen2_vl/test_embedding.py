@@ -13,7 +13,7 @@ from vlmserve.inputs.media import MediaPolicy, decode_image
 from vlmserve.inputs.preprocess import Preprocessor
 from vlmserve.models.pixels import to_bfloat16_bits
 from vlmserve.models.qwen2_vl import embedding as qwen_embedding
-from vlmserve.protocol import ChatMessage, ImageRef
+from vlmserve.protocol import ChatMessage, ChatRequest, ImageRef, SamplingParams
 
 GRIDS = [(1, 16, 16), (1, 8, 12), (1, 16, 16), (2, 4, 4)]
 
@@ -117,7 +117,7 @@ def _prepared(server, preprocessor=None):
     out = []
     for text, ims in cases:
         parts = [("image", ImageRef("x", "x")) for _ in ims] + [("text", text)]
-        out.append(pre.encode(pre.render([ChatMessage("user", parts)]), ims))
+        out.append(pre.encode(pre.render(ChatRequest([ChatMessage("user", parts)], SamplingParams())), ims))
     return out
 
 

@@ -9,7 +9,7 @@ from PIL import Image
 from support.helpers import MODELS
 from vlmserve.models.processor import load_processor
 from vlmserve.models.qwen2_vl.image_processor import QwenImages, cast_pixels, fast_qwen_images, unpack_patches
-from vlmserve.protocol import ChatMessage
+from vlmserve.protocol import ChatMessage, ChatRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_preprocessors_sharing_a_processor_keep_their_own_dtypes():
     plain = Preprocessor(processor, 4096, ServerConfig(), pixel_dtype=None, model_type="qwen2_vl")
     halves = Preprocessor(plain.processor, 4096, ServerConfig(), pixel_dtype="float16", model_type="qwen2_vl")
     image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (56, 56, 3), dtype=np.uint8))
-    prompt = plain.render([ChatMessage("user", [("image", None), ("text", "hi")])])
+    prompt = plain.render(ChatRequest([ChatMessage("user", [("image", None), ("text", "hi")])], SamplingParams()))
     # Preprocessing ships packed frames; the table holds the finished values in the model's dtype.
     assert plain.encode(prompt, [image]).model_inputs["pixel_table"].dtype == np.float32
     assert halves.encode(prompt, [image]).model_inputs["pixel_table"].dtype == np.float16
@@ -119,7 +119,7 @@ def test_max_pixels_is_the_processors_one_resize_and_the_grid_obeys_it(max_pixel
     assert pre.adapter.caps_in_processor
     limits = pre.processor.image_processor.size_limits
     assert limits["max_pixels"] == min(inner.max_pixels, max_pixels)
-    prompt = pre.render([ChatMessage("user", [("image", None), ("text", "hi")])])
+    prompt = pre.render(ChatRequest([ChatMessage("user", [("image", None), ("text", "hi")])], SamplingParams()))
     rng = np.random.default_rng(max_pixels)
     sizes = [(195, 194), (10, 10), (28, 28), (1000, 1000), (33, 400)] + [
         tuple(int(v) for v in rng.integers(8, 1200, 2)) for _ in range(300)

@@ -1,4 +1,5 @@
-"""`response_format: json_object`: constrain sampling to one JSON object with llguidance."""
+"""Constrained sampling with llguidance: `response_format` json_object (any JSON object) and
+json_schema, and forced tool calls (the grammar arrives built, in SamplingParams.grammar)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,26 @@ import numpy as np
 _OBJECT_GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
 
 
-class JsonConstraintFactory:
+class GrammarFactory:
     """Builds the llguidance tokenizer once per model (it is expensive) and a matcher per request."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: list[int]):
         self.vocab_size = vocab_size
         self._ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos_ids[0] if eos_ids else None)
 
-    def new(self) -> JsonConstraint:
-        return JsonConstraint(
-            llguidance.LLMatcher(self._ll_tokenizer, _OBJECT_GRAMMAR, log_level=0),
+    def new(self, grammar: str | None = None) -> GrammarConstraint:
+        """A matcher for `grammar` (None: one JSON object); a grammar llguidance rejects raises."""
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar or _OBJECT_GRAMMAR, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the output grammar is invalid: {matcher.get_error()}")
+        return GrammarConstraint(
+            matcher,
             self.vocab_size,
             self._ll_tokenizer.vocab_size,
         )
 
 
-class JsonConstraint:
+class GrammarConstraint:
     """Additive logits mask for the next token, advanced with each sampled token."""
 
     def __init__(self, matcher, vocab_size: int, tokenizer_vocab: int):

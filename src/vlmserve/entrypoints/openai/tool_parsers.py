@@ -1,0 +1,247 @@
+"""Tool calls in a model's own output format: found in the text, and forced by a grammar.
+
+Each format knows how its models write a call, how to read calls back out of generated text,
+and (where it can) the llguidance grammar that makes the output exactly one or more valid
+calls, for `tool_choice: "required"` or a named function:
+
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, Hermes, ...)
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}`
+- `llama3_json`: a bare `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`)
+- `pythonic`: `[get_weather(city="Paris"), ...]` (Llama 4, Gemma function calling)
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_openai(self, index: int | None = None) -> dict:
+        call = {
+            "id": "call_" + secrets.token_hex(12),
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+def _call(obj, args_key: str = "arguments") -> ToolCall | None:
+    """A {"name", "arguments"} object (or "parameters") as a ToolCall; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as JSON text already
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_values(text: str) -> list:
+    """Every JSON value in `text`, in order, skipping what lies between them."""
+    values, i = [], 0
+    while i < len(text):
+        start = min((j for j in (text.find("{", i), text.find("[", i)) if j >= 0), default=-1)
+        if start < 0:
+            break
+        try:
+            value, end = _DECODER.raw_decode(text, start)
+        except ValueError:
+            i = start + 1
+            continue
+        values.append(value)
+        i = end
+    return values
+
+
+def _call_schema(tool: dict, args_key: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool["name"]}, args_key: tool.get("parameters") or {"type": "object"}},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
+
+
+# JSON as json.dumps writes it: without this, whitespace is free, and a model can spend its
+# whole output on it before the call closes.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _calls_schema(tools: list[dict], args_key: str) -> dict:
+    schemas = [_call_schema(t, args_key) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**schema, "x-guidance": COMPACT_JSON}
+
+
+class ToolParser:
+    name = ""
+    start: str | None = None  # the text that opens a call; None: the whole output is calls, or not
+    args_key = "arguments"
+
+    def extract(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(the text outside calls, the calls); no calls: the text unchanged."""
+        raise NotImplementedError
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str | None:
+        """An llguidance grammar whose every output is one call (more if `parallel`) to one of
+        `tools`, arguments matching their schemas; None where this format has none."""
+        return None
+
+    # First characters of an output that may be calls without a marker (a stream holds it back).
+    openers: tuple[str, ...] = ()
+
+    @staticmethod
+    def _lark(call: dict, head: str, sep: str, tail: str, parallel: bool) -> str:
+        more = f" ({json.dumps(sep)} call)*" if parallel else ""
+        return f"start: {json.dumps(head)} call{more} {json.dumps(tail)}\ncall: %json {json.dumps(call)}\n"
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    start = "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def extract(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.start not in text:
+            return text, []
+        calls = []
+        for body in self._BLOCK.findall(text):
+            values = _json_values(body)
+            call = _call(values[0]) if values else None
+            if call is None:
+                return text, []  # not a well-formed call: leave the text as the model wrote it
+            calls.append(call)
+        return self._BLOCK.sub("", text).strip(), calls
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        call = _calls_schema(tools, self.args_key)
+        return self._lark(call, "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", parallel)
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+    openers = ("[",)  # the marker is a special token some detokenizers drop
+    _NAMED = re.compile(r"([A-Za-z_][\w.-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+
+    def extract(self, text: str) -> tuple[str, list[ToolCall]]:
+        head, marker, rest = text.partition(self.start)
+        if not marker:  # the marker is a special token some detokenizers drop: a leading call array
+            stripped = text.lstrip()
+            if not stripped.startswith("[{"):
+                return text, []
+            head, rest = "", stripped
+        rest = rest.strip()
+        if rest.startswith("["):
+            try:
+                value, _ = _DECODER.raw_decode(rest)
+            except ValueError:
+                return text, []
+            calls = [_call(v) for v in value] if isinstance(value, list) else []
+        else:  # name[ARGS]{...} repeated
+            calls, i = [], 0
+            while (m := self._NAMED.match(rest, i)) is not None:
+                try:
+                    args, i = _DECODER.raw_decode(rest, m.end())
+                except ValueError:
+                    return text, []
+                calls.append(_call({"name": m.group(1), "arguments": args}))
+                while i < len(rest) and rest[i] in " \n,":
+                    i += 1
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return head.strip(), calls
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        return self._lark(_calls_schema(tools, self.args_key), "[TOOL_CALLS][", ", ", "]", parallel)
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    args_key = "parameters"
+
+    def extract(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in re.split(r"\s*;\s*(?=\{)", body):
+            try:
+                value, end = _DECODER.raw_decode(part)
+            except ValueError:
+                return text, []
+            call = _call(value, self.args_key)
+            if call is None or part[end:].strip():
+                return text, []
+            calls.append(call)
+        return "", calls
+
+    openers = ("{", "<")
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        return self._lark(_calls_schema(tools, self.args_key), "", "; ", "", parallel)
+
+
+class PythonicParser(ToolParser):
+    name = "pythonic"
+
+    def extract(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return text, []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+                return text, []
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+            except ValueError:
+                return text, []
+            calls.append(ToolCall(ast.unparse(node.func), json.dumps(args, ensure_ascii=False)))
+        return "", calls
+
+    openers = ("[", "<")
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, MistralParser, Llama3JsonParser, PythonicParser)
+}
+
+
+def detect(template: str | None) -> str:
+    """The format a chat template's tool instructions ask for (hermes when it does not say)."""
+    template = template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    if "<|python_start|>" in template:
+        return "pythonic"
+    return "hermes"
+
+
+def supports_tools(template: str | None) -> bool:
+    """Whether a chat template renders tool definitions at all."""
+    return bool(template) and "tools" in template

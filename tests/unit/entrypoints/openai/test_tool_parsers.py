@@ -1,0 +1,98 @@
+"""Tool calls read back out of each format's text, whole and streamed in pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlmserve.entrypoints.openai.tool_parsers import PARSERS, detect, supports_tools
+from vlmserve.entrypoints.openai.tool_stream import ToolCallStream
+
+WEATHER = {"city": "Paris", "days": 3}
+CASES = [
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+        "Let me check.",
+        [("weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": 1}}',
+        "",
+        [("a", {}), ("b", {"x": 1})],
+    ),  # the second block unterminated: the output ran out there
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]',
+        "",
+        [("weather", WEATHER)],
+    ),
+    ("mistral", '[TOOL_CALLS]weather[ARGS]{"city": "Paris", "days": 3}', "", [("weather", WEATHER)]),
+    ("mistral", '[{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]', "", [("weather", WEATHER)]),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris", "days": 3}}',
+        "",
+        [("weather", WEATHER)],
+    ),
+    (
+        "llama3_json",
+        '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+        "",
+        [("a", {}), ("b", {"x": 1})],
+    ),
+    ("pythonic", '[weather(city="Paris", days=3), tools.ping()]', "", [("weather", WEATHER), ("tools.ping", {})]),
+]
+NOT_CALLS = [
+    ("hermes", "Plain words, no call."),
+    ("hermes", "<tool_call>not json</tool_call>"),
+    ("mistral", "[TOOL_CALLS] nothing here"),
+    ("llama3_json", '{"no": "name"}'),
+    ("llama3_json", "A sentence {with braces}."),
+    ("pythonic", "[1, 2, 3]"),
+    ("pythonic", "[weather(city=open('x'))]"),  # only literals: nothing is evaluated
+]
+
+
+def _calls(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("fmt,text,content,expected", CASES)
+def test_calls_are_read_whole_and_streamed(fmt, text, content, expected):
+    parser = PARSERS[fmt]()
+    got_content, calls = parser.extract(text)
+    assert (got_content, _calls(calls)) == (content, expected)
+    for size in (1, 3, 7):  # streamed in pieces: the same content (in order) and calls
+        stream = ToolCallStream(parser)
+        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, streamed = stream.finish()
+        assert ((sent + rest).strip(), _calls(streamed)) == (content, expected)
+
+
+@pytest.mark.parametrize("fmt,text", NOT_CALLS)
+def test_text_that_is_not_a_call_stays_text(fmt, text):
+    parser = PARSERS[fmt]()
+    assert parser.extract(text) == (text, [])
+    stream = ToolCallStream(parser)
+    sent = "".join(stream.feed(ch) for ch in text)
+    rest, calls = stream.finish()
+    assert (sent + rest, calls) == (text, [])
+
+
+def test_content_before_a_marker_streams_before_the_output_ends():
+    stream = ToolCallStream(PARSERS["hermes"]())
+    assert stream.feed("Checking the ") == "Checking the "
+    assert stream.feed("weather <tool") == "weather "  # "<tool" may open a call: held
+    assert stream.feed('_call>{"name": "w", "arguments": {}}') == ""
+    assert _calls(stream.finish()[1]) == [("w", {})]
+
+
+def test_format_detected_from_the_template():
+    assert detect("... <tool_call> ... tools ...") == "hermes"
+    assert detect("{{ '[TOOL_CALLS]' }} tools") == "mistral"
+    assert detect("<|python_tag|> tools") == "llama3_json"
+    assert detect("{% if tools %}") == "hermes"
+    assert supports_tools("{% if tools %}x{% endif %}") and not supports_tools("{{ messages }}")
