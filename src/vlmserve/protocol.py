@@ -91,6 +91,8 @@ class ChatRequest:
     )
     tool_choice: Any = "auto"  # "none" | "auto" | "required" | a function's name (str, after validation)
     parallel_tool_calls: bool = True
+    raw_prompt: bool = False  # /v1/completions: the one message's text is the prompt, no chat template
+    echo: str | None = None  # /v1/completions' echo: the prompt text, put before each choice's text
 
     @property
     def images(self) -> list[ImageRef]:

@@ -175,6 +175,8 @@ class Preprocessor:
 
     # ---- pool threads ------------------------------------------------------------
     def render(self, chat: ChatRequest) -> str:
+        if chat.raw_prompt:
+            return "".join(p for m in chat.messages for kind, p in m.parts if kind == "text")
         template_messages = to_template_messages(chat.messages)
         if not self.chat_template:
             return plain_prompt(self.processor, template_messages)  # a prompt-only model

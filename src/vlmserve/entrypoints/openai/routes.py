@@ -10,6 +10,8 @@ from starlette.routing import Route
 
 from vlmserve.entrypoints.openai.errors import APIError, error_response
 from vlmserve.entrypoints.openai.serving_chat import chat_completions
+from vlmserve.entrypoints.openai.serving_completions import completions
+from vlmserve.entrypoints.openai.serving_responses import responses
 
 
 def _state(request: Request):
@@ -81,6 +83,8 @@ async def method_not_allowed(request: Request, exc) -> Response:
 
 routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),

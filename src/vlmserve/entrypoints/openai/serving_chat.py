@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -15,7 +15,7 @@ from vlmserve.entrypoints.openai.chat_request import choice_seed, parse_chat_req
 from vlmserve.entrypoints.openai.errors import APIError, error_body, error_response
 from vlmserve.entrypoints.openai.request_body import read_json
 from vlmserve.entrypoints.openai.streams import merge, wait_disconnect
-from vlmserve.protocol import EngineError, FinishReason, TokenEvent, new_request_id
+from vlmserve.protocol import ChatRequest, EngineError, FinishReason, TokenEvent, new_request_id
 
 log = logging.getLogger("vlmserve.request")
 
@@ -34,14 +34,30 @@ async def chat_completions(request: Request) -> Response:
         return error_response(APIError(500, "internal server error", code="internal_error"))
 
 
-async def _chat_completions(request: Request) -> Response:
+def parse_chat(body, server) -> ChatRequest:
+    chat = parse_chat_request(body, server.config, server.model_names, server.context_length, server.max_images)
+    return tool_use.prepare(chat, server.tool_parser, server.chat_template)
+
+
+@dataclass
+class Started:
+    """A request admitted and preprocessed, its choices generating."""
+
+    chat: ChatRequest
+    streams: list
+    request_id: str
+    created: int
+
+
+async def start(request: Request, parse, prefix: str = "chatcmpl") -> Started | Response:
+    """Read, parse (`parse(body, server)` -> ChatRequest), admit and preprocess a request, and
+    start its choices; an error answers in OpenAI's shape instead."""
     arrival = time.perf_counter()
     server = request.app.state.server
     try:
         server.check_accepting()
         body = await read_json(request, server.config.max_body_bytes)
-        chat = parse_chat_request(body, server.config, server.model_names, server.context_length, server.max_images)
-        chat = tool_use.prepare(chat, server.tool_parser, server.chat_template)
+        chat = parse(body, server)
         # 429 past --max-waiting; times the CPU pool; 400 past the context (inputs/limits.py)
         prepared = await server.prepare(chat)
     except APIError as exc:
@@ -51,39 +67,58 @@ async def _chat_completions(request: Request) -> Response:
         err = _engine_error(exc)
         server.count_failure(err)
         return error_response(err)
-
-    request_id = new_request_id()
-    model = server.model_id
-    created = chat_response.now()
+    request_id = new_request_id(prefix)
     streams = []
     for i in range(chat.n):
         sampling = chat.sampling
         if chat.n > 1 and sampling.seed is not None:
             sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
         streams.append(server.generate(f"{request_id}-{i}", prepared, sampling, arrival))
+    return Started(chat, streams, request_id, chat_response.now())
 
-    if chat.stream:
-        return StreamingResponse(
-            _sse(request_id, model, created, chat, streams, server.tool_parser),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
 
-    collect = asyncio.create_task(_collect(streams, chat, server.tool_parser))
+def event_stream(events, request_id: str) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no", "x-request-id": request_id},
+    )
+
+
+async def collect(request: Request, started: Started) -> tuple[list[dict], dict] | Response:
+    """Every choice whole, in Chat Completions' shape (message, with its tool calls); a client that
+    leaves aborts them (499), a failed choice answers for the request."""
+    server = request.app.state.server
+    task = asyncio.create_task(_collect(started.streams, started.chat, server.tool_parser))
     disconnect = asyncio.create_task(wait_disconnect(request))
-    done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    if collect not in done:  # the client left: cancelling the task aborts every choice
-        collect.cancel()
-        await asyncio.gather(collect, return_exceptions=True)
+    done, _ = await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:  # the client left: cancelling the task aborts every choice
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         return Response(status_code=499)
     disconnect.cancel()
     try:
-        choices, usage = collect.result()
+        return task.result()
     except EngineError as exc:
         return error_response(_engine_error(exc))
     except _ChoiceFailed as exc:
         return error_response(APIError(exc.status, exc.message, code=exc.code))
-    return JSONResponse(chat_response.completion_response(request_id, model, created, choices, usage))
+
+
+async def _chat_completions(request: Request) -> Response:
+    started = await start(request, parse_chat)
+    if isinstance(started, Response):
+        return started
+    server = request.app.state.server
+    rid, model, chat = started.request_id, server.model_id, started.chat
+    if chat.stream:
+        return event_stream(_sse(rid, model, started.created, chat, started.streams, server.tool_parser), rid)
+    result = await collect(request, started)
+    if isinstance(result, Response):
+        return result
+    choices, usage = result
+    body = chat_response.completion_response(rid, model, started.created, choices, usage)
+    return JSONResponse(body, headers={"x-request-id": rid})
 
 
 class _ChoiceFailed(Exception):
@@ -92,7 +127,7 @@ class _ChoiceFailed(Exception):
         self.message, self.status, self.code = message, status, code
 
 
-def _failure(event: TokenEvent) -> _ChoiceFailed:
+def failure(event: TokenEvent) -> _ChoiceFailed:
     if event.finish_reason == FinishReason.ABORT:
         return _ChoiceFailed("the request was aborted", 503, "aborted")
     if event.finish_reason == FinishReason.UNAVAILABLE:
@@ -108,7 +143,7 @@ async def _collect(streams, chat, parser):
     prompt = cached = completion = 0
     async for i, event in merge(streams):
         if event.finish_reason is not None and event.finish_reason.failed:
-            raise _failure(event)
+            raise failure(event)
         texts[i] += event.text
         logprobs[i].extend(event.logprobs)
         if event.finish_reason is not None:
@@ -148,8 +183,8 @@ async def _sse(request_id, model, created, chat, streams, parser):
                     yield lines.content(i, text)
                 continue
             if event.finish_reason is not None and event.finish_reason.failed:
-                failure = _failure(event)
-                yield sse.line(error_body(failure.status, failure.message, failure.code))
+                failed = failure(event)
+                yield sse.line(error_body(failed.status, failed.message, failed.code))
                 return
             finish = chat_response.finish_reason_str(event.finish_reason)
             if tools is not None and event.finish_reason is not None:

@@ -113,15 +113,17 @@ class ToolParser:
 class HermesParser(ToolParser):
     name = "hermes"
     start = "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.start not in text:
             return text, []
         calls = []
-        for body in self._BLOCK.findall(text):
+        for body, closed in self._BLOCK.findall(text):
             values = _json_values(body)
             call = _call(values[0]) if values else None
+            if call is None and not closed and calls:
+                break  # the output ran out inside a later call: the complete ones stand
             if call is None:
                 return text, []  # not a well-formed call: leave the text as the model wrote it
             calls.append(call)

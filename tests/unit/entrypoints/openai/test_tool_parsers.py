@@ -45,6 +45,14 @@ CASES = [
     ),
     ("pythonic", '[weather(city="Paris", days=3), tools.ping()]', "", [("weather", WEATHER), ("tools.ping", {})]),
 ]
+CASES.append(
+    (
+        "hermes",
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "argu',
+        "",
+        [("a", {})],
+    )
+)  # the output ran out inside the second call: the first stands
 NOT_CALLS = [
     ("hermes", "Plain words, no call."),
     ("hermes", "<tool_call>not json</tool_call>"),

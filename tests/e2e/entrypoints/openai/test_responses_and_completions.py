@@ -1,0 +1,158 @@
+"""POST /v1/responses and /v1/completions through the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from support.helpers import data_uri, images
+
+from .test_tools import WEATHER, tool_server  # noqa: F401 - the fixture, served with a tool template
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="k", max_retries=0)
+
+
+def _image_input(text="Describe the image."):
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_image", "image_url": data_uri(images()[0])},
+                {"type": "input_text", "text": text},
+            ],
+        }
+    ]
+
+
+def test_responses_create_with_an_image(qwen_server):
+    reply = _client(qwen_server).responses.create(
+        model=qwen_server.model_id, input=_image_input(), instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    assert reply.object == "response" and reply.status == "incomplete"
+    assert reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.output[0].type == "message" and reply.output_text
+    assert reply.usage.output_tokens == 8 and reply.usage.input_tokens > 8
+    # The same text as chat completions gives for the same conversation.
+    chat = _client(qwen_server).chat.completions.create(
+        model=qwen_server.model_id,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_uri(images()[0])}},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            },
+        ],
+        max_completion_tokens=8,
+        temperature=0,
+    )
+    assert reply.output_text == chat.choices[0].message.content
+
+
+def test_responses_stream_events_in_order(qwen_server):
+    """Cut short by max_output_tokens, the stream ends with `response.incomplete`, as OpenAI's
+    does (the SDK's `responses.stream()` helper waits for `response.completed` only)."""
+    kinds, deltas, final, numbers = [], [], None, []
+    for event in _client(qwen_server).responses.create(
+        model=qwen_server.model_id, input="Say something.", max_output_tokens=6, temperature=0, stream=True
+    ):
+        kinds.append(event.type)
+        numbers.append(event.sequence_number)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        final = getattr(event, "response", final)
+    assert numbers == list(range(len(numbers)))
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert final.status == "incomplete" and final.usage.output_tokens == 6
+    assert "".join(deltas) == final.output_text
+    whole = _client(qwen_server).responses.create(
+        model=qwen_server.model_id, input="Say something.", max_output_tokens=6, temperature=0
+    )
+    assert whole.output_text == final.output_text
+
+
+def test_responses_function_calls_and_their_outputs(tool_server):  # noqa: F811
+    tool = {"type": "function", **WEATHER["function"]}
+    client = _client(tool_server)
+    reply = client.responses.create(
+        model=tool_server.model_id, input=_image_input("Weather?"), tools=[tool], tool_choice="required",
+        max_output_tokens=200,
+    )  # fmt: skip
+    calls = [o for o in reply.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    follow = _image_input("Weather?") + [
+        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name, "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny."},
+    ]
+    again = client.responses.create(model=tool_server.model_id, input=follow, tools=[tool], max_output_tokens=4)
+    assert again.status in ("completed", "incomplete")
+    with client.responses.stream(
+        model=tool_server.model_id, input="Weather?", tools=[tool], tool_choice="required", max_output_tokens=200
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["function_call"]
+
+
+def test_responses_refuses_what_it_cannot_do(qwen_server):
+    client = _client(qwen_server)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=qwen_server.model_id, input="Hi", previous_response_id="resp_123")
+    assert "stores no responses" in err.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=qwen_server.model_id, input="Hi", tools=[{"type": "web_search"}])
+
+
+def test_responses_json_schema_format(qwen_server):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    reply = _client(qwen_server).responses.create(
+        model=qwen_server.model_id,
+        input=_image_input(),
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+        max_output_tokens=60,
+    )
+    data = json.loads(reply.output_text)
+    assert set(data) == {"ok", "n"} and isinstance(data["ok"], bool) and 0 <= data["n"] <= 9
+
+
+def test_completions_raw_prompt_whole_and_streamed(qwen_server):
+    client = _client(qwen_server)
+    kwargs = dict(model=qwen_server.model_id, prompt="Once upon a time", max_tokens=6, temperature=0)
+    whole = client.completions.create(**kwargs)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 6
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == whole.choices[0].text
+    echoed = client.completions.create(echo=True, logprobs=2, **kwargs)
+    assert echoed.choices[0].text == "Once upon a time" + whole.choices[0].text
+    lp = echoed.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(len(top) == 2 for top in lp.top_logprobs)
+    # No chat template: the prompt is tokenized as it is.
+    prompt_tokens = len(qwen_server.state.preprocessor.tokenizer("Once upon a time")["input_ids"])
+    assert whole.usage.prompt_tokens == prompt_tokens
+
+
+def test_request_id_header(qwen_server):
+    raw = _client(qwen_server).chat.completions.with_raw_response.create(
+        model=qwen_server.model_id, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=2
+    )
+    assert raw.headers["x-request-id"] == raw.parse().id
