@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -14,6 +15,18 @@ from vlmserve.logging import start_logging
 
 def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _image_limit(value: str) -> int:
+    """--limit-mm-per-prompt: 'image=N' or '{"image": N}' (vLLM's two spellings); images only."""
+    try:
+        limits = json.loads(value) if value.strip().startswith("{") else dict(kv.split("=", 1) for kv in _csv(value))
+        count = int(limits["image"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise argparse.ArgumentTypeError("expected image=N or '{\"image\": N}'") from exc
+    if count < 0 or set(limits) - {"image"}:
+        raise argparse.ArgumentTypeError("only a non-negative image count is taken")
+    return count
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,6 +129,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
     p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_image_limit,
+        default=None,
+        metavar="image=N",
+        help="vLLM's spelling of --max-images-per-request: 'image=N' or '{\"image\": N}'",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        type=_csv,
+        default=(),
+        help="comma list: image URLs only from these domains and their subdomains (default: any public host)",
+    )
     p.add_argument("--max-pixels", type=int, default=None, help="downscale images above this many pixels")
     p.add_argument(
         "--allowed-image-hosts",
@@ -213,6 +239,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "limit_mm_per_prompt", None) is not None:
+        values["max_images_per_request"] = args.limit_mm_per_prompt
     if values.get("api_key") is None:
         values["api_key"] = os.environ.get("VLMSERVE_API_KEY") or None
     return ServerConfig(**values)

@@ -52,6 +52,7 @@ class ServerConfig:
     max_images_per_request: int = 8
     max_pixels: int | None = None  # resize cap handed to the image processor
     allowed_image_hosts: tuple[str, ...] = ()
+    allowed_media_domains: tuple[str, ...] = ()  # when set, image URLs only from these domains (and subdomains)
     allow_local_image_files: str | None = None
     image_cache_entries: int = 256
 

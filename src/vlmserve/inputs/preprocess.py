@@ -42,6 +42,7 @@ def media_policy(config: ServerConfig) -> MediaPolicy:
         max_image_pixels=config.max_image_pixels,
         allowed_hosts=tuple(config.allowed_image_hosts),
         local_files_root=config.allow_local_image_files,
+        allowed_domains=tuple(config.allowed_media_domains),
     )
 
 

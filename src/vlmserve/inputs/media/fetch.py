@@ -200,6 +200,8 @@ def _resolve(host: str, port: int, deadline: _Deadline) -> list[IPAddress]:
 def _fetch_hop(url: httpx.URL, policy: MediaPolicy, deadline: _Deadline) -> bytes | str:
     """One request. Returns the body, or the Location of a redirect to follow."""
     host = url.raw_host.decode("ascii")  # IDNA-encoded; IPv6 literals without brackets
+    if not policy.domain_allowed(host):
+        raise url_error("image URL host is not in the allowed media domains")
     port = url.port or (443 if url.scheme == "https" else 80)
     addrs = _resolve(host, port, deadline)  # exactly one lookup per hop; never re-resolved
     if not host_is_allowlisted(host, policy.allowed_hosts) and not all(

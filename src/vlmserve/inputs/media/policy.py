@@ -16,6 +16,14 @@ class MediaPolicy:
     allowed_hosts: tuple[str, ...] = ()
     # file:// URLs are refused unless this is set; then only files under its resolved path.
     local_files_root: str | None = None
+    # When set, http(s) images come only from these domains or their subdomains (every hop).
+    allowed_domains: tuple[str, ...] = ()
+
+    def domain_allowed(self, host: str) -> bool:
+        if not self.allowed_domains:
+            return True
+        host = host.lower().rstrip(".")
+        return any(host == d or host.endswith("." + d) for d in (d.lower().strip(".") for d in self.allowed_domains))
 
     def __post_init__(self) -> None:
         if self.fetch_timeout <= 0 or self.max_image_bytes <= 0 or self.max_image_pixels <= 0:

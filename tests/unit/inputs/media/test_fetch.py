@@ -462,3 +462,23 @@ def test_https_pins_ip_but_verifies_hostname(tls_server, monkeypatch):
 def test_malformed_urls_raise_media_error_only(monkeypatch, url):
     monkeypatch.setattr(fetch.socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(socket.gaierror("x")))
     refused(url)
+
+
+def test_allowed_media_domains_bound_every_hop(server, port, monkeypatch):
+    """--allowed-media-domains: only those domains and their subdomains, checked before any
+    lookup, on the first hop and on every redirect."""
+    fake_dns(monkeypatch, {"img.example.com": [["127.0.0.1"]] * 4, "other.org": [["127.0.0.1"]] * 4})
+    policy = MediaPolicy(
+        allowed_hosts=("127.0.0.0/8", "img.example.com", "other.org"),
+        allowed_domains=("example.com",),
+        fetch_timeout=5.0,
+    )
+    assert load_image_bytes(f"http://img.example.com:{port}/img.png", policy) == IMAGES["/img.png"][0]
+    before = len(server.requests)
+    assert refused(f"http://other.org:{port}/img.png", policy) == "image URL host is not in the allowed media domains"
+    assert refused(f"http://127.0.0.1:{port}/img.png", policy) == "image URL host is not in the allowed media domains"
+    assert len(server.requests) == before  # refused before any request
+    target = f"http://other.org:{port}/img.png"
+    assert "allowed media domains" in refused(f"http://img.example.com:{port}/to?u={target}", policy)
+    assert MediaPolicy(allowed_domains=("example.com",)).domain_allowed("EXAMPLE.com.")
+    assert not MediaPolicy(allowed_domains=("example.com",)).domain_allowed("badexample.com")
