@@ -11,8 +11,8 @@ import llguidance
 
 from vlmserve.config import ServerConfig
 from vlmserve.entrypoints.openai.errors import APIError
-from vlmserve.entrypoints.openai.tool_parsers import COMPACT_JSON
 from vlmserve.inputs.limits import check_image_count
+from vlmserve.models.tool_calls import COMPACT_JSON
 from vlmserve.protocol import ChatMessage, ChatRequest, ImageRef, SamplingParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}

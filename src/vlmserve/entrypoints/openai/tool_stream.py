@@ -3,7 +3,7 @@ where a call may begin the text waits for the end, when the calls are parsed out
 
 from __future__ import annotations
 
-from vlmserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from vlmserve.models.tool_calls import ToolCall, ToolParser
 
 
 class ToolCallStream:

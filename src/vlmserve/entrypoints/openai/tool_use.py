@@ -12,8 +12,8 @@ from dataclasses import replace
 import llguidance
 
 from vlmserve.entrypoints.openai.errors import APIError
-from vlmserve.entrypoints.openai.tool_parsers import PARSERS, ToolCall, ToolParser, detect, supports_tools
 from vlmserve.entrypoints.openai.tool_stream import ToolCallStream
+from vlmserve.models.tool_calls import PARSERS, ToolCall, ToolParser, detect, supports_tools
 from vlmserve.protocol import ChatRequest
 
 

@@ -219,10 +219,10 @@ CASES = [
         None,
     ),
     (
-        "response-format-json-schema",
+        "response-format-json-schema-not-a-schema",
         "POST",
         "/v1/chat/completions",
-        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}),
         {},
         400,
         None,
@@ -316,7 +316,13 @@ CASES = [
     ("put-chat-completions", "PUT", "/v1/chat/completions", body(), {}, 405, None),
     ("post-models", "POST", "/v1/models", body(), {}, 405, None),
     ("unknown-route", "GET", "/v1/nope", None, {}, 404, None),
-    ("legacy-completions", "POST", "/v1/completions", {"model": M, "prompt": "Hi"}, {}, 404, None),
+    ("completions-token-ids", "POST", "/v1/completions", {"model": M, "prompt": [1, 2]}, {}, 400, None),
+    ("completions-no-prompt", "POST", "/v1/completions", {"model": M}, {}, 400, None),
+    ("completions-suffix", "POST", "/v1/completions", {"model": M, "prompt": "a", "suffix": "b"}, {}, 400, None),
+    ("completions-bad-logprobs", "POST", "/v1/completions", {"model": M, "prompt": "a", "logprobs": 9}, {}, 400, None),
+    ("responses-no-input", "POST", "/v1/responses", {"model": M}, {}, 400, None),
+    ("responses-bad-item", "POST", "/v1/responses", {"model": M, "input": [{"type": "reasoning"}]}, {}, 400, None),
+    ("responses-unknown-model", "POST", "/v1/responses", {"model": "nope", "input": "Hi"}, {}, 404, None),
 ]
 
 
@@ -448,8 +454,8 @@ def test_models_answers_503_until_the_model_is_ready(qwen_server, monkeypatch):
 
 
 def test_a_template_that_refuses_the_messages_gives_a_400(qwen_server, monkeypatch):
-    processor = qwen_server.state.preprocessor.processor
-    monkeypatch.setattr(processor, "chat_template", "{{ raise_exception('Conversation roles must alternate') }}")
+    preprocessor = qwen_server.state.preprocessor  # holds the template it renders with, resolved at start
+    monkeypatch.setattr(preprocessor, "chat_template", "{{ raise_exception('Conversation roles must alternate') }}")
     with qwen_server.client() as c:
         r = c.post("/v1/chat/completions", json={"model": qwen_server.model_id, "messages": USER, "max_tokens": 1})
     assert r.status_code == 400, r.text

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vlmserve.entrypoints.openai.tool_parsers import PARSERS, detect, supports_tools
 from vlmserve.entrypoints.openai.tool_stream import ToolCallStream
+from vlmserve.models.tool_calls import PARSERS, detect, supports_tools
 
 WEATHER = {"city": "Paris", "days": 3}
 CASES = [

@@ -1,4 +1,4 @@
-"""Tool calls in a model's own output format: found in the text, and forced by a grammar.
+"""Tool calls in a model's own output format: found in the text, and forced by a grammar (CPU only).
 
 Each format knows how its models write a call, how to read calls back out of generated text,
 and (where it can) the llguidance grammar that makes the output exactly one or more valid
