@@ -93,6 +93,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     raw_prompt: bool = False  # /v1/completions: the one message's text is the prompt, no chat template
     echo: str | None = None  # /v1/completions' echo: the prompt text, put before each choice's text
+    # mm_processor_kwargs: this request's image size bounds (pixels per image), within the operator's cap.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     @property
     def images(self) -> list[ImageRef]:

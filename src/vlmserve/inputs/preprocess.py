@@ -205,6 +205,8 @@ class Preprocessor:
 
     def encode_chat(self, chat: ChatRequest, images: list[Image.Image]) -> PreparedRequest:
         """A request's PreparedRequest; 400 (context_length_exceeded) if it cannot fit the context."""
+        if chat.min_pixels or chat.max_pixels:
+            images = [self.adapter.fit_pixels(im, chat.min_pixels, chat.max_pixels) for im in images]
         prepared = self.encode(self.render(chat), images)
         check_context(chat, prepared.num_prompt_tokens, self.context_length)
         return prepared

@@ -35,6 +35,19 @@ class ProcessorAdapter:
         Called once, by the one preprocessor that owns this adapter."""
         return processor
 
+    def fit_pixels(self, image: Image.Image, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
+        """A request's own bounds (mm_processor_kwargs): scale, keeping the aspect ratio, so that
+        min_pixels <= width*height <= max_pixels; the processor's own resizing follows."""
+        area = image.width * image.height
+        target = (
+            max_pixels if max_pixels and area > max_pixels else min_pixels if min_pixels and area < min_pixels else 0
+        )
+        if not target:
+            return image
+        scale = (target / area) ** 0.5
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        return image.resize(size, Image.Resampling.BICUBIC)
+
     def cap_image(self, image: Image.Image, max_pixels: int | None) -> Image.Image:
         """Operator resize cap: shrink (never grow) so that width*height <= max_pixels."""
         if not max_pixels or image.width * image.height <= max_pixels:

@@ -166,6 +166,26 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, Any, bool]:
     return tools, choice, parallel
 
 
+MIN_IMAGE_PIXELS = 28 * 28  # smaller bounds are no image at all to a vision tower
+
+
+def parse_pixel_bounds(value: Any, operator_cap: int | None) -> tuple[int | None, int | None]:
+    """vLLM's per-request `mm_processor_kwargs`: `min_pixels` / `max_pixels` per image, both
+    within the operator's --max-pixels (a larger request is held to it)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict) or set(value) - {"min_pixels", "max_pixels"}:
+        raise _bad("'mm_processor_kwargs' takes 'min_pixels' and 'max_pixels' only", "mm_processor_kwargs")
+    hi = operator_cap or 1 << 30
+    bounds = []
+    for key in ("min_pixels", "max_pixels"):
+        n = _number(value, key, MIN_IMAGE_PIXELS, 1 << 30, None, integer=True)
+        bounds.append(None if n is None else min(int(n), hi))
+    if bounds[0] and bounds[1] and bounds[0] > bounds[1]:
+        raise _bad("'min_pixels' must not exceed 'max_pixels'", "mm_processor_kwargs")
+    return bounds[0], bounds[1]
+
+
 def json_schema_grammar(response_format: dict) -> str:
     """`response_format: {"type": "json_schema", "json_schema": {"schema": ...}}` as a grammar."""
     spec = response_format.get("json_schema")
@@ -302,6 +322,7 @@ def parse_chat_request(
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")
     n = int(_number(body, "n", 1, MAX_N, 1, integer=True))
+    min_pixels, max_pixels = parse_pixel_bounds(body.get("mm_processor_kwargs"), config.max_pixels)
     chat = ChatRequest(
         messages=messages,
         sampling=sampling,
@@ -312,6 +333,8 @@ def parse_chat_request(
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
     )
     limit = config.max_images_per_request if max_images is None else max_images
     check_image_count(chat, limit)  # before fetching or decoding any of them

@@ -202,3 +202,34 @@ def test_bad_schemas_and_choices_are_400s(qwen_server):
             client.chat.completions.create(
                 model=qwen_server.model_id, messages=_ask(), max_completion_tokens=4, **extra
             )
+
+
+def test_mm_processor_kwargs_bound_the_image_tokens(qwen_server):
+    """Per request, min_pixels / max_pixels scale each image before the processor: fewer or more
+    image tokens; other keys are a 400."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (120, 120), (200, 40, 90)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]}
+    ]
+    client = _client(qwen_server)
+
+    def prompt_tokens(**kwargs):
+        reply = client.chat.completions.create(
+            model=qwen_server.model_id, messages=messages, max_completion_tokens=1, extra_body=kwargs
+        )
+        return reply.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    small = prompt_tokens(mm_processor_kwargs={"max_pixels": 56 * 56})
+    large = prompt_tokens(mm_processor_kwargs={"min_pixels": 200 * 200})
+    assert small < plain < large
+    for bad in ({"do_resize": False}, {"min_pixels": 10}, {"min_pixels": 90000, "max_pixels": 4000}):
+        with pytest.raises(openai.BadRequestError):
+            prompt_tokens(mm_processor_kwargs=bad)
