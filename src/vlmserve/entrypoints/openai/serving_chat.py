@@ -26,12 +26,17 @@ def _engine_error(exc: EngineError) -> APIError:
     return APIError(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers)
 
 
-async def chat_completions(request: Request) -> Response:
-    try:
-        return await _chat_completions(request)
-    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, never a bare 500 page
-        log.exception("chat completion failed")
-        return error_response(APIError(500, "internal server error", code="internal_error"))
+def answers_in_openai_shape(handler):
+    """A route whose bug still answers in OpenAI's error shape, never a bare 500 page."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception:  # noqa: BLE001
+            log.exception("%s failed", request.url.path)
+            return error_response(APIError(500, "internal server error", code="internal_error"))
+
+    return route
 
 
 def parse_chat(body, server) -> ChatRequest:
@@ -105,7 +110,8 @@ async def collect(request: Request, started: Started) -> tuple[list[dict], dict]
         return error_response(APIError(exc.status, exc.message, code=exc.code))
 
 
-async def _chat_completions(request: Request) -> Response:
+@answers_in_openai_shape
+async def chat_completions(request: Request) -> Response:
     started = await start(request, parse_chat)
     if isinstance(started, Response):
         return started

@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from vlmserve.entrypoints.openai import chat_response, sse
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
-from vlmserve.entrypoints.openai.errors import APIError, error_body, error_response
-from vlmserve.entrypoints.openai.serving_chat import collect, event_stream, failure, log, start
+from vlmserve.entrypoints.openai.errors import APIError, error_body
+from vlmserve.entrypoints.openai.serving_chat import answers_in_openai_shape, collect, event_stream, failure, start
 from vlmserve.entrypoints.openai.streams import merge
 from vlmserve.protocol import ChatRequest, EngineError
 
@@ -80,15 +80,8 @@ def _body(rid, model, created, choices, usage=None) -> dict:
     return body
 
 
+@answers_in_openai_shape
 async def completions(request: Request) -> Response:
-    try:
-        return await _completions(request)
-    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
-        log.exception("completion failed")
-        return error_response(APIError(500, "internal server error", code="internal_error"))
-
-
-async def _completions(request: Request) -> Response:
     started = await start(request, parse_completion, prefix="cmpl")
     if isinstance(started, Response):
         return started

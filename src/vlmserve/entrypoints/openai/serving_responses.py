@@ -15,8 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlmserve.entrypoints.openai import chat_response, tool_use
-from vlmserve.entrypoints.openai.errors import APIError, error_response
-from vlmserve.entrypoints.openai.serving_chat import collect, event_stream, failure, log, parse_chat, start
+from vlmserve.entrypoints.openai.errors import APIError
+from vlmserve.entrypoints.openai.serving_chat import (
+    answers_in_openai_shape,
+    collect,
+    event_stream,
+    failure,
+    parse_chat,
+    start,
+)
 from vlmserve.entrypoints.openai.streams import merge
 from vlmserve.protocol import ChatRequest, EngineError
 
@@ -216,15 +223,8 @@ def _echo(body: dict, chat: ChatRequest) -> dict:
     }
 
 
+@answers_in_openai_shape
 async def responses(request: Request) -> Response:
-    try:
-        return await _responses(request)
-    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
-        log.exception("response failed")
-        return error_response(APIError(500, "internal server error", code="internal_error"))
-
-
-async def _responses(request: Request) -> Response:
     seen: dict = {}
 
     def parse(body, server):

@@ -87,21 +87,21 @@ def test_responses_stream_events_in_order(qwen_server):
 def test_responses_function_calls_and_their_outputs(tool_server):  # noqa: F811
     tool = {"type": "function", **WEATHER["function"]}
     client = _client(tool_server)
-    reply = client.responses.create(
-        model=tool_server.model_id, input=_image_input("Weather?"), tools=[tool], tool_choice="required",
-        max_output_tokens=200,
-    )  # fmt: skip
+    forced = dict(tools=[tool], tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+    reply = client.responses.create(model=tool_server.model_id, input=_image_input("Weather?"), **forced)
     calls = [o for o in reply.output if o.type == "function_call"]
-    assert calls and calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    assert (
+        len(calls) == 1
+        and calls[0].name == "get_weather"
+        and json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    )
     follow = _image_input("Weather?") + [
         {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name, "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny."},
     ]
     again = client.responses.create(model=tool_server.model_id, input=follow, tools=[tool], max_output_tokens=4)
     assert again.status in ("completed", "incomplete")
-    with client.responses.stream(
-        model=tool_server.model_id, input="Weather?", tools=[tool], tool_choice="required", max_output_tokens=200
-    ) as stream:
+    with client.responses.stream(model=tool_server.model_id, input="Weather?", **forced) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
