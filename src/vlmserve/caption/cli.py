@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-o", "--out", required=True, help="output file (one record per image)")
     p.add_argument(
-        "--format", choices=("jsonl", "csv"), default=None, help="output format (default: csv for *.csv, else jsonl)"
+        "--format",
+        choices=("jsonl", "csv", "parquet"),
+        default=None,
+        help="output format (default: from the file name: .csv, .parquet (--ray), else jsonl)",
     )
     g = p.add_argument_group("servers")
     g.add_argument(
@@ -58,6 +61,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="no server: load MODEL (local dir or Hugging Face id) into a vlmserve engine in this process",
     )
+    g.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="caption on a Ray cluster (ADDRESS, e.g. auto or host:6379; none: a local one), each actor "
+        "running --in-process MODEL; output may then also be .parquet (needs the [ray] extra)",
+    )
+    g.add_argument("--num-replicas", type=int, default=1, help="--ray: actors, each with its own engine (default 1)")
+    g.add_argument("--actor-cpus", type=float, default=1.0, help="--ray: CPUs per actor (default 1)")
+    g.add_argument("--actor-gpus", type=float, default=0.0, help="--ray: GPUs per actor (default 0)")
+    g.add_argument("--batch-size", type=int, default=32, help="--ray: images handed to an actor at a time (default 32)")
     g.add_argument("--model", default=None, help="model name to request (default: ask each server's /v1/models)")
     g.add_argument("--api-key", default=None, help="bearer token (default: $VLMSERVE_API_KEY, then $OPENAI_API_KEY)")
     g.add_argument(
@@ -132,8 +148,66 @@ def _eprint(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+def _run_on_ray(args: argparse.Namespace, prompt: str, extra: dict) -> int:
+    if not args.in_process or args.server:
+        _eprint("caption: --ray needs --in-process MODEL (what each actor loads) and no --server")
+        return EXIT_USAGE
+    try:
+        from vlmserve.caption.ray_pipeline import RayOptions, caption_on_ray
+    except ImportError as exc:
+        _eprint(f"caption: --ray needs the ray extra (pip install 'vlmserve[ray]'): {exc}")
+        return EXIT_USAGE
+    request = Options(
+        servers=[],
+        prompt=prompt,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        concurrency=args.concurrency or 32,
+        retries=args.retries,
+        backoff_base=args.backoff,
+        backoff_max=args.backoff_max,
+        timeout=args.timeout,
+        detail=args.detail,
+        system=args.system,
+        extra=extra,
+    )
+    opts = RayOptions(
+        model=args.in_process,
+        address=None if args.ray == "local" else args.ray,
+        num_replicas=args.num_replicas,
+        actor_cpus=args.actor_cpus,
+        actor_gpus=args.actor_gpus,
+        batch_size=args.batch_size,
+        request=request,
+        path_column=args.path_column,
+        prompt_column=args.prompt_column,
+        resume=args.resume,
+        progress=args.progress,
+        quiet=args.quiet,
+    )
+    out = Path(args.out)
+    if args.overwrite and not args.resume and out.exists():
+        out.unlink()
+    try:
+        stats = caption_on_ray(args.inputs, args.out, opts, args.format)
+    except (FileExistsError, InputError, OSError, ValueError) as exc:
+        _eprint(f"caption: {exc}")
+        return EXIT_USAGE
+    if not args.quiet:
+        _eprint(summary(stats, args.out))
+    return EXIT_FAILED if stats.failed else EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     """Everything after parsing; returns the exit status."""
+    if args.ray is not None:
+        prompt = Path(args.prompt_file).read_text(encoding="utf-8").strip() if args.prompt_file else args.prompt
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+        return _run_on_ray(args, prompt or DEFAULT_PROMPT, extra)
+    if args.format == "parquet" or args.out.lower().endswith(".parquet"):
+        _eprint("caption: Parquet output is written by --ray runs; use .jsonl or .csv here")
+        return EXIT_USAGE
     if args.in_process and args.server:
         _eprint("caption: --in-process and --server are exclusive")
         return EXIT_USAGE
