@@ -79,6 +79,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument("--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 disables")
     p.add_argument(
+        "--mm-cache",
+        action=argparse.BooleanOptionalAction,
+        default=d.mm_cache,
+        help="reuse vision features and prompt KV for image requests by image content (--no-mm-cache: none)",
+    )
+    p.add_argument(
+        "--mm-feature-cache-gb", type=float, default=d.mm_feature_cache_gb, help="GiB of vision features kept"
+    )
+    p.add_argument(
         "--kv-cache-memory",
         dest="kv_cache_memory_gb",
         type=float,

@@ -24,6 +24,10 @@ class ServerConfig:
     prefill_bucket: int = 64  # pad prompt lengths to multiples of this; 0 keeps exact shapes
     max_model_len: int | None = None  # None: from the model config
     prefix_cache_tokens: int = 65536
+    # Reuse for image requests, keyed by image content: vision features and prompt KV (off: the
+    # strict rule, no reuse at all for requests with pixels).
+    mm_cache: bool = True
+    mm_feature_cache_gb: float = 1.0  # vision features kept for reuse
     # KV memory: this many GB of blocks, or (None) what --gpu-memory-utilization of the device
     # leaves after the weights and a working reserve (engine/memory.py).
     kv_cache_memory_gb: float | None = None

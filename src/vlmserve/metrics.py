@@ -70,6 +70,18 @@ class Metrics:
         self.failure = counter("request_failure_total", "Failed requests", ["reason"])
         self.prefix_queries = counter("prefix_cache_queries_total", "Prefix cache lookups (text-only requests)")
         self.prefix_hits = counter("prefix_cache_hits_total", "Prefix cache lookups that reused KV")
+        self.mm_prefix_queries = counter(
+            "mm_prefix_cache_queries_total", "Prefix lookups of requests with images (keys carry image content)"
+        )
+        self.mm_prefix_hits = counter(
+            "mm_prefix_cache_hits_total", "Prefix lookups of requests with images that reused KV"
+        )
+        self.feature_queries = counter(
+            "mm_feature_cache_queries_total", "Vision-feature cache lookups (image requests)"
+        )
+        self.feature_hits = counter(
+            "mm_feature_cache_hits_total", "Vision-feature lookups that skipped the vision tower"
+        )
         self.image_fetch_failures = counter("image_fetch_failures_total", "Images that could not be fetched or decoded")
         self.preprocess_jobs = counter(
             "preprocess_requests_total", "Requests preprocessed, by pool (threads, or --preprocess-processes)", ["pool"]
@@ -120,7 +132,9 @@ class SchedulerHooks:
         self.m.decode_step.observe(seconds)
         self.m.batch_size.observe(batch)
 
-    def on_prefix_lookup(self, hit: bool) -> None:
-        self.m.prefix_queries.inc()
+    def on_prefix_lookup(self, hit: bool, images: bool = False) -> None:
+        m = self.m
+        queries, hits = (m.mm_prefix_queries, m.mm_prefix_hits) if images else (m.prefix_queries, m.prefix_hits)
+        queries.inc()
         if hit:
-            self.m.prefix_hits.inc()
+            hits.inc()

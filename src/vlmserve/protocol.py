@@ -111,6 +111,9 @@ class PreparedRequest:
     num_images: int = 0
     # Names in model_inputs that hold bfloat16 bit patterns as uint16 (NumPy has no bfloat16).
     bfloat16_inputs: frozenset[str] = frozenset()
+    # One content hash per image, in prompt order (the pixels as the processor got them): the
+    # keys of vision-feature and multimodal prefix reuse. Empty: nothing may be reused by content.
+    image_hashes: tuple[str, ...] = ()
 
     @property
     def has_pixels(self) -> bool:
@@ -132,6 +135,8 @@ class CacheGauges:
     kv_blocks_total: int = 0
     preemptions: int = 0  # rows put aside for KV memory since start
     memory: dict[str, int] = field(default_factory=dict)  # MLX's device memory in bytes: active, cache, peak
+    feature_queries: int = 0  # vision-feature cache lookups since start (image requests)
+    feature_hits: int = 0
 
 
 @dataclass

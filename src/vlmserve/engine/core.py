@@ -26,6 +26,7 @@ from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.sched.scheduler import Scheduler
+from vlmserve.models.feature_cache import FeatureCache
 from vlmserve.models.registry import load_model_adapter
 from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, SamplingParams, TokenEvent
 
@@ -47,6 +48,7 @@ class EngineCore:
         prefill_budget: int | None = None,
         prefill_bucket: int = 0,
         prefix_cache_tokens: int = 65536,
+        mm_cache: bool = False,
         compile_decode: bool = False,
         idle_release_s: float = 60.0,
         kv_budget: KVBudget | None = None,
@@ -67,6 +69,7 @@ class EngineCore:
             tokenizer,
             self.sched,
             prefix_cache_tokens=prefix_cache_tokens,
+            mm_cache=mm_cache,
             compile_decode=compile_decode,
             # A pool that grows changes the decode step's shapes, whose first runs build GPU
             # kernels: start with room for every row at two prefill chunks, as warm-up assumes.
@@ -104,6 +107,8 @@ class EngineCore:
             config.compile_decode == "auto" and mx.default_device() == mx.gpu
         )
         budget = cls.kv_budget(model, config)
+        if config.mm_cache:
+            model.feature_cache = FeatureCache(int(config.mm_feature_cache_gb * (1 << 30)))
         model.info.context_length = min(model.info.context_length, budget.max_tokens)
         return cls(
             model,
@@ -113,6 +118,7 @@ class EngineCore:
             prefill_budget=config.prefill_token_budget,
             prefill_bucket=config.prefill_bucket,
             prefix_cache_tokens=config.prefix_cache_tokens,
+            mm_cache=config.mm_cache,
             compile_decode=compile_decode,
             idle_release_s=config.release_cache_after_idle_s,
             kv_budget=budget,
@@ -261,11 +267,12 @@ class EngineCore:
         self.runner.drop_all()
 
     def forget_prefixes(self) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        for cache in (self.prefix_cache, self.runner.mm_prefix_cache, self.model.feature_cache):
+            if cache is not None:
+                cache.clear()
 
     def cache_gauges(self) -> CacheGauges:
-        pc, budget = self.prefix_cache, self.sched.kv_budget
+        pc, budget, features = self.prefix_cache, self.sched.kv_budget, self.model.feature_cache
         return CacheGauges(
             prefix_usage=pc.size_tokens / max(1, pc.max_tokens) if pc is not None else None,
             kv_tokens=sum(s.cache_len for s in list(self.sched.running)),
@@ -273,6 +280,8 @@ class EngineCore:
             kv_blocks_total=budget.total,
             preemptions=budget.preemptions,
             memory=dict(self._memory),
+            feature_queries=features.queries if features is not None else 0,
+            feature_hits=features.hits if features is not None else 0,
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------

@@ -46,8 +46,8 @@ class ForwardedHooks:
     def on_decode_step(self, seconds: float, batch: int) -> None:
         self.records.append(("on_decode_step", (seconds, batch)))
 
-    def on_prefix_lookup(self, hit: bool) -> None:
-        self.records.append(("on_prefix_lookup", (hit,)))
+    def on_prefix_lookup(self, hit: bool, images: bool = False) -> None:
+        self.records.append(("on_prefix_lookup", (hit, images)))
 
     def take(self) -> list[tuple[str, tuple]]:
         records, self.records = self.records, []

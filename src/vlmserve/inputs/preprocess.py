@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import inspect
 import io
 import json
@@ -79,6 +80,14 @@ def _arguments(call: dict) -> Any:
         return json.loads(call["arguments"])
     except ValueError:
         return call["arguments"]
+
+
+def image_hash(image: Image.Image) -> str:
+    """An image's content as the processor gets it (mode, size, pixels): the same picture sent
+    twice, by URL or inline, hashes the same; any other pixel does not."""
+    digest = hashlib.blake2b(f"{image.mode}:{image.width}x{image.height}:".encode(), digest_size=16)
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -244,7 +253,13 @@ class Preprocessor:
         bf16 = frozenset()
         if self.pixel_dtype == "bfloat16":  # pixels (or what the adapter names) as bfloat16 bits
             bf16 = frozenset(k for k in self.adapter.bfloat16_inputs if k in inputs and inputs[k].dtype == np.uint16)
-        return PreparedRequest(prompt_ids=ids, model_inputs=inputs, num_images=len(images), bfloat16_inputs=bf16)
+        return PreparedRequest(
+            prompt_ids=ids,
+            model_inputs=inputs,
+            num_images=len(images),
+            bfloat16_inputs=bf16,
+            image_hashes=tuple(image_hash(im) for im in images) if self.config.mm_cache else (),
+        )
 
     def _add_special_tokens(self, prompt: str) -> bool:
         """Add BOS only when the chat template did not already put it there."""

@@ -152,6 +152,7 @@ class GenericModel:
         self.install_fast_paths()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self.prompt_path_differs = self._prompt_path_differs()
+        self.feature_cache = None  # a FeatureCache where the engine reuses vision features (adapters that can)
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(

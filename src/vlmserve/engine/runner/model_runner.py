@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
-from vlmserve.engine.runner.prefix_cache import PrefixCache
+from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -52,6 +52,7 @@ class ModelRunner:
         sched: Scheduler,
         *,
         prefix_cache_tokens: int = 65536,
+        mm_cache: bool = False,
         compile_decode: bool = False,
         initial_pool_tokens: int = 16384,  # what a pool holds before it first grows
         hooks: Any = None,
@@ -61,6 +62,8 @@ class ModelRunner:
         self.sched = sched
         self.hooks = hooks
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
+        self.mm_prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and mm_cache else None
         self.eos = set(model.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = model.info.context_length
         self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
@@ -120,10 +123,11 @@ class ModelRunner:
         seq.batchable = self.model.can_batch and PrefixCache.supports(prompt.cache) and not seq.last_in_prefill
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
-        if self._caches_prefix(seq):
-            seq.prefilled = seq.cached_tokens = self.prefix_cache.lookup(prepared.prompt_ids, prompt.cache)
+        cache, key = self._prefix_cache(seq)
+        if cache is not None:
+            seq.prefilled = seq.cached_tokens = cache.lookup(key, prompt.cache)
             if self.hooks:
-                self.hooks.on_prefix_lookup(seq.cached_tokens > 0)
+                self.hooks.on_prefix_lookup(seq.cached_tokens > 0, prepared.has_pixels)
         mx.async_eval(prompt.embeds)
         if self.hooks and prepared.has_pixels:
             self.hooks.on_vision(seconds)
@@ -198,23 +202,31 @@ class ModelRunner:
             self.hooks.on_prefill(time.perf_counter() - t0)
         for i, seq in enumerate(group):
             seq.prefilled = seq.num_prompt - 1
-            if self._caches_prefix(seq):  # extract() syncs: only when the row will be stored
+            if self._prefix_cache(seq)[0] is not None:  # extract() syncs: only when the row will be stored
                 self._store_prefix(seq, [layer.extract(i) for layer in cache])
         self._join(group, cache)
 
-    def _caches_prefix(self, seq: Sequence) -> bool:
-        """Only text-only prompts enter the prefix cache: a token key cannot tell two images apart.
-        Nor do prompts attended to as a whole: a prefix's KV there depends on what follows it."""
-        return (
-            self.prefix_cache is not None
-            and not seq.req.prepared.has_pixels
-            and not self.model.prefix_lm
-            and seq.num_prompt > 1
-        )
+    def _prefix_cache(self, seq: Sequence) -> tuple[PrefixCache | None, Any]:
+        """The prefix cache a prompt reads and writes, and its key there (None: none).
+
+        Text-only prompts: the token-keyed cache. Prompts with images: the multimodal one, keyed
+        by tokens and image content, where the embedded prompt has the ids' length (a merge
+        that changes it would shift every position after an image). Never prompts attended to
+        as a whole: a prefix's KV there depends on what follows it."""
+        prepared = seq.req.prepared
+        if self.model.prefix_lm or seq.num_prompt <= 1:
+            return None, None
+        if not prepared.has_pixels:
+            return self.prefix_cache, prepared.prompt_ids
+        if self.mm_prefix_cache is None or seq.num_prompt != prepared.num_prompt_tokens:
+            return None, None
+        key = content_keyed(prepared.prompt_ids, self.model.info.image_token_id, prepared.image_hashes)
+        return (self.mm_prefix_cache, key) if key is not None else (None, None)
 
     def _store_prefix(self, seq: Sequence, cache: list[Any]) -> None:
-        if self._caches_prefix(seq):
-            self.prefix_cache.store(seq.req.prepared.prompt_ids[: seq.num_prompt - 1], cache)
+        store, key = self._prefix_cache(seq)
+        if store is not None:
+            store.store(key[: seq.num_prompt - 1], cache)
 
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
         """Prefilled rows enter the running batch; their last prompt token is the next input."""

@@ -1,7 +1,11 @@
-"""Text-only KV prefix cache: LRU of prompt KV states keyed by token ids.
+"""KV prefix caches: LRUs of prompt KV states keyed by token ids.
 
-Invariant 6: requests carrying pixel values never read or write it. Image placeholder
-tokens are identical for every image, so a token key says nothing about the pixels.
+The engine keeps two. The text one: requests carrying pixel values never read or write it
+(image placeholder tokens are identical for every image, so a token key says nothing about
+the pixels). The multimodal one (unless --no-mm-cache): its keys are the token ids with every
+image's placeholder tokens replaced by a marker of that image's content (`content_keyed`), so
+a prefix matches only where its text and its images both do; a different image behind the
+same text matches only the text before it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,21 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_vlm.models.cache import KVCache
+
+
+def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, ...]) -> np.ndarray | None:
+    """`ids` with each image's run of placeholder tokens replaced by a negative marker of its
+    content hash (no token id is negative); None when the runs and the hashes do not pair up."""
+    if image_token is None or not hashes:
+        return None
+    is_image = ids == image_token
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    if int(starts.sum()) != len(hashes):
+        return None
+    markers = np.array([-(int(h[:15], 16) + 1) for h in hashes], dtype=np.int64)
+    key = ids.astype(np.int64)
+    key[is_image] = markers[(np.cumsum(starts) - 1)[is_image]]
+    return key
 
 
 class PrefixCache:

@@ -91,6 +91,7 @@ class ServerState:
         self._model_id = config.model_id
         self._model_names = frozenset(model_aliases(config))  # the served name is one of them
         self._tool_parser = None
+        self._feature_seen = (0, 0)  # the engine's feature-cache counts already counted
         self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -485,6 +486,10 @@ class ServerState:
         m.kv_blocks_used.set(gauges.kv_blocks_used)
         m.kv_blocks_free.set(gauges.kv_blocks_total - gauges.kv_blocks_used)
         m.preemptions.set(gauges.preemptions)
+        # The engine counts feature-cache lookups since its start; the counters take what is new.
+        m.feature_queries.inc(max(0, gauges.feature_queries - self._feature_seen[0]))
+        m.feature_hits.inc(max(0, gauges.feature_hits - self._feature_seen[1]))
+        self._feature_seen = (gauges.feature_queries, gauges.feature_hits)
         for kind, value in gauges.memory.items():
             m.device_memory.labels(m.model_name, kind).set(value)
 

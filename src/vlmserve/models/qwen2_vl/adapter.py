@@ -62,26 +62,53 @@ class QwenVLModel(GenericModel):
         with_images = [p for p in prepared if p.has_pixels]
         if not with_images:
             return [self.embed_prompt(p, inputs=inputs.get(id(p))) for p in prepared]
-        tower = self.model.vision_tower
-        dtype = tower.patch_embed.proj.weight.dtype
-        for p in with_images:  # one host->device copy per request not staged already
-            if id(p) not in inputs:
-                inputs[id(p)] = self.stage_inputs(p)
-        pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in with_images]).astype(dtype)
         grids = {id(p): image_grids(p) for p in with_images}
-        features = self._tower(pixels, np.concatenate(list(grids.values())))
-        # Start the tower now: the per-request embedding below is host work (M-RoPE positions),
-        # done while the device runs the tower's last command buffers instead of before them.
-        mx.async_eval(features)
         merge = self.model.config.vision_config.spatial_merge_size**2
-        rows = np.cumsum([int(np.prod(g, axis=1).sum()) // merge for g in grids.values()])[:-1]
-        per_request = dict(zip(grids, mx.split(features, rows.tolist())))
+        per_request = self._cached_features(with_images, grids)
+        todo = [p for p in with_images if id(p) not in per_request]
+        if todo:
+            dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+            for p in todo:  # one host->device copy per request not staged already
+                if id(p) not in inputs:
+                    inputs[id(p)] = self.stage_inputs(p)
+            pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in todo]).astype(dtype)
+            features = self._tower(pixels, np.concatenate([grids[id(p)] for p in todo]))
+            # Start the tower now: the per-request embedding below is host work (M-RoPE positions),
+            # done while the device runs the tower's last command buffers instead of before them.
+            mx.async_eval(features)
+            rows = np.cumsum([int(np.prod(grids[id(p)], axis=1).sum()) // merge for p in todo])[:-1]
+            computed = dict(zip((id(p) for p in todo), mx.split(features, rows.tolist())))
+            self._store_features(todo, grids, computed, merge)
+            per_request.update(computed)
         return [
-            self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs[id(p)])
+            self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs.get(id(p)))
             if id(p) in per_request
             else self.embed_prompt(p, inputs=inputs.get(id(p)))
             for p in prepared
         ]
+
+    def _cached_features(self, prepared: list[PreparedRequest], grids: dict) -> dict[int, mx.array]:
+        """The requests whose every image's features are cached (FeatureCache), by id."""
+        found = {}
+        if self.feature_cache is None:
+            return found
+        for p in prepared:
+            if len(p.image_hashes) == len(grids[id(p)]):
+                hit = self.feature_cache.lookup(p.image_hashes)
+                if hit is not None:
+                    found[id(p)] = hit[0] if len(hit) == 1 else mx.concatenate(hit)
+        return found
+
+    def _store_features(self, prepared: list[PreparedRequest], grids: dict, features: dict, merge: int) -> None:
+        if self.feature_cache is None:
+            return
+        for p in prepared:
+            grid = grids[id(p)]
+            if len(p.image_hashes) != len(grid):
+                continue
+            rows = np.cumsum([int(np.prod(g)) // merge for g in grid])[:-1]
+            for key, part in zip(p.image_hashes, mx.split(features[id(p)], rows.tolist())):
+                self.feature_cache.store(key, part)
 
     def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
         """All images' features from one vision-tower call."""
@@ -108,7 +135,7 @@ class QwenVLModel(GenericModel):
         return counts
 
     def _embed_image_prompt(
-        self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray, inputs: dict[str, mx.array]
+        self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray, inputs: dict[str, mx.array] | None
     ) -> PromptState:
         ids = prepared.prompt_ids.astype(np.int32)
         cfg = self.language_model.config  # what mlx_vlm's get_rope_index reads

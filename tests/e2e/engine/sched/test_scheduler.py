@@ -72,6 +72,9 @@ def test_batched_outputs_equal_single_runs_and_mlx_vlm(any_server):
             return await asyncio.gather(*first, *rest)
 
     singles = asyncio.run(alone())
+    # The same prompts again would reuse their cached prefixes (images too) and skip the batched
+    # prefill this test is about: start from empty caches.
+    any_server.engine.worker.submit(any_server.engine.core.forget_prefixes).result(30)
     stats = any_server.engine.core.stats
     steps_before, grouped_before = stats.decode_steps, stats.batched_prefills
     batched = asyncio.run(together())
@@ -116,7 +119,16 @@ def test_new_request_is_admitted_while_others_decode(qwen_server):
     assert first_token < min(finished), "the new request waited for the running batch to drain"
 
 
-def test_prefix_cache_never_serves_image_requests(qwen_server):
+@pytest.fixture(scope="module")
+def strict_server():
+    """--no-mm-cache: the strict rule, no reuse of any kind for requests with images."""
+    server = start_server("qwen2_vl", mm_cache=False)
+    yield server
+    server.stop()
+
+
+def test_prefix_cache_never_serves_image_requests(strict_server):
+    qwen_server = strict_server
     text = "Prefix cache probe: what colour is the dominant object in the picture?"
 
     async def run():
@@ -137,6 +149,16 @@ def test_prefix_cache_never_serves_image_requests(qwen_server):
     assert a["choices"][0]["message"]["content"] == mlx_vlm_text(qwen_server, text, [images()[0]], MAX_TOKENS)
     assert b["choices"][0]["message"]["content"] == mlx_vlm_text(qwen_server, text, [images()[2]], MAX_TOKENS)
     assert pc.size_tokens > 0
+    # Nothing by image content either: no multimodal prefix cache, no vision features kept.
+    assert qwen_server.engine.core.runner.mm_prefix_cache is None
+    assert qwen_server.engine.core.model.feature_cache is None
+    again_a = asyncio.run(_post_once(qwen_server, _body(qwen_server, text, [images()[0]])))
+    assert again_a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def _post_once(server, body):
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+        return await _post(c, body)
 
 
 def test_mixed_sampling_in_one_batch(qwen_server):
@@ -471,7 +493,7 @@ def test_pixels_of_the_next_steps_requests_are_staged_once_and_used(monkeypatch)
     monkeypatch.setattr(QwenVLModel, "stage_inputs", counted)
     monkeypatch.setattr(ModelRunner, "stage", staging)
     # A budget below one image prompt: each step embeds one new request, so the next is staged.
-    server = start_server("qwen2_vl", prefill_token_budget=60, prefix_cache_tokens=0, warmup=False)
+    server = start_server("qwen2_vl", prefill_token_budget=60, prefix_cache_tokens=0, mm_cache=False, warmup=False)
     try:
         large = images()[1]  # prompts of ~75 tokens each, whatever order they arrive in
         bodies = [_body(server, f"Picture {i}: what is in it?", [large]) for i in range(3)]

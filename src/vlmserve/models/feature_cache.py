@@ -1,0 +1,45 @@
+"""Vision features by image content: an image discussed again (the next turn of a chat, another
+question about it) skips the vision tower.
+
+Keyed by the image's content hash (PreparedRequest.image_hashes: the pixels as the processor got
+them); one server serves one model with one processor setting, so the hash is the whole key.
+An LRU within a byte budget. Runs on the MLX worker only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mlx.core as mx
+
+
+class FeatureCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, mx.array] = OrderedDict()
+        self.bytes = 0
+        self.queries = 0
+        self.hits = 0
+
+    def lookup(self, keys: tuple[str, ...]) -> list[mx.array] | None:
+        """Every image's features, or None unless all of them are cached (one query, one hit)."""
+        self.queries += 1
+        if not keys or any(k not in self._entries for k in keys):
+            return None
+        self.hits += 1
+        for k in keys:
+            self._entries.move_to_end(k)
+        return [self._entries[k] for k in keys]
+
+    def store(self, key: str, features: mx.array) -> None:
+        if key in self._entries or features.nbytes > self.max_bytes:
+            return
+        self._entries[key] = features
+        self.bytes += features.nbytes
+        while self.bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0

@@ -1,0 +1,136 @@
+"""Reuse for image requests by image content (issue: multi-turn image chats): a later turn about
+the same image skips the vision tower and reuses the prompt's KV, images included, with the
+tokens a server without any reuse gives; another image behind the same text reuses only the text
+before it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import httpx
+import pytest
+from PIL import Image
+
+from support.server import start_server
+from vlmserve.entrypoints.openai.chat_request import parse_chat_request
+
+MAX_TOKENS = 12
+
+
+def _image(colour) -> str:
+    """A 112x84 PNG of one colour with a stripe: same size, different pixels per colour."""
+    image = Image.new("RGB", (112, 84), colour)
+    image.paste((255 - colour[0], colour[1], 90), (10, 20, 60, 40))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+RED, BLUE = _image((200, 30, 30)), _image((30, 30, 200))
+
+
+def _turn(text, image=None):
+    parts = ([{"type": "image_url", "image_url": {"url": image}}] if image else []) + [{"type": "text", "text": text}]
+    return {"role": "user", "content": parts}
+
+
+def _chat(server, messages):
+    return {"model": server.model_id, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+async def _post(client, body):
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _run(server, bodies, concurrent=False):
+    async def go():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+            if concurrent:
+                return await asyncio.gather(*(_post(c, b) for b in bodies))
+            return [await _post(c, b) for b in bodies]
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """With reuse (a small prefix budget, so entries are also evicted) and without any."""
+    reuse = start_server("qwen2_vl", prefix_cache_tokens=600)
+    strict = start_server("qwen2_vl", mm_cache=False)
+    yield reuse, strict
+    reuse.stop()
+    strict.stop()
+
+
+def _three_turns(server, image):
+    """A 3-turn chat about one image, each turn sent after the previous answer."""
+    messages, replies = [], []
+    for question in ("What is in the picture?", "What colour is the stripe?", "And the background?"):
+        messages.append(_turn(question, image if not messages else None))
+        reply = _run(server, [_chat(server, messages)])[0]
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+    return replies
+
+
+def _text(reply):
+    return reply["choices"][0]["message"]["content"]
+
+
+def _cached(reply):
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_later_turns_reuse_the_image_and_answer_as_without_reuse(servers):
+    reuse, strict = servers
+    core = reuse.engine.core
+    tower_runs = core.model.feature_cache.queries - core.model.feature_cache.hits
+    with_reuse, without = _three_turns(reuse, RED), _three_turns(strict, RED)
+    assert [_text(r) for r in with_reuse] == [_text(r) for r in without]
+    assert [_cached(r) for r in without] == [0, 0, 0]
+    # Turn 2 and 3 reuse the whole earlier prompt (all but its last token), the image's tokens included.
+    assert _cached(with_reuse[1]) >= with_reuse[0]["usage"]["prompt_tokens"] - 1
+    assert _cached(with_reuse[2]) >= with_reuse[1]["usage"]["prompt_tokens"] - 1
+    # The tower ran once for the three turns.
+    assert core.model.feature_cache.queries - core.model.feature_cache.hits == tower_runs + 1
+    metrics = httpx.get(f"{reuse.base_url}/metrics").text
+    hits = [
+        x
+        for x in metrics.splitlines()
+        if x.startswith(("vlmserve:mm_prefix_cache_hits_total", "vlmserve:mm_feature_cache_hits_total"))
+    ]
+    assert len(hits) == 2 and all(float(x.rsplit(" ", 1)[1]) >= 2 for x in hits)
+
+
+def test_another_image_behind_the_same_text_reuses_only_the_text_before_it(servers):
+    reuse, strict = servers
+    question = [_turn("Describe this picture in detail, please.", RED)]
+    red = _run(reuse, [_chat(reuse, question)])[0]
+    blue_body = _chat(reuse, [_turn("Describe this picture in detail, please.", BLUE)])
+    blue = _run(reuse, [blue_body])[0]
+    prompt = reuse.state.preprocessor.render(parse_chat_request(blue_body, reuse.config, {reuse.model_id}, 4096))
+    ids = reuse.state.preprocessor.tokenizer(prompt)["input_ids"]
+    before_image = ids.index(reuse.engine.info.image_token_id)
+    assert _cached(blue) <= before_image  # same text and size, other pixels: nothing of the image
+    assert _text(blue) == _text(_run(strict, [_chat(strict, blue_body["messages"])])[0])
+    assert _text(red) == _text(_run(strict, [_chat(strict, question)])[0])
+
+
+def test_batched_turns_with_reuse_answer_as_without(servers):
+    reuse, strict = servers
+    first = [_turn("What is in the picture?", image) for image in (RED, BLUE)]
+    answers = _run(strict, [_chat(strict, [m]) for m in first])
+    follow = [
+        _chat(reuse, [m, {"role": "assistant", "content": _text(a)}, _turn(f"Say more about it, take {i}.")])
+        for m, a in zip(first, answers)
+        for i in range(3)
+    ]
+    _run(reuse, [_chat(reuse, [m]) for m in first])  # the first turns, cached
+    together = _run(reuse, follow, concurrent=True)
+    alone = _run(strict, [dict(b, model=strict.model_id) for b in follow])
+    assert [_text(r) for r in together] == [_text(r) for r in alone]
+    assert any(_cached(r) > 0 for r in together)
