@@ -134,3 +134,36 @@ def test_batched_turns_with_reuse_answer_as_without(servers):
     alone = _run(strict, [dict(b, model=strict.model_id) for b in follow])
     assert [_text(r) for r in together] == [_text(r) for r in alone]
     assert any(_cached(r) > 0 for r in together)
+
+
+def test_questions_about_one_new_image_at_once_run_the_tower_once(servers, monkeypatch):
+    """Eight different questions about one image, arriving together: one image through the tower."""
+    import threading
+
+    from vlmserve.models.qwen2_vl.adapter import QwenVLModel
+
+    reuse, strict = servers
+    tower, images_seen = QwenVLModel._tower, []
+
+    def counting(self, pixels, grid):
+        images_seen.append(len(grid))
+        return tower(self, pixels, grid)
+
+    monkeypatch.setattr(QwenVLModel, "_tower", counting)
+    green = _image((30, 180, 40))
+    bodies = [_chat(reuse, [_turn(f"Question {i}: what do you see?", green)]) for i in range(8)]
+
+    async def together():
+        gate = threading.Event()
+        reuse.engine.worker.submit(gate.wait, 30)
+        async with httpx.AsyncClient(base_url=reuse.base_url, timeout=120) as c:
+            tasks = [asyncio.create_task(_post(c, b)) for b in bodies]
+            while reuse.engine.core.num_waiting < len(bodies):
+                await asyncio.sleep(0.005)
+            gate.set()
+            return await asyncio.gather(*tasks)
+
+    replies = asyncio.run(together())
+    assert sum(images_seen) == 1
+    alone = _run(strict, [dict(b, model=strict.model_id) for b in bodies])
+    assert [_text(r) for r in replies] == [_text(r) for r in alone]

@@ -65,7 +65,12 @@ class QwenVLModel(GenericModel):
         grids = {id(p): image_grids(p) for p in with_images}
         merge = self.model.config.vision_config.spatial_merge_size**2
         per_request = self._cached_features(with_images, grids)
-        todo = [p for p in with_images if id(p) not in per_request]
+        # Requests with the same images (several questions about one picture) share one tower run.
+        same: dict = {}
+        for p in with_images:
+            if id(p) not in per_request:
+                same.setdefault(p.image_hashes or id(p), []).append(p)
+        todo = [group[0] for group in same.values()]
         if todo:
             dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
             for p in todo:  # one host->device copy per request not staged already
@@ -79,7 +84,9 @@ class QwenVLModel(GenericModel):
             rows = np.cumsum([int(np.prod(grids[id(p)], axis=1).sum()) // merge for p in todo])[:-1]
             computed = dict(zip((id(p) for p in todo), mx.split(features, rows.tolist())))
             self._store_features(todo, grids, computed, merge)
-            per_request.update(computed)
+            for group in same.values():
+                for p in group:
+                    per_request[id(p)] = computed[id(group[0])]
         return [
             self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs.get(id(p)))
             if id(p) in per_request
