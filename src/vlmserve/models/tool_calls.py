@@ -216,13 +216,48 @@ class PythonicParser(ToolParser):
             if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
                 return text, []
             try:
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+                args = {kw.arg: ast.literal_eval(_python_literals(kw.value)) for kw in node.keywords if kw.arg}
             except ValueError:
                 return text, []
             calls.append(ToolCall(ast.unparse(node.func), json.dumps(args, ensure_ascii=False)))
         return "", calls
 
     openers = ("[", "<")
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """`[name(key=value, ...)]`: each tool's required arguments in order, then its optional
+        ones (each may be left out, with those after it); values as JSON, which the parser reads
+        back (JSON's true/false/null included)."""
+        lines, calls = [], []
+        for t, tool in enumerate(tools):
+            params = tool.get("parameters") or {}
+            props = params.get("properties") or {}
+            required = [k for k in params.get("required", []) if k in props]
+            optional = [k for k in props if k not in required]
+            values = {k: f"v{t}_{i}" for i, k in enumerate(required + optional)}
+            for k, rule in values.items():
+                lines.append(f"{rule}: %json {json.dumps({**props[k], 'x-guidance': COMPACT_JSON})}")
+            arg = {k: f'"{k}=" {values[k]}' for k in values}
+            body = ' ", " '.join(arg[k] for k in required)
+            tail = ""
+            for i, k in reversed(list(enumerate(optional))):  # nested: each only after the ones before it
+                sep = '", " ' if body or i else ""
+                tail = f"({sep}{arg[k]} {tail})?"
+            calls.append(f"call{t}")
+            lines.append(f'call{t}: {json.dumps(tool["name"] + "(")} {body} {tail} ")"')
+        more = ' ("," " " call)*' if parallel else ""
+        return "\n".join([f'start: "[" call{more} "]"', "call: " + " | ".join(calls), *lines]) + "\n"
+
+
+def _python_literals(node: ast.AST) -> ast.AST:
+    """JSON's true/false/null as Python's True/False/None (a grammar writes values as JSON)."""
+    names = {"true": True, "false": False, "null": None}
+
+    class Literals(ast.NodeTransformer):
+        def visit_Name(self, name: ast.Name) -> ast.AST:
+            return ast.Constant(names[name.id]) if name.id in names else name
+
+    return Literals().visit(node)
 
 
 PARSERS: dict[str, type[ToolParser]] = {

@@ -104,3 +104,33 @@ def test_format_detected_from_the_template():
     assert detect("<|python_tag|> tools") == "llama3_json"
     assert detect("{% if tools %}") == "hermes"
     assert supports_tools("{% if tools %}x{% endif %}") and not supports_tools("{{ messages }}")
+
+
+def test_every_format_has_a_grammar_llguidance_takes():
+    import llguidance
+
+    tools = [
+        {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris"]}, "days": {"type": "integer"}, "hot": {"type": "boolean"}},
+                "required": ["city"],
+            },
+        },
+        {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+        {
+            "name": "opt",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}},
+        },
+    ]
+    for name, parser in PARSERS.items():
+        for parallel in (False, True):
+            grammar = parser().grammar(tools, parallel)
+            assert grammar and llguidance.LLMatcher.validate_grammar(grammar) == "", (name, parallel)
+
+
+def test_pythonic_calls_read_json_literals():
+    """A forced pythonic call writes its values as JSON (true, null): they read back as such."""
+    content, calls = PARSERS["pythonic"]().extract('[f(a=true, b=null, c=[1, {"k": false}])]')
+    assert content == "" and _calls(calls) == [("f", {"a": True, "b": None, "c": [1, {"k": False}]})]

@@ -53,6 +53,16 @@ def llava_tool_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def pythonic_tool_server():
+    """The LLaVA fixture again, told its calls are pythonic lists."""
+    server = start_server(
+        "llava", chat_template=str(TEMPLATES / "llama3_json_tools.jinja"), tool_call_parser="pythonic"
+    )
+    yield server
+    server.stop()
+
+
 def _client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="k", max_retries=0)
 
@@ -79,12 +89,13 @@ def _check_call(call, names):
         assert args == {}
 
 
-@pytest.mark.parametrize("server", ["tool_server", "llava_tool_server"])
+@pytest.mark.parametrize("server", ["tool_server", "llava_tool_server", "pythonic_tool_server"])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_come_back_as_calls(server, choice, request):
-    """Two families and two formats (hermes, llama3_json detected from the templates)."""
+    """Two families, three formats (hermes and llama3_json detected from the templates, pythonic named)."""
     tool_server = request.getfixturevalue(server)
-    assert tool_server.state.tool_parser.name == {"tool_server": "hermes", "llava_tool_server": "llama3_json"}[server]
+    formats = {"tool_server": "hermes", "llava_tool_server": "llama3_json", "pythonic_tool_server": "pythonic"}
+    assert tool_server.state.tool_parser.name == formats[server]
     reply = _client(tool_server).chat.completions.create(
         model=tool_server.model_id,
         messages=_ask(),
