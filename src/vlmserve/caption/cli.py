@@ -148,6 +148,26 @@ def _eprint(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+def _options(args, prompt: str, extra: dict, servers: list[str], model, concurrency: int, api_key) -> Options:
+    """The request settings of a run, from the command line."""
+    return Options(
+        servers=servers,
+        prompt=prompt,
+        model=model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        concurrency=concurrency,
+        retries=args.retries,
+        backoff_base=args.backoff,
+        backoff_max=args.backoff_max,
+        timeout=args.timeout,
+        api_key=api_key,
+        detail=args.detail,
+        system=args.system,
+        extra=extra,
+    )
+
+
 def _run_on_ray(args: argparse.Namespace, prompt: str, extra: dict) -> int:
     if not args.in_process or args.server:
         _eprint("caption: --ray needs --in-process MODEL (what each actor loads) and no --server")
@@ -157,21 +177,7 @@ def _run_on_ray(args: argparse.Namespace, prompt: str, extra: dict) -> int:
     except ImportError as exc:
         _eprint(f"caption: --ray needs the ray extra (pip install 'vlmserve[ray]'): {exc}")
         return EXIT_USAGE
-    request = Options(
-        servers=[],
-        prompt=prompt,
-        model=args.model,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        concurrency=args.concurrency or 32,
-        retries=args.retries,
-        backoff_base=args.backoff,
-        backoff_max=args.backoff_max,
-        timeout=args.timeout,
-        detail=args.detail,
-        system=args.system,
-        extra=extra,
-    )
+    request = _options(args, prompt, extra, [], args.model, args.concurrency or 32, None)
     opts = RayOptions(
         model=args.in_process,
         address=None if args.ray == "local" else args.ray,
@@ -299,22 +305,7 @@ def run(args: argparse.Namespace) -> int:
             servers, model, concurrency = [url], args.model or model_id, args.concurrency or 32
         else:
             servers, model, concurrency = _servers(args), args.model, args.concurrency or 16
-        opts = Options(
-            servers=servers,
-            prompt=prompt,
-            model=model,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            concurrency=concurrency,
-            retries=args.retries,
-            backoff_base=args.backoff,
-            backoff_max=args.backoff_max,
-            timeout=args.timeout,
-            api_key=api_key,
-            detail=args.detail,
-            system=args.system,
-            extra=extra,
-        )
+        opts = _options(args, prompt, extra, servers, model, concurrency, api_key)
         writer = RecordWriter(out, fmt, fsync_every=args.fsync_every)
         progress = Progress(stats, args.progress, quiet=args.quiet)
         stats.started = time.monotonic()
