@@ -105,3 +105,18 @@ def test_concurrent_mixed_requests_equal_their_alone_outputs(family_server):
 
     alone, together = asyncio.run(run())
     assert together == alone
+
+
+def test_a_later_turn_about_an_image_answers_as_mlx_vlm(family_server):
+    """The first turn leaves its prompt (image included) in the server's caches; the next turn,
+    which reuses them where the family allows (cached_tokens), still answers as mlx_vlm.generate
+    does without any reuse."""
+    first = [("user", "What is in the picture?", [PHOTO])]
+    turns = [*first, ("assistant", "A small picture with a few colours.", []), ("user", "Say more about it.", [])]
+    with family_server.client(timeout=family_server.request_timeout) as c:
+        _text(c.post("/v1/chat/completions", json=_body(family_server.model_id, first)))
+        later = c.post("/v1/chat/completions", json=_body(family_server.model_id, turns))
+    messages, paths = _chat(turns)
+    assert _text(later) == mlx_vlm_chat_text(family_server, messages, paths, MAX_TOKENS)
+    if family_server.engine.info.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        assert later.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
