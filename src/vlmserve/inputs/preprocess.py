@@ -94,9 +94,13 @@ def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's contents, or the value itself when it names no file."""
     if not value:
         return None
-    path = Path(value).expanduser()
-    if len(value) < 4096 and path.is_file():
-        return path.read_text()
+    try:
+        if len(value) < 4096 and Path(value).expanduser().is_file():
+            return Path(value).expanduser().read_text()
+    except OSError:  # not a usable path (e.g. a long template): the value is the template
+        pass
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template {value[:80]!r} is neither a file nor a Jinja template")
     return value
 
 

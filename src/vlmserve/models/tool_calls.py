@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import re
 import secrets
 from dataclasses import dataclass
@@ -35,9 +36,12 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def _call(obj, args_key: str = "arguments") -> ToolCall | None:
-    """A {"name", "arguments"} object (or "parameters") as a ToolCall; None if it is not one."""
+def _call(obj, args_key: str = "arguments", strict: bool = False) -> ToolCall | None:
+    """A {"name", "arguments"} object (or "parameters") as a ToolCall; None if it is not one.
+    `strict` (output without a call marker): the arguments key must be there, and nothing else."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if strict and set(obj) != {"name", args_key} and set(obj) != {"name", "arguments"}:
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models write the arguments as JSON text already
@@ -50,30 +54,49 @@ def _call(obj, args_key: str = "arguments") -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _json_values(text: str) -> list:
-    """Every JSON value in `text`, in order, skipping what lies between them."""
-    values, i = [], 0
-    while i < len(text):
-        start = min((j for j in (text.find("{", i), text.find("[", i)) if j >= 0), default=-1)
-        if start < 0:
-            break
-        try:
-            value, end = _DECODER.raw_decode(text, start)
-        except ValueError:
-            i = start + 1
-            continue
-        values.append(value)
-        i = end
-    return values
+def _json_at_start(text: str):
+    """The JSON value `text` starts with (after whitespace), or None."""
+    try:
+        return _DECODER.raw_decode(text.lstrip())[0]
+    except ValueError:
+        return None
 
 
-def _call_schema(tool: dict, args_key: str) -> dict:
-    return {
+_DEFS = ("$defs", "definitions")
+
+
+def _moved_defs(schema, prefix: str):
+    """`schema` with its `$defs` / `definitions` taken out, and its references to them renamed
+    under `prefix`: (the schema, the definitions), so a wrapper can hold them at its root."""
+    if not isinstance(schema, dict):
+        return schema, {}
+    defs = {f"{prefix}{k}": v for key in _DEFS for k, v in (schema.get(key) or {}).items()}
+
+    def rename(node):
+        if isinstance(node, dict):
+            out = {k: rename(v) for k, v in node.items() if k not in _DEFS}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                for key in _DEFS:
+                    if ref.startswith(f"#/{key}/"):
+                        out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3 :]}"
+            return out
+        if isinstance(node, list):
+            return [rename(v) for v in node]
+        return node
+
+    return rename(schema), {k: rename(v) for k, v in defs.items()}
+
+
+def _call_schema(tool: dict, args_key: str, prefix: str = "") -> tuple[dict, dict]:
+    params, defs = _moved_defs(tool.get("parameters") or {"type": "object"}, prefix)
+    schema = {
         "type": "object",
-        "properties": {"name": {"const": tool["name"]}, args_key: tool.get("parameters") or {"type": "object"}},
+        "properties": {"name": {"const": tool["name"]}, args_key: params},
         "required": ["name", args_key],
         "additionalProperties": False,
     }
+    return schema, defs
 
 
 # JSON as json.dumps writes it: without this, whitespace is free, and a model can spend its
@@ -82,9 +105,11 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def _calls_schema(tools: list[dict], args_key: str) -> dict:
-    schemas = [_call_schema(t, args_key) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return {**schema, "x-guidance": COMPACT_JSON}
+    """One call to any of `tools`; each tool's definitions held at the root, renamed per tool."""
+    parts = [_call_schema(t, args_key, f"t{i}_") for i, t in enumerate(tools)]
+    schema = parts[0][0] if len(parts) == 1 else {"anyOf": [s for s, _ in parts]}
+    defs = {k: v for _, d in parts for k, v in d.items()}
+    return {**schema, **({"$defs": defs} if defs else {}), "x-guidance": COMPACT_JSON}
 
 
 class ToolParser:
@@ -120,8 +145,7 @@ class HermesParser(ToolParser):
             return text, []
         calls = []
         for body, closed in self._BLOCK.findall(text):
-            values = _json_values(body)
-            call = _call(values[0]) if values else None
+            call = _call(_json_at_start(body))
             if call is None and not closed and calls:
                 break  # the output ran out inside a later call: the complete ones stand
             if call is None:
@@ -153,7 +177,8 @@ class MistralParser(ToolParser):
                 value, _ = _DECODER.raw_decode(rest)
             except ValueError:
                 return text, []
-            calls = [_call(v) for v in value] if isinstance(value, list) else []
+            strict = not marker  # no marker: only an exact call array is taken for calls
+            calls = [_call(v, strict=strict) for v in value] if isinstance(value, list) else []
         else:  # name[ARGS]{...} repeated
             calls, i = [], 0
             while (m := self._NAMED.match(rest, i)) is not None:
@@ -180,16 +205,20 @@ class Llama3JsonParser(ToolParser):
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
-        calls = []
-        for part in re.split(r"\s*;\s*(?=\{)", body):
+        calls, i = [], 0
+        while i < len(body):  # calls separated by ";"
             try:
-                value, end = _DECODER.raw_decode(part)
+                value, i = _DECODER.raw_decode(body, i)
             except ValueError:
                 return text, []
-            call = _call(value, self.args_key)
-            if call is None or part[end:].strip():
+            call = _call(value, self.args_key, strict=True)
+            if call is None:
                 return text, []
             calls.append(call)
+            rest = body[i:].lstrip()
+            if rest and not rest.startswith(";"):
+                return text, []
+            i = len(body) - len(rest[1:].lstrip()) if rest else len(body)
         return "", calls
 
     openers = ("{", "<")
@@ -215,28 +244,34 @@ class PythonicParser(ToolParser):
         for node in tree.elts:
             if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
                 return text, []
-            try:
+            try:  # literals only; a value JSON cannot hold (sets, bytes, odd keys) is no call
                 args = {kw.arg: ast.literal_eval(_python_literals(kw.value)) for kw in node.keywords if kw.arg}
-            except ValueError:
+                arguments = json.dumps(args, ensure_ascii=False)
+                arguments.encode("utf-8")  # lone surrogates from escapes
+            except (ValueError, TypeError, RecursionError, UnicodeEncodeError):
                 return text, []
-            calls.append(ToolCall(ast.unparse(node.func), json.dumps(args, ensure_ascii=False)))
+            calls.append(ToolCall(ast.unparse(node.func), arguments))
         return "", calls
 
     openers = ("[", "<")
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
+    def grammar(self, tools: list[dict], parallel: bool) -> str | None:
         """`[name(key=value, ...)]`: each tool's required arguments in order, then its optional
         ones (each may be left out, with those after it); values as JSON, which the parser reads
         back (JSON's true/false/null included)."""
         lines, calls = [], []
         for t, tool in enumerate(tools):
-            params = tool.get("parameters") or {}
+            params, defs = _moved_defs(tool.get("parameters") or {}, "")
             props = params.get("properties") or {}
+            if not all(_python_name(n) for n in [*props, *tool["name"].split(".")]):
+                return None  # names a Python call cannot spell: the model is asked, not forced
             required = [k for k in params.get("required", []) if k in props]
             optional = [k for k in props if k not in required]
             values = {k: f"v{t}_{i}" for i, k in enumerate(required + optional)}
             for k, rule in values.items():
-                lines.append(f"{rule}: %json {json.dumps({**props[k], 'x-guidance': COMPACT_JSON})}")
+                prop = props[k] if isinstance(props[k], dict) else {}  # `true`: any value
+                schema = {**prop, **({"$defs": defs} if defs else {}), "x-guidance": COMPACT_JSON}
+                lines.append(f"{rule}: %json {json.dumps(schema)}")
             arg = {k: f'"{k}=" {values[k]}' for k in values}
             body = ' ", " '.join(arg[k] for k in required)
             tail = ""
@@ -247,6 +282,10 @@ class PythonicParser(ToolParser):
             lines.append(f'call{t}: {json.dumps(tool["name"] + "(")} {body} {tail} ")"')
         more = ' ("," " " call)*' if parallel else ""
         return "\n".join([f'start: "[" call{more} "]"', "call: " + " | ".join(calls), *lines]) + "\n"
+
+
+def _python_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _python_literals(node: ast.AST) -> ast.AST:

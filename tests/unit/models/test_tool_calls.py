@@ -53,6 +53,14 @@ CASES.append(
         [("a", {})],
     )
 )  # the output ran out inside the second call: the first stands
+CASES.append(
+    (
+        "llama3_json",
+        '{"name": "run", "parameters": {"code": "a; {b}"}}',
+        "",
+        [("run", {"code": "a; {b}"})],
+    )
+)  # a ";" inside a string is no separator
 NOT_CALLS = [
     ("hermes", "Plain words, no call."),
     ("hermes", "<tool_call>not json</tool_call>"),
@@ -61,6 +69,12 @@ NOT_CALLS = [
     ("llama3_json", "A sentence {with braces}."),
     ("pythonic", "[1, 2, 3]"),
     ("pythonic", "[weather(city=open('x'))]"),  # only literals: nothing is evaluated
+    ("pythonic", "[f(x={1, 2})]"),  # values JSON cannot hold
+    ("pythonic", '[f(x=b"a")]'),
+    ("pythonic", "[f(x={[1]: 2})]"),
+    ("hermes", '<tool_call>{"name": "create", "arguments": {"user": {"name": "Bob"}'),  # cut inside its arguments
+    ("mistral", '[{"name": "Alice", "age": 3}]'),  # an answer, not a call: no marker, no arguments
+    ("llama3_json", '{"name": "Paris", "country": "France"}'),
 ]
 
 
@@ -134,3 +148,38 @@ def test_pythonic_calls_read_json_literals():
     """A forced pythonic call writes its values as JSON (true, null): they read back as such."""
     content, calls = PARSERS["pythonic"]().extract('[f(a=true, b=null, c=[1, {"k": false}])]')
     assert content == "" and _calls(calls) == [("f", {"a": True, "b": None, "c": [1, {"k": False}]})]
+
+
+def test_grammars_keep_nested_schema_definitions_reachable():
+    """Pydantic-made parameters ($defs and $ref) stay valid inside the call wrapper."""
+    import llguidance
+
+    nested = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/Loc"}, "flag": True},
+        "required": ["where"],
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    }
+    tools = [{"name": "a", "parameters": nested}, {"name": "b", "parameters": nested}]
+    for name, parser in PARSERS.items():
+        grammar = parser().grammar(tools, True)
+        assert grammar and llguidance.LLMatcher.validate_grammar(grammar) == "", name
+    # Names a Python call cannot spell: the pythonic format asks instead of forcing.
+    assert PARSERS["pythonic"]().grammar([{"name": "get-weather", "parameters": {}}], False) is None
+
+
+def test_a_call_to_an_undeclared_function_stays_text():
+    """Whole and streamed: only functions the request declared become calls."""
+    from vlmserve.entrypoints.openai import tool_use
+    from vlmserve.protocol import ChatRequest, SamplingParams
+
+    chat = ChatRequest([], SamplingParams(), tools=[{"name": "weather"}], tool_choice="auto")
+    parser = PARSERS["hermes"]()
+    text = 'Sure.<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>'
+    assert tool_use.split(text, parser, chat) == (text, [])
+    stream = tool_use.ChoiceToolStream(parser, chat)
+    sent = stream.feed(text)
+    rest, calls = stream.finish()
+    assert (sent + rest, calls) == (text, [])
+    ok = '<tool_call>{"name": "weather", "arguments": {}}</tool_call>'
+    assert _calls(tool_use.split(ok, parser, chat)[1]) == [("weather", {})]

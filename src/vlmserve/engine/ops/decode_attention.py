@@ -231,7 +231,13 @@ def attend(
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx_vlm's attention entry point; one-token steps over the paged pool take the kernel,
     and prompt attention on CUDA keeps off cuDNN's per-shape plans (composed_attention)."""
-    if sinks is None and isinstance(cache, PagedLayerCache) and cache.plain_mask and available(queries, cache.keys):
+    if (
+        sinks is None
+        and isinstance(cache, PagedLayerCache)
+        and cache.plain_mask
+        and cache.values.shape[-1] == queries.shape[-1]  # the kernel reads values at the keys' width
+        and available(queries, cache.keys)
+    ):
         return attend(queries, cache, cache.offset + queries.shape[2], scale)
     quantized = hasattr(cache, "bits") or hasattr(cache, "dequantize")  # mlx_vlm's own paths for these
     if not quantized and composed_attention.avoids_cudnn(queries, mask) and cuda_kernels.cudnn_enabled():

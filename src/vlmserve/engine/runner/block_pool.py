@@ -24,7 +24,10 @@ _HOST_VIEW = {mx.bfloat16: mx.uint16}  # dtypes NumPy lacks travel to the host a
 
 
 class BlockPool:
-    def __init__(self, num_layers: int, kv_shape: tuple[int, int, int], dtype, block_size: int, blocks: int):
+    def __init__(
+        self, num_layers: int, kv_shape: tuple[int, int, int], dtype, block_size: int, blocks: int, most: int = 1 << 40
+    ):
+        self.most = max(2, most)  # blocks the pool never grows past (the budget's, block 0 included)
         self.num_layers = num_layers
         self.kv_shape = kv_shape
         self.dtype = dtype
@@ -61,6 +64,7 @@ class BlockPool:
         size = self.num_blocks
         while size < blocks:
             size *= 2
+        size = max(blocks, min(size, self.most))
         extra = (size - self.num_blocks) * self.block_size
         self.keys = [mx.concatenate([k, mx.zeros((extra, *k.shape[1:]), k.dtype)]) for k in self.keys]
         self.values = [mx.concatenate([v, mx.zeros((extra, *v.shape[1:]), v.dtype)]) for v in self.values]

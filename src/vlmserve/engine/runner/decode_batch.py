@@ -83,8 +83,9 @@ class PaddedDecodeBatch:
     def layout(self) -> list[Any]:
         return list(self.rows)
 
-    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
-        """rows_cache: per-layer batch caches (from a prefill) holding `owners` in order."""
+    def join(self, owners: list[Any], rows_cache: list[Any], rows: list[int] | None = None) -> None:
+        """rows_cache: per-layer batch caches (from a prefill) holding `owners` in order (every row:
+        its KV is outside the budget, so none is ever dropped at the join)."""
         if self.cache is None:
             self.cache = rows_cache
         else:
@@ -128,10 +129,11 @@ class PagedDecodeBatch:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.pool.block_size)
 
-    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
-        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending together."""
+    def join(self, owners: list[Any], rows_cache: list[Any], rows: list[int] | None = None) -> None:
+        """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending
+        together; `rows`: each owner's row there (default: in order)."""
         end = rows_cache[0]._idx if rows_cache else 0
-        for i, owner in enumerate(owners):
+        for i, owner in zip(rows or range(len(owners)), owners):
             n = owner.cache_len
             owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
             if n:
@@ -230,11 +232,11 @@ class DtypeGroupedBatch:
             self.groups[dtype] = self.make(dtype)
         return self.groups[dtype]
 
-    def join(self, owners: list[Any], rows_cache: list[Any]) -> None:
+    def join(self, owners: list[Any], rows_cache: list[Any], rows: list[int] | None = None) -> None:
         dtype = kv_dtype(rows_cache) or self.model_dtype
         for owner in owners:
             owner.kv_dtype = dtype
-        self._group(dtype).join(owners, rows_cache)
+        self._group(dtype).join(owners, rows_cache, rows)
 
     def resume(self, owner: Any, host_kv: list) -> None:
         self._group(owner.kv_dtype).resume(owner, host_kv)
@@ -328,20 +330,31 @@ class DecodeBatches:
     """Makes the running batch for this model, keeps its block pools, and pre-compiles its
     decode shapes."""
 
-    def __init__(self, model, compiled: bool, block_size: int, context_length: int, initial_blocks: int):
+    def __init__(
+        self,
+        model,
+        compiled: bool,
+        block_size: int,
+        context_length: int,
+        initial_blocks: int,
+        most_blocks: Callable[[Any], int] = lambda dtype: 1 << 40,
+    ):
         self.model = model
         self.paged = uses_plain_kv_cache(model)
         self.compiled = compiled and self.paged
         self.block_size = block_size
         self.context_length = context_length
         self.initial_blocks = initial_blocks
+        self.most_blocks = most_blocks  # KV dtype -> the most blocks its pool may hold (the budget)
         self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
 
     def pool(self, dtype) -> BlockPool:
         if dtype not in self.pools:
             layers, kv_shape, _ = self.model.kv_layout()
-            self.pools[dtype] = BlockPool(layers, kv_shape, dtype, self.block_size, self.initial_blocks)
+            most = self.most_blocks(dtype)
+            blocks = min(self.initial_blocks, most)
+            self.pools[dtype] = BlockPool(layers, kv_shape, dtype, self.block_size, blocks, most)
         return self.pools[dtype]
 
     def new(self):

@@ -74,6 +74,7 @@ class ModelRunner:
             block_size=self.budget.block_size,
             context_length=self.context_length,
             initial_blocks=min(self.budget.total, self.budget.blocks_for(initial_pool_tokens)) + 1,
+            most_blocks=lambda dtype: self.budget.total // self._weight(dtype) + 1,  # + block 0
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -236,11 +237,14 @@ class ModelRunner:
                 seq.last_token = int(seq.req.prepared.prompt_ids[-1])
         if self.batch is None:
             self.batch = self.batches.new()
+        rows = None
         if self.batch.paged:
+            index = {id(s): i for i, s in enumerate(seqs)}
             seqs = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
             if not seqs:
                 return
-        self.batch.join(seqs, rows_cache)
+            rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
+        self.batch.join(seqs, rows_cache, rows)
         self.sched.started_decoding(seqs)
         for seq in seqs:
             seq.prompt.cache = None  # the batch owns the KV now
@@ -383,12 +387,15 @@ class ModelRunner:
             ok.append(seq)
         return ok
 
-    def _make_room(self, blocks: int, keep: Sequence | None = None) -> bool:
-        """Preempt the latest-arrived running rows until `blocks` are free; False if they cannot be."""
-        while self.budget.free < blocks:
-            victim = self.sched.preemption_victim()
-            if victim is None or victim is keep:
-                return False
+    def _make_room(self, blocks: int, keep: Sequence) -> bool:
+        """Free `blocks` for `keep` by preempting running rows that arrived after it, latest first;
+        False (nothing preempted) if even all of those would not free enough."""
+        later = [s for s in self.sched.running if s.req.arrival > keep.req.arrival]
+        if self.budget.free + sum(s.kv_units for s in later) < blocks:
+            return False
+        for victim in sorted(later, key=lambda s: s.req.arrival, reverse=True):
+            if self.budget.free >= blocks:
+                break
             self._preempt(victim)
         return True
 
@@ -418,7 +425,9 @@ class ModelRunner:
                 prev = None
             while self.sched.running and self._growth() > self.budget.free:
                 victim = self.sched.preemption_victim()
-                if len(self.sched.running) == 1 and self.budget.used == victim.kv_units:
+                grown = victim.kv_units + self._weight(victim.kv_dtype) * self._blocks_short(victim)
+                alone = len(self.sched.running) == 1 and self.budget.used == victim.kv_units
+                if alone or grown > self.budget.total:  # it could never resume: it is as long as it gets
                     self.finish(victim, FinishReason.LENGTH)
                     self.remove_rows([victim])
                 else:
@@ -434,6 +443,11 @@ class ModelRunner:
         """Preempted rows come back, oldest first, as their blocks fit in the budget."""
         for seq in list(self.sched.preempted):
             cost = self._weight(seq.kv_dtype) * self.budget.blocks_for(seq.cache_len + 1)
+            if cost > self.budget.total:  # the budget shrank under it: it ends where it is
+                self.sched.preempted.remove(seq)
+                seq.host_kv = None
+                self.finish(seq, FinishReason.LENGTH)
+                continue
             if not self.budget.take(cost):
                 return
             seq.kv_units = cost
@@ -451,7 +465,8 @@ class ModelRunner:
 
     def release_memory(self) -> None:
         """Idle: hand the block pools back (the next request starts a small one)."""
-        if self.batch is None:
+        if self.batch is None or not self.batch.layout():
+            self.batch = None
             self.batches.release()
 
     # ---- per-token bookkeeping ---------------------------------------------------------

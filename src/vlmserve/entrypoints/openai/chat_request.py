@@ -150,7 +150,8 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, Any, bool]:
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not any(t["name"] == name for t in tools or []):
             raise _bad("'tool_choice' names no function in 'tools'", "tool_choice")
         choice = {"name": name}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -52,6 +52,7 @@ class Started:
     streams: list
     request_id: str
     created: int
+    engine_finish: list = field(default_factory=list)  # each choice's finish reason before tool calls
 
 
 async def start(request: Request, parse, prefix: str = "chatcmpl") -> Started | Response:
@@ -94,7 +95,7 @@ async def collect(request: Request, started: Started) -> tuple[list[dict], dict]
     """Every choice whole, in Chat Completions' shape (message, with its tool calls); a client that
     leaves aborts them (499), a failed choice answers for the request."""
     server = request.app.state.server
-    task = asyncio.create_task(_collect(started.streams, started.chat, server.tool_parser))
+    task = asyncio.create_task(_collect(started.streams, started.chat, server.tool_parser, started.engine_finish))
     disconnect = asyncio.create_task(wait_disconnect(request))
     done, _ = await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     if task not in done:  # the client left: cancelling the task aborts every choice
@@ -141,7 +142,7 @@ def failure(event: TokenEvent) -> _ChoiceFailed:
     return _ChoiceFailed(event.error or "generation failed")
 
 
-async def _collect(streams, chat, parser):
+async def _collect(streams, chat, parser, engine_finish: list | None = None):
     n, want_logprobs = chat.n, chat.sampling.logprobs
     texts = [""] * n
     logprobs: list[list] = [[] for _ in range(n)]
@@ -156,6 +157,8 @@ async def _collect(streams, chat, parser):
             finish[i] = chat_response.finish_reason_str(event.finish_reason)
             prompt, cached = event.prompt_tokens, event.cached_tokens
             completion += event.completion_tokens
+    if engine_finish is not None:
+        engine_finish[:] = finish
     choices = []
     for i in range(n):
         message = {"role": "assistant", "content": texts[i], "refusal": None}

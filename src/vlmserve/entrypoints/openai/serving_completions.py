@@ -34,9 +34,10 @@ def parse_completion(body, server) -> ChatRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _bad("'prompt' must be a string (one prompt per request; token ids are not taken)", "prompt")
-    for unsupported in ("suffix", "best_of"):
-        if body.get(unsupported) not in (None, 1) or (unsupported == "suffix" and body.get("suffix")):
-            raise _bad(f"'{unsupported}' is not supported", unsupported)
+    if body.get("suffix"):
+        raise _bad("'suffix' is not supported", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("'best_of' is not supported", "best_of")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise _bad("'echo' must be a boolean", "echo")

@@ -8,6 +8,7 @@ stream of events. Nothing is stored: `previous_response_id` is a 400 that says s
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 
@@ -27,6 +28,7 @@ from vlmserve.entrypoints.openai.serving_chat import (
 from vlmserve.entrypoints.openai.streams import merge
 from vlmserve.protocol import ChatRequest, EngineError
 
+log = logging.getLogger("vlmserve.request")
 _PASSED_ON = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k", "logit_bias")
 
 
@@ -200,7 +202,7 @@ class ResponseShape:
 def _usage(u: dict) -> dict:
     return {
         "input_tokens": u["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"], "cache_write_tokens": 0},
         "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u["total_tokens"],
@@ -243,10 +245,10 @@ async def responses(request: Request) -> Response:
     if isinstance(result, Response):
         return result
     choices, usage = result
-    message, finish = choices[0]["message"], choices[0]["finish_reason"]
+    message = choices[0]["message"]
     output = [_message_item(_id("msg"), message["content"])] if message.get("content") else []
     output += [_call_item(c) for c in message.get("tool_calls") or []]
-    status = "incomplete" if finish == "length" else "completed"
+    status = "incomplete" if started.engine_finish[0] == "length" else "completed"
     return JSONResponse(shape.build(status, output, _usage(usage)), headers={"x-request-id": rid})
 
 
@@ -280,6 +282,7 @@ async def _events(shape: ResponseShape, started, parser):
             if event.finish_reason is not None and event.finish_reason.failed:
                 f = failure(event)
                 yield _event("error", seq, code=f.code, message=f.message, param=None)
+                yield _failed(shape, seq, f.code, f.message)
                 return
             piece = tools.feed(event.text) if tools is not None and event.text else event.text
             for line in deltas(piece):
@@ -324,3 +327,13 @@ async def _events(shape: ResponseShape, started, parser):
             yield _event(kind, seq, response=shape.build(status, output, usage))
     except EngineError as exc:
         yield _event("error", seq, code=exc.code, message=exc.message, param=exc.param)
+        yield _failed(shape, seq, exc.code, exc.message)
+    except Exception:  # noqa: BLE001 - the headers are gone: end the stream with its failure
+        log.exception("response stream failed")
+        yield _event("error", seq, code="internal_error", message="internal server error", param=None)
+        yield _failed(shape, seq, "internal_error", "internal server error")
+
+
+def _failed(shape: ResponseShape, seq: list[int], code, message: str) -> str:
+    failed = {**shape.build("failed", [], None), "error": {"code": code or "server_error", "message": message}}
+    return _event("response.failed", seq, response=failed)

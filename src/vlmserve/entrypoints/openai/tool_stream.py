@@ -42,11 +42,13 @@ class ToolCallStream:
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content still to send, the calls)."""
+    def finish(self, keep=lambda calls: calls) -> tuple[str, list[ToolCall]]:
+        """(content still to send, the calls); `keep` picks the calls to return, and where it
+        keeps none of those found, their text is content after all."""
         if self.held is None:
             out, self.pending = self.pending, ""
             return out, []
-        content, calls = self.parser.extract(self.held)
-        self.held = None
-        return content, calls
+        held, self.held = self.held, None
+        content, calls = self.parser.extract(held)
+        kept = keep(calls) if calls else []
+        return (content, kept) if kept or not calls else (held, [])

@@ -53,10 +53,15 @@ def prepare(chat: ChatRequest, parser: ToolParser, template: str | None) -> Chat
 def split(text: str, parser: ToolParser, chat: ChatRequest) -> tuple[str, list[ToolCall]]:
     """A finished choice's (content, calls)."""
     content, calls = parser.extract(text)
-    return content, _allowed(calls, chat)
+    kept = _allowed(calls, chat) if calls else []
+    return (content, kept) if kept or not calls else (text, [])
 
 
 def _allowed(calls: list[ToolCall], chat: ChatRequest) -> list[ToolCall]:
+    """Calls to functions the request declared (anything else stays text), at most one unless parallel."""
+    declared = {t["name"] for t in chat.tools or []}
+    if any(c.name not in declared for c in calls):
+        return []
     return calls if chat.parallel_tool_calls else calls[:1]
 
 
@@ -71,5 +76,4 @@ class ChoiceToolStream:
         return self.stream.feed(text)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        content, calls = self.stream.finish()
-        return content, _allowed(calls, self.chat)
+        return self.stream.finish(lambda calls: _allowed(calls, self.chat))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from support.helpers import on_own_thread
+from vlmserve.engine.runner.block_pool import BlockPool
 
 
 def test_blocks_are_handed_out_grown_and_returned():
@@ -58,3 +59,33 @@ def test_a_rows_kv_goes_to_the_host_and_back_bit_for_bit():
         return results
 
     assert on_own_thread(work) == [True, True, True]
+
+
+def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
+    """Rows of a batched prefill join by their place in its cache, also when some of them did not
+    join (the budget could not pay for them): nobody gets a neighbour's KV."""
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
+
+    class Layer:  # a batched prefill's per-layer cache: (rows, heads, positions, dim), left-padded
+        def __init__(self, rows):
+            self.keys = mx.stack([mx.full((1, 6, 4), float(r + 1)) for r in range(rows)])
+            self.values = -self.keys
+            self._idx = 6
+
+    class Row:
+        def __init__(self, n):
+            self.cache_len, self.blocks = n, []
+
+    def work():
+        pool = BlockPool(2, (1, 4, 4), mx.float32, block_size=4, blocks=16)
+        batch = PagedDecodeBatch(None, None, pool, context_length=64)
+        owners = [Row(5), Row(3)]
+        batch.join(owners, [Layer(3), Layer(3)], rows=[0, 2])  # row 1 of the prefill did not join
+        return [[float(k[0, 0, 0].item()) for k, _ in pool.read(o.blocks, o.cache_len)] for o in owners], [
+            o.cache_len for o in owners
+        ]
+
+    values, lengths = on_own_thread(work)
+    assert values == [[1.0, 1.0], [3.0, 3.0]] and lengths == [5, 3]
