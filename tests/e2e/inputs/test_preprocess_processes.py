@@ -41,7 +41,11 @@ def test_processes_answer_as_the_thread_pool_does(process_server, qwen_server):
     body = chat_body(qwen_server.model_id, "Compare the two pictures.", uris, max_tokens=12, temperature=0)
     by_threads, by_processes = _ask(qwen_server, body), _ask(process_server, body)
     assert by_threads.status_code == by_processes.status_code == 200, by_processes.text
-    assert by_processes.json()["usage"] == by_threads.json()["usage"]
+    # cached_tokens depends on what each server saw before (the session server reuses earlier prompts)
+    usage = [
+        {k: v for k, v in r.json()["usage"].items() if k != "prompt_tokens_details"} for r in (by_processes, by_threads)
+    ]
+    assert usage[0] == usage[1]
     assert by_processes.json()["usage"]["prompt_tokens"] > 20  # the images' tokens are in it
     assert by_processes.json()["choices"][0]["message"] == by_threads.json()["choices"][0]["message"]
 

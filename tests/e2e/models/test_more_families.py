@@ -83,12 +83,14 @@ def test_images_of_several_requests_share_one_vision_call(family_server):
             return original(self, *args, **kwargs)
 
         tower_cls.__call__ = counting
+        features, vlm.feature_cache = vlm.feature_cache, None  # earlier requests cached these images
         try:
             together = vlm.embed_prompts(prepared)
             n_together = len(calls)
             alone = [vlm.embed_prompt(p) for p in prepared]
         finally:
             tower_cls.__call__ = original
+            vlm.feature_cache = features
         rows = []
         for a, b in zip(together, alone):
             pos = (None, None) if a.position_ids is None else (np.array(a.position_ids), np.array(b.position_ids))
