@@ -448,6 +448,11 @@ class ModelRunner:
                 seq.host_kv = None
                 self.finish(seq, FinishReason.LENGTH)
                 continue
+            # Room for the running rows' next blocks too: else the row that just came back, the
+            # latest arrival, is the first put aside again at the next step's growth.
+            headroom = sum(self._weight(s.kv_dtype) for s in self.sched.running)
+            if cost + headroom > self.budget.free and self.sched.running:
+                return
             if not self.budget.take(cost):
                 return
             seq.kv_units = cost

@@ -86,7 +86,10 @@ def _messages(body: dict) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
+            if isinstance(output, list):  # content parts: their text (a tool result's images are not taken)
+                text = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            else:
+                text = output if isinstance(output, str) else json.dumps(output)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
             raise _bad(f"unsupported input item type {kind!r}", param)
