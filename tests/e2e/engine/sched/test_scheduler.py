@@ -518,3 +518,35 @@ def test_pixels_of_the_next_steps_requests_are_staged_once_and_used(monkeypatch)
         assert len(copies) == len(set(copies)) == len(bodies)  # one copy each, staged or not
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("compile_decode", ["off", "on"])
+def test_pool_grows_under_running_rows_with_the_same_tokens(compile_decode):
+    """A pool that starts small (2 rows x 2 chunks of 64 positions) doubles while rows decode past
+    it; the rows' tokens are those they give alone, and the growth is what the pool reports."""
+    server = start_server(
+        "qwen2_vl", compile_decode=compile_decode, max_num_seqs=2, prefill_chunk=64, prefix_cache_tokens=0
+    )
+    try:
+        bodies = [
+            chat_body(server.model_id, f"Tell a long story {i}.", [], max_tokens=200, temperature=0, ignore_eos=True)
+            for i in range(2)
+        ]
+
+        async def run(concurrent):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+                if concurrent:
+                    return [
+                        o["choices"][0]["message"]["content"]
+                        for o in await asyncio.gather(*(_post(c, b) for b in bodies))
+                    ]
+                return [(await _post(c, b))["choices"][0]["message"]["content"] for b in bodies]
+
+        alone = asyncio.run(run(False))
+        pool = next(iter(server.engine.core.runner.batches.pools.values()))
+        before = pool.num_blocks
+        together = asyncio.run(run(True))
+        assert together == alone
+        assert before == 2 * 2 * 64 // 32 + 1 < pool.num_blocks  # it grew: one row fits in 8 blocks, two do not
+    finally:
+        server.stop()
