@@ -61,13 +61,20 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.sched = sched
         self.hooks = hooks
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        # Cached prefixes pay for their KV in budget blocks, as running rows do, and give way to them.
+        self.budget = sched.kv_budget
+        sched.reclaim = self._reclaim
+
+        def cache(on: bool) -> PrefixCache | None:
+            units = lambda tokens, dtype: self._weight(dtype) * self.budget.blocks_for(tokens)  # noqa: E731
+            return PrefixCache(prefix_cache_tokens, self.budget, units) if on and prefix_cache_tokens > 0 else None
+
+        self.prefix_cache = cache(True)
         # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
-        self.mm_prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and mm_cache else None
+        self.mm_prefix_cache = cache(mm_cache)
         self.eos = set(model.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = model.info.context_length
         self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
-        self.budget = sched.kv_budget
         self.batches = DecodeBatches(
             model,
             compile_decode,
@@ -387,9 +394,16 @@ class ModelRunner:
             ok.append(seq)
         return ok
 
+    def _reclaim(self, blocks: int) -> None:
+        """Evict cached prefixes until `blocks` are free, or none is left (before preempting rows)."""
+        for cache in (self.mm_prefix_cache, self.prefix_cache):
+            if cache is not None:
+                cache.reclaim(blocks)
+
     def _make_room(self, blocks: int, keep: Sequence) -> bool:
-        """Free `blocks` for `keep` by preempting running rows that arrived after it, latest first;
-        False (nothing preempted) if even all of those would not free enough."""
+        """Free `blocks` for `keep` by evicting cached prefixes, then by preempting running rows that
+        arrived after it, latest first; False (nothing preempted) if all that would not free enough."""
+        self._reclaim(blocks)
         later = [s for s in self.sched.running if s.req.arrival > keep.req.arrival]
         if self.budget.free + sum(s.kv_units for s in later) < blocks:
             return False
@@ -419,6 +433,8 @@ class ModelRunner:
         """Before a step: the block each row's next position needs. When too few are free, the
         previous step is read first (rows may finish) and then the latest rows are preempted; a
         row alone that still cannot grow has reached what the budget holds and ends there."""
+        if self._growth() > self.budget.free:
+            self._reclaim(self._growth())
         if self._growth() > self.budget.free:
             if prev is not None:
                 self._resolve(prev)
@@ -451,6 +467,7 @@ class ModelRunner:
             # Room for the running rows' next blocks too: else the row that just came back, the
             # latest arrival, is the first put aside again at the next step's growth.
             headroom = sum(self._weight(s.kv_dtype) for s in self.sched.running)
+            self._reclaim(cost + headroom)
             if cost + headroom > self.budget.free and self.sched.running:
                 return
             if not self.budget.take(cost):

@@ -11,11 +11,14 @@ same text matches only the text before it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_vlm.models.cache import KVCache
+
+from vlmserve.engine.sched.kv_budget import KVBudget
 
 
 def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, ...]) -> np.ndarray | None:
@@ -34,9 +37,15 @@ def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, .
 
 
 class PrefixCache:
-    def __init__(self, max_tokens: int):
+    """An LRU of prompt KV, at most `max_tokens`. With a `budget`, its entries are paid for in KV
+    blocks (`units(tokens, dtype)`), so they count against the same memory as running rows, and
+    give way to them (`reclaim`) before any running row is preempted."""
+
+    def __init__(self, max_tokens: int, budget: KVBudget | None = None, units: Callable[[int, Any], int] | None = None):
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[tuple[int, ...], list[tuple[mx.array, mx.array]]] = OrderedDict()
+        self.budget = budget
+        self.units = units or (lambda tokens, dtype: 0)
+        self._entries: OrderedDict[tuple[int, ...], tuple[list[tuple[mx.array, mx.array]], int]] = OrderedDict()
         self._tokens = 0
 
     @property
@@ -62,7 +71,7 @@ class PrefixCache:
         if best_key is None:
             return 0
         self._entries.move_to_end(best_key)
-        for layer, (k, v) in zip(fresh_cache, self._entries[best_key]):
+        for layer, (k, v) in zip(fresh_cache, self._entries[best_key][0]):
             layer.keys, layer.values, layer.offset = k[..., :best_n, :], v[..., :best_n, :], best_n
         return best_n
 
@@ -74,14 +83,29 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
+        units = self.units(n, cache[0].keys.dtype)
+        if self.budget is not None:
+            self.reclaim(units)  # older entries make way for this one, never a running row
+            if not self.budget.take(units):
+                return
         layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
         mx.eval(layers)
-        self._entries[key] = layers
+        self._entries[key] = (layers, units)
         self._tokens += n
         while self._tokens > self.max_tokens:
-            old, _ = self._entries.popitem(last=False)
-            self._tokens -= len(old)
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        old, (_, units) = self._entries.popitem(last=False)
+        self._tokens -= len(old)
+        if self.budget is not None:
+            self.budget.give(units)
+
+    def reclaim(self, blocks: int) -> None:
+        """Evict the oldest entries until the budget has `blocks` free (or nothing is left)."""
+        while self._entries and self.budget is not None and self.budget.free < blocks:
+            self._evict_oldest()
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._tokens = 0
+        while self._entries:
+            self._evict_oldest()

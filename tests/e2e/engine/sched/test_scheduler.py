@@ -550,3 +550,45 @@ def test_pool_grows_under_running_rows_with_the_same_tokens(compile_decode):
         assert before == 2 * 2 * 64 // 32 + 1 < pool.num_blocks  # it grew: one row fits in 8 blocks, two do not
     finally:
         server.stop()
+
+
+def test_cached_prefixes_give_way_to_running_rows():
+    """Cached prompt prefixes are paid for in KV blocks too, and are evicted (oldest first) when
+    running rows need the blocks: before any row is preempted, and with the same tokens."""
+    server = start_server(
+        "qwen2_vl",
+        max_num_seqs=4,
+        prefix_cache_tokens=100_000,
+        kv_cache_memory_gb=12 * _FIXTURE_BLOCK_BYTES / (1 << 30),
+    )
+    try:
+        warm = [
+            chat_body(server.model_id, f"Cached prompt number {i}.", [], max_tokens=2, temperature=0) for i in range(5)
+        ]
+        bodies = [
+            chat_body(server.model_id, f"Long answer {i}.", [], max_tokens=100, temperature=0, ignore_eos=True)
+            for i in range(2)
+        ]
+
+        async def run(batch, concurrent=False):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+                if concurrent:
+                    return [
+                        o["choices"][0]["message"]["content"]
+                        for o in await asyncio.gather(*(_post(c, b) for b in batch))
+                    ]
+                return [(await _post(c, b))["choices"][0]["message"]["content"] for b in batch]
+
+        alone = asyncio.run(run(bodies))
+        asyncio.run(run(warm))
+        pc = server.engine.core.prefix_cache
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        cached_blocks = _metric(metrics, "kv_blocks_used")
+        assert pc.size_tokens > 0 and cached_blocks >= 5  # the cached prompts hold blocks, nothing runs
+        together = asyncio.run(run(bodies, concurrent=True))
+        assert together == alone
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert _metric(metrics, "num_preemptions") == 0
+        assert _metric(metrics, "kv_blocks_used") < cached_blocks + 1  # some gave way, none leaked
+    finally:
+        server.stop()
