@@ -108,6 +108,7 @@ async def completions(request: Request) -> Response:
 
 async def _stream(rid, model, created, chat, streams):
     prompt = cached = completion = 0
+    offsets = [len(chat.echo or "")] * chat.n  # each choice's text so far: logprobs' text_offset
     if chat.echo:
         for i in range(chat.n):
             choice = {"index": i, "text": chat.echo, "logprobs": None, "finish_reason": None}
@@ -124,9 +125,10 @@ async def _stream(rid, model, created, chat, streams):
             choice = {
                 "index": i,
                 "text": event.text,
-                "logprobs": _legacy_logprobs(lp, 0),
+                "logprobs": _legacy_logprobs(lp, offsets[i]),
                 "finish_reason": chat_response.finish_reason_str(event.finish_reason),
             }
+            offsets[i] += len(event.text)
             yield sse.line(_body(rid, model, created, [choice]))
             if event.finish_reason is not None:
                 prompt, cached = event.prompt_tokens, event.cached_tokens

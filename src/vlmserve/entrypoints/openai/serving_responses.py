@@ -80,8 +80,8 @@ def _messages(body: dict) -> list[dict]:
             call = {"id": item.get("call_id"), "type": "function", "function": {}}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)  # consecutive calls: one assistant turn
+            if last is not None and last["role"] == "assistant":  # its text, then its calls: one turn
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
