@@ -133,16 +133,24 @@ class PagedDecodeBatch:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending
         together; `rows`: each owner's row there (default: in order)."""
         end = rows_cache[0]._idx if rows_cache else 0
-        for i, owner in zip(rows or range(len(owners)), owners):
-            n = owner.cache_len
-            owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
-            if n:
-                layer_kv = [
-                    (c.keys[i, :, end - n : end, :].swapaxes(0, 1), c.values[i, :, end - n : end, :].swapaxes(0, 1))
-                    for c in rows_cache
-                ]
-                self.pool.write(owner.blocks, layer_kv, n)
-            self._place(owner)
+        try:
+            for i, owner in zip(rows or range(len(owners)), owners):
+                n = owner.cache_len
+                owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
+                if n:
+                    layer_kv = [
+                        (c.keys[i, :, end - n : end, :].swapaxes(0, 1), c.values[i, :, end - n : end, :].swapaxes(0, 1))
+                        for c in rows_cache
+                    ]
+                    self.pool.write(owner.blocks, layer_kv, n)
+                self._place(owner)
+        except BaseException:
+            # None of them joins: the caller fails them; their blocks go back, placed or not.
+            self.remove(owners)
+            for owner in owners:
+                self.pool.release(owner.blocks)
+                owner.blocks = []
+            raise
 
     def resume(self, owner: Any, host_kv: list) -> None:
         """A preempted row comes back with the KV `evict` gave out."""
@@ -236,7 +244,10 @@ class DtypeGroupedBatch:
         dtype = kv_dtype(rows_cache) or self.model_dtype
         for owner in owners:
             owner.kv_dtype = dtype
-        self._group(dtype).join(owners, rows_cache, rows)
+        try:
+            self._group(dtype).join(owners, rows_cache, rows)
+        finally:
+            self._drop_empty()  # a join that failed may leave its new group empty
 
     def resume(self, owner: Any, host_kv: list) -> None:
         self._group(owner.kv_dtype).resume(owner, host_kv)

@@ -89,3 +89,43 @@ def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
 
     values, lengths = on_own_thread(work)
     assert values == [[1.0, 1.0], [3.0, 3.0]] and lengths == [5, 3]
+
+
+def test_a_join_that_fails_leaves_no_row_and_no_block_behind():
+    """The caller fails every row of a join that raised: none may stay in the batch (it would
+    decode forever) or hold blocks."""
+    import mlx.core as mx
+    import pytest
+
+    from vlmserve.engine.runner.decode_batch import DtypeGroupedBatch, PagedDecodeBatch
+
+    class Layer:
+        def __init__(self, rows):
+            self.keys = mx.ones((rows, 1, 6, 4))
+            self.values = self.keys
+            self._idx = 6
+
+    class Row:
+        def __init__(self, n):
+            self.cache_len, self.blocks = n, []
+
+    def work():
+        pool = BlockPool(2, (1, 4, 4), mx.float32, block_size=4, blocks=16)
+        batch = DtypeGroupedBatch(lambda dtype: PagedDecodeBatch(None, None, pool, context_length=64), mx.float32)
+        writes = []
+        original = pool.write
+
+        def failing(blocks, layer_kv, n):
+            writes.append(n)
+            if len(writes) == 2:
+                raise RuntimeError("out of memory")
+            return original(blocks, layer_kv, n)
+
+        pool.write = failing
+        owners = [Row(5), Row(3), Row(4)]
+        with pytest.raises(RuntimeError):
+            batch.join(owners, [Layer(3), Layer(3)])
+        return batch.layout(), batch.groups, pool.used, [o.blocks for o in owners]
+
+    layout, groups, used, blocks = on_own_thread(work)
+    assert layout == [] and groups == {} and used == 0 and blocks == [[], [], []]
