@@ -177,7 +177,7 @@ def test_a_call_to_an_undeclared_function_stays_text():
     parser = PARSERS["hermes"]()
     text = 'Sure.<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>'
     assert tool_use.split(text, parser, chat) == (text, [])
-    stream = tool_use.ChoiceToolStream(parser, chat)
+    stream = tool_use.stream(parser, chat)
     sent = stream.feed(text)
     rest, calls = stream.finish()
     assert (sent + rest, calls) == (text, [])

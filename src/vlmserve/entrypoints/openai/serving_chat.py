@@ -180,7 +180,7 @@ async def _collect(streams, chat, parser, engine_finish: list | None = None):
 
 async def _sse(request_id, model, created, chat, streams, parser):
     lines = sse.ChunkLines(request_id, model, created, chat.include_usage)
-    tools = [tool_use.ChoiceToolStream(parser, chat) for _ in range(chat.n)] if tool_use.uses_tools(chat) else None
+    tools = [tool_use.stream(parser, chat) for _ in range(chat.n)] if tool_use.uses_tools(chat) else None
     for i in range(chat.n):
         yield lines.choice(i, {"role": "assistant", "content": ""})
     prompt = cached = completion = 0

@@ -262,7 +262,7 @@ def _event(kind: str, seq: list[int], **fields) -> str:
 
 async def _events(shape: ResponseShape, started, parser):
     chat, seq = started.chat, [0]
-    tools = tool_use.ChoiceToolStream(parser, chat) if tool_use.uses_tools(chat) else None
+    tools = tool_use.stream(parser, chat) if tool_use.uses_tools(chat) else None
     yield _event("response.created", seq, response=shape.build("in_progress", [], None))
     yield _event("response.in_progress", seq, response=shape.build("in_progress", [], None))
     item_id, text, output = _id("msg"), "", []

@@ -6,9 +6,17 @@ from __future__ import annotations
 from vlmserve.models.tool_calls import ToolCall, ToolParser
 
 
+def settle(text: str, content: str, calls: list[ToolCall], keep) -> tuple[str, list[ToolCall]]:
+    """(content, calls) once `keep` has picked the calls to return from those parsed out of
+    `text`; where it keeps none of those found, their text is content after all."""
+    kept = keep(calls) if calls else []
+    return (content, kept) if kept or not calls else (text, [])
+
+
 class ToolCallStream:
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, keep=lambda calls: calls):
         self.parser = parser
+        self.keep = keep  # the calls to return of those found (settle)
         self.pending = ""  # text not sent yet that may still turn out to open a call
         self.held: str | None = None  # from where a call may begin, to the end
         self.decided = False  # markerless formats: the output's first character was seen
@@ -42,13 +50,10 @@ class ToolCallStream:
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         return out
 
-    def finish(self, keep=lambda calls: calls) -> tuple[str, list[ToolCall]]:
-        """(content still to send, the calls); `keep` picks the calls to return, and where it
-        keeps none of those found, their text is content after all."""
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content still to send, the calls)."""
         if self.held is None:
             out, self.pending = self.pending, ""
             return out, []
         held, self.held = self.held, None
-        content, calls = self.parser.extract(held)
-        kept = keep(calls) if calls else []
-        return (content, kept) if kept or not calls else (held, [])
+        return settle(held, *self.parser.extract(held), self.keep)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import llguidance
 
 from vlmserve.entrypoints.openai.errors import APIError
-from vlmserve.entrypoints.openai.tool_stream import ToolCallStream
+from vlmserve.entrypoints.openai.tool_stream import ToolCallStream, settle
 from vlmserve.models.tool_calls import PARSERS, ToolCall, ToolParser, detect, supports_tools
 from vlmserve.protocol import ChatRequest
 
@@ -52,9 +52,7 @@ def prepare(chat: ChatRequest, parser: ToolParser, template: str | None) -> Chat
 
 def split(text: str, parser: ToolParser, chat: ChatRequest) -> tuple[str, list[ToolCall]]:
     """A finished choice's (content, calls)."""
-    content, calls = parser.extract(text)
-    kept = _allowed(calls, chat) if calls else []
-    return (content, kept) if kept or not calls else (text, [])
+    return settle(text, *parser.extract(text), lambda calls: _allowed(calls, chat))
 
 
 def _allowed(calls: list[ToolCall], chat: ChatRequest) -> list[ToolCall]:
@@ -65,15 +63,6 @@ def _allowed(calls: list[ToolCall], chat: ChatRequest) -> list[ToolCall]:
     return calls if chat.parallel_tool_calls else calls[:1]
 
 
-class ChoiceToolStream:
+def stream(parser: ToolParser, chat: ChatRequest) -> ToolCallStream:
     """A streamed choice's content deltas, with its calls held back to the end."""
-
-    def __init__(self, parser: ToolParser, chat: ChatRequest):
-        self.stream = ToolCallStream(parser)
-        self.chat = chat
-
-    def feed(self, text: str) -> str:
-        return self.stream.feed(text)
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        return self.stream.finish(lambda calls: _allowed(calls, self.chat))
+    return ToolCallStream(parser, lambda calls: _allowed(calls, chat))
