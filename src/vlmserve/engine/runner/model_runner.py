@@ -66,8 +66,7 @@ class ModelRunner:
         sched.reclaim = self._reclaim
 
         def cache(on: bool) -> PrefixCache | None:
-            units = lambda tokens, dtype: self._weight(dtype) * self.budget.blocks_for(tokens)  # noqa: E731
-            return PrefixCache(prefix_cache_tokens, self.budget, units) if on and prefix_cache_tokens > 0 else None
+            return PrefixCache(prefix_cache_tokens, self.budget, self._cost) if on and prefix_cache_tokens > 0 else None
 
         self.prefix_cache = cache(True)
         # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
@@ -371,16 +370,20 @@ class ModelRunner:
     # ---- KV blocks: growth, preemption, resumption --------------------------------------
     def _weight(self, dtype) -> int:
         """Budget blocks one block of `dtype` KV costs (float32 rows in a bfloat16 model: 2)."""
-        model_dtype = self.batches.model.kv_layout()[2]
+        model_dtype = self.model.kv_layout()[2]
         return max(1, (dtype or model_dtype).size // model_dtype.size)
+
+    def _cost(self, tokens: int, dtype) -> int:
+        """Budget blocks that `tokens` positions of `dtype` KV cost."""
+        return self._weight(dtype) * self.budget.blocks_for(tokens)
 
     def _pay_for_prompts(self, seqs: list[Sequence], dtype) -> list[Sequence]:
         """Settle what joining rows' blocks cost against what was reserved at admission (the
         embedded length, the KV dtype). Rows the budget cannot hold even after preempting
         others end with an error; the rest are returned."""
-        weight, ok = self._weight(dtype), []
+        ok = []
         for seq in seqs:
-            cost = weight * self.budget.blocks_for(seq.cache_len + 1)
+            cost = self._cost(seq.cache_len + 1, dtype)
             extra = cost - seq.kv_units
             if extra > 0 and not self._make_room(extra, keep=seq):
                 self.sched.drop_prefilling(seq)
@@ -424,24 +427,26 @@ class ModelRunner:
 
     def _growth(self) -> int:
         """Budget blocks the running rows' next positions need beyond what they hold."""
-        return sum(self._weight(s.kv_dtype) * self._blocks_short(s) for s in self.sched.running)
+        return sum(self._row_growth(s) for s in self.sched.running)
 
-    def _blocks_short(self, seq: Sequence) -> int:
-        return self.budget.blocks_for(seq.cache_len + 1) - len(seq.blocks)
+    def _row_growth(self, seq: Sequence) -> int:
+        """Budget blocks a row's next position needs beyond what it holds."""
+        return self._cost(seq.cache_len + 1, seq.kv_dtype) - self._weight(seq.kv_dtype) * len(seq.blocks)
 
     def _grow_blocks(self, prev):
         """Before a step: the block each row's next position needs. When too few are free, the
         previous step is read first (rows may finish) and then the latest rows are preempted; a
         row alone that still cannot grow has reached what the budget holds and ends there."""
-        if self._growth() > self.budget.free:
-            self._reclaim(self._growth())
-        if self._growth() > self.budget.free:
+        growth = self._growth()
+        if growth > self.budget.free:
+            self._reclaim(growth)
+        if growth > self.budget.free:
             if prev is not None:
                 self._resolve(prev)
                 prev = None
             while self.sched.running and self._growth() > self.budget.free:
                 victim = self.sched.preemption_victim()
-                grown = victim.kv_units + self._weight(victim.kv_dtype) * self._blocks_short(victim)
+                grown = victim.kv_units + self._row_growth(victim)
                 alone = len(self.sched.running) == 1 and self.budget.used == victim.kv_units
                 if alone or grown > self.budget.total:  # it could never resume: it is as long as it gets
                     self.finish(victim, FinishReason.LENGTH)
@@ -449,16 +454,19 @@ class ModelRunner:
                 else:
                     self._preempt(victim)
         if self.sched.running:
-            self.budget.take(self._growth())
+            taken = 0
             for seq in self.sched.running:
-                seq.kv_units += self._weight(seq.kv_dtype) * self._blocks_short(seq)
+                units = self._row_growth(seq)
+                seq.kv_units += units
+                taken += units
+            self.budget.take(taken)
             self.batch.grow()
         return prev
 
     def resume_preempted(self) -> None:
         """Preempted rows come back, oldest first, as their blocks fit in the budget."""
         for seq in list(self.sched.preempted):
-            cost = self._weight(seq.kv_dtype) * self.budget.blocks_for(seq.cache_len + 1)
+            cost = self._cost(seq.cache_len + 1, seq.kv_dtype)
             if cost > self.budget.total:  # the budget shrank under it: it ends where it is
                 self.sched.preempted.remove(seq)
                 seq.host_kv = None
