@@ -55,6 +55,16 @@ def _number(body: dict, key: str, lo: float, hi: float, default: float | None, *
     return value
 
 
+def _flag(body: dict, key: str, default: bool) -> bool:
+    """A boolean field; an explicit null is unset (some proxies send nulls for unset fields)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(f"'{key}' must be a boolean", key)
+    return value
+
+
 def _parse_content(content: Any, i: int, role: str) -> list[tuple[str, Any]]:
     param = f"messages[{i}].content"
     if isinstance(content, str):
@@ -159,12 +169,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, Any, bool]:
         raise _bad("'tool_choice' must be 'none', 'auto', 'required' or a function", "tool_choice")
     elif choice == "required" and not tools:
         raise _bad("'tool_choice' 'required' needs 'tools'", "tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
-    if parallel is None:
-        parallel = True
-    if not isinstance(parallel, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    return tools, choice, parallel
+    return tools, choice, _flag(body, "parallel_tool_calls", True)
 
 
 MIN_IMAGE_PIXELS = 28 * 28  # smaller bounds are no image at all to a vision tower
@@ -271,10 +276,7 @@ def parse_chat_request(
     if seed is not None:
         seed %= SEED_MOD  # negative int64 seeds map onto the unsigned range, deterministically
 
-    stream = body.get("stream")
-    stream = False if stream is None else stream  # some proxies send explicit nulls for unset fields
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+    stream = _flag(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise _bad("'stream_options' must be an object", "stream_options")
@@ -296,11 +298,7 @@ def parse_chat_request(
     if grammar is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
         raise _bad("a forced 'tool_choice' cannot be combined with a json_schema 'response_format'", "tool_choice")
 
-    ignore_eos = body.get("ignore_eos", False)
-    if ignore_eos is None:
-        ignore_eos = False
-    if not isinstance(ignore_eos, bool):
-        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    ignore_eos = _flag(body, "ignore_eos", False)
     if ignore_eos and (json_mode or grammar is not None):
         raise _bad("'ignore_eos' cannot be combined with a JSON 'response_format'", "ignore_eos")
     top_k = int(_number(body, "top_k", -1, 1 << 20, 0, integer=True))
