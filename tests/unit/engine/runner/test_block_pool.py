@@ -61,6 +61,22 @@ def test_a_rows_kv_goes_to_the_host_and_back_bit_for_bit():
     assert on_own_thread(work) == [True, True, True]
 
 
+class _PrefillLayer:
+    """A batched prefill's per-layer cache: (rows, heads, positions, dim), left-padded; row r holds r + 1."""
+
+    def __init__(self, rows):
+        import mlx.core as mx
+
+        self.keys = mx.stack([mx.full((1, 6, 4), float(r + 1)) for r in range(rows)])
+        self.values = -self.keys
+        self._idx = 6
+
+
+class _Row:
+    def __init__(self, n):
+        self.cache_len, self.blocks = n, []
+
+
 def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
     """Rows of a batched prefill join by their place in its cache, also when some of them did not
     join (the budget could not pay for them): nobody gets a neighbour's KV."""
@@ -68,21 +84,11 @@ def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
 
     from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
 
-    class Layer:  # a batched prefill's per-layer cache: (rows, heads, positions, dim), left-padded
-        def __init__(self, rows):
-            self.keys = mx.stack([mx.full((1, 6, 4), float(r + 1)) for r in range(rows)])
-            self.values = -self.keys
-            self._idx = 6
-
-    class Row:
-        def __init__(self, n):
-            self.cache_len, self.blocks = n, []
-
     def work():
         pool = BlockPool(2, (1, 4, 4), mx.float32, block_size=4, blocks=16)
         batch = PagedDecodeBatch(None, None, pool, context_length=64)
-        owners = [Row(5), Row(3)]
-        batch.join(owners, [Layer(3), Layer(3)], rows=[0, 2])  # row 1 of the prefill did not join
+        owners = [_Row(5), _Row(3)]
+        batch.join(owners, [_PrefillLayer(3), _PrefillLayer(3)], rows=[0, 2])  # row 1 of the prefill did not join
         return [[float(k[0, 0, 0].item()) for k, _ in pool.read(o.blocks, o.cache_len)] for o in owners], [
             o.cache_len for o in owners
         ]
@@ -99,16 +105,6 @@ def test_a_join_that_fails_leaves_no_row_and_no_block_behind():
 
     from vlmserve.engine.runner.decode_batch import DtypeGroupedBatch, PagedDecodeBatch
 
-    class Layer:
-        def __init__(self, rows):
-            self.keys = mx.ones((rows, 1, 6, 4))
-            self.values = self.keys
-            self._idx = 6
-
-    class Row:
-        def __init__(self, n):
-            self.cache_len, self.blocks = n, []
-
     def work():
         pool = BlockPool(2, (1, 4, 4), mx.float32, block_size=4, blocks=16)
         batch = DtypeGroupedBatch(lambda dtype: PagedDecodeBatch(None, None, pool, context_length=64), mx.float32)
@@ -122,9 +118,9 @@ def test_a_join_that_fails_leaves_no_row_and_no_block_behind():
             return original(blocks, layer_kv, n)
 
         pool.write = failing
-        owners = [Row(5), Row(3), Row(4)]
+        owners = [_Row(5), _Row(3), _Row(4)]
         with pytest.raises(RuntimeError):
-            batch.join(owners, [Layer(3), Layer(3)])
+            batch.join(owners, [_PrefillLayer(3), _PrefillLayer(3)])
         return batch.layout(), batch.groups, pool.used, [o.blocks for o in owners]
 
     layout, groups, used, blocks = on_own_thread(work)
