@@ -94,3 +94,24 @@ def test_mixed_workload_is_the_same_requests_each_pass_and_reported_per_pass(qwe
     levels = json.loads(out.read_text())["runs"][0]["levels"]
     assert [lv["pass"] for lv in levels] == [1, 2]
     assert all(lv["ok"] == lv["requests"] == 4 for lv in levels)
+
+
+def test_multiturn_reports_reuse_across_turns_and_one_tower_run_per_image(qwen_server, bench, tmp_path):
+    """benchmarks/multiturn.py: later turns report cached tokens; requests about one image at
+    once run the vision tower once (the server's mm caches are on by default)."""
+    import multiturn
+
+    wait_ready(qwen_server)
+    out = tmp_path / "m.json"
+    args = ["--url", qwen_server.base_url, "--chats", "2", "--turns", "3", "--same-image", "4"]
+    code = multiturn.main([*args, "--image-size", "84x56", "--max-tokens", "4", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    turns = result["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    # A new image: at most the template's text before it is reused.
+    assert turns[0]["cached_tokens"] < turns[0]["prompt_tokens"] // 2
+    assert all(t["cached_tokens"] > turns[0]["prompt_tokens"] // 2 for t in turns[1:])
+    assert all(t["prompt_tokens"] > prev["prompt_tokens"] for prev, t in zip(turns, turns[1:]))
+    shared = result["same_image"]
+    assert shared["feature_cache_queries"] == 4 and shared["vision_tower_runs"] == 1

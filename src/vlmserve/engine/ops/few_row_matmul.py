@@ -22,16 +22,17 @@ import math
 import os
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from vlmserve.engine.ops import cuda_kernels
 
 # One row: MLX's own gemv is as fast. Past 32 rows, a B=64 step got slower with the kernel on the H100.
 MIN_ROWS, MAX_ROWS = 2, 32
 
-_MMA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16"}
+MMA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16"}
 
-_SOURCE = """
+# Shared by the dense and the quantized kernel: the launch's rows and width, the lanes' roles and
+# the float32 accumulators.
+PROLOGUE = """
     // Rows and width from the launch itself, not from an array: MLX keeps arrays of a few bytes in
     // host-shared (managed) memory, and a kernel that reads one waits on it.
     int M = 1;
@@ -42,15 +43,7 @@ _SOURCE = """
     const int g = lane >> 2, c = lane & 3;           // mma fragment row group, column pair
     const size_t n0 = (size_t)blockIdx.x * 16 * F;   // this block's first output feature
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    // W is read once: past L1 (which keeps X, read by every block), with the next 256 bytes into L2.
-    auto stream = [](const uint4* p) {
-        uint4 v;
-        asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-        return v;
-    };
     float acc[F][MT][4];
     #pragma unroll
     for (int f = 0; f < F; ++f)
@@ -58,6 +51,17 @@ _SOURCE = """
         for (int t = 0; t < MT; ++t)
             #pragma unroll
             for (int r = 0; r < 4; ++r) acc[f][t][r] = 0.f;
+"""
+
+# The dense main loop: each lane streams 8 bf16/fp16 weights of two rows per chunk.
+_DENSE_LOOP = """    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    // W is read once: past L1 (which keeps X, read by every block), with the next 256 bytes into L2.
+    auto stream = [](const uint4* p) {
+        uint4 v;
+        asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        return v;
+    };
     for (int kc0 = warp; kc0 < KC; kc0 += U * WARPS) {
         uint4 a[U][F][2], b[U][MT];
         #pragma unroll
@@ -97,7 +101,10 @@ _SOURCE = """
                           "r"(b[u][t].z), "r"(b[u][t].w));
                 }
     }
-    // Sum the warps' partials pairwise, always in the same order.
+"""
+
+# Shared: the warps' partial sums added in a fixed order, (+ bias), stored as T.
+EPILOGUE = """    // Sum the warps' partials pairwise, always in the same order.
     __shared__ float red[WARPS > 1 ? WARPS / 2 : 1][F * MT * 4][32];
     #pragma unroll
     for (int half = WARPS / 2; half >= 1; half /= 2) {
@@ -138,27 +145,37 @@ _SOURCE = """
 """
 
 
+def enabled() -> bool:
+    """CUDA with vlmserve's kernels on, and VLMSERVE_FEW_ROW_MATMUL not 0."""
+    return os.environ.get("VLMSERVE_FEW_ROW_MATMUL", "1") != "0" and cuda_kernels.enabled()
+
+
+def rows_served(x: mx.array, k: int) -> bool:
+    """An input (..., K) whose rows (all axes but the last) number MIN_ROWS to MAX_ROWS."""
+    return x.ndim >= 1 and x.shape[-1] == k and MIN_ROWS <= math.prod(x.shape[:-1]) <= MAX_ROWS
+
+
+def bias_served(bias: mx.array | None, n: int, dtype: mx.Dtype) -> bool:
+    return bias is None or (bias.shape == (n,) and bias.dtype == dtype)
+
+
 def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
-    """On CUDA with the kernels on (and VLMSERVE_FEW_ROW_MATMUL not 0): a bf16/fp16 weight (N, K)
-    with N % 16 == 0 and K % 32 == 0, an input of the same dtype whose rows (all axes but the
-    last) number MIN_ROWS to MAX_ROWS."""
-    if os.environ.get("VLMSERVE_FEW_ROW_MATMUL", "1") == "0" or not cuda_kernels.enabled():
-        return False
-    if weight.ndim != 2 or weight.dtype not in _MMA_TYPES:
+    """On CUDA with the kernels on: a bf16/fp16 weight (N, K) with N % 16 == 0 and K % 32 == 0,
+    and an input of the same dtype whose rows number MIN_ROWS to MAX_ROWS."""
+    if not enabled() or weight.ndim != 2 or weight.dtype not in MMA_TYPES:
         return False
     n, k = weight.shape
-    if n % 16 or k % 32 or x.dtype != weight.dtype or x.ndim < 1 or x.shape[-1] != k:
+    if n % 16 or k % 32 or x.dtype != weight.dtype:
         return False
-    if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
-        return False
-    return MIN_ROWS <= math.prod(x.shape[:-1]) <= MAX_ROWS
+    return bias_served(bias, n, weight.dtype) and rows_served(x, k)
 
 
-def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(MT, F, WARPS, U) for m <= MAX_ROWS rows: 8-row tiles, 16-feature tiles per warp, warps
     splitting K, chunks in flight. Chosen by the kernel's own time on the H100 for each layer
     shape of a 2B-parameter decode step, one call at a time as a step runs them: wide layers
-    want several feature tiles per warp (X is read fewer times), deep ones many warps per block, narrow ones all their loads in flight at once."""
+    want several feature tiles per warp (X is read fewer times), deep ones many warps per block,
+    narrow ones all their loads in flight at once."""
     mt = 1 if m <= 8 else 4  # two tile counts only: each build costs the server's start ~2 s of JIT
     wide, deep = n >= 8192, k >= 4096
     if wide:
@@ -170,36 +187,30 @@ def _launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @functools.cache
-def _kernel(mma: str, with_bias: bool):
-    """The kernel for one mma input type, with or without bias (its source formatted once)."""
-    source = _SOURCE.replace("{mma}", mma)
+def build(name: str, loop: str, mma: str, inputs: tuple[str, ...], with_bias: bool):
+    """A few-row kernel: PROLOGUE, this main loop, EPILOGUE (adding `bias` if given), for one
+    mma input type; each distinct source is built once."""
+    source = (PROLOGUE + loop + EPILOGUE).replace("{mma}", mma)
     source = source.replace("{bias}", "v += static_cast<float>(bias[n]);" if with_bias else "")
-    inputs = ("x", "w", "bias") if with_bias else ("x", "w")
-    return cuda_kernels.kernel(
-        f"vlmserve_few_row_mm_{mma}{'_bias' if with_bias else ''}", inputs, source, output_names=("y",)
-    )
+    inputs = inputs + (("bias",) if with_bias else ())
+    return cuda_kernels.kernel(f"{name}_{mma}{'_bias' if with_bias else ''}", inputs, source, output_names=("y",))
 
 
-def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """x (..., K) @ weight.T (+ bias) for a weight (N, K) and input `serves` accepts."""
-    n, k = weight.shape
-    m = math.prod(x.shape[:-1])
-    mt, f, warps, u = _launch_shape(m, n, k)
-    kernel = _kernel(_MMA_TYPES[weight.dtype], bias is not None)
+def launch(kernel, x: mx.array, inputs: list[mx.array], n: int, k: int, template: list, shape=None) -> mx.array:
+    """Run a few-row kernel for y (..., N) in x's dtype; `shape` overrides launch_shape."""
+    mt, f, warps, u = shape or launch_shape(math.prod(x.shape[:-1]), n, k)
     return kernel(
-        inputs=[x, weight] + ([bias] if bias is not None else []),
-        template=[("T", weight.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u)],
+        inputs=inputs,
+        template=[("T", x.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u), *template],
         grid=(n // (16 * f) * 32 * warps, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[x.shape[:-1] + (n,)],
-        output_dtypes=[weight.dtype],
+        output_dtypes=[x.dtype],
     )[0]
 
 
-def linear(layer: nn.Module, x: mx.array) -> mx.array:
-    """`layer(x)` for an nn.Linear, through the kernel when it serves the call."""
-    if type(layer) is nn.Linear:
-        bias = layer.get("bias", None)
-        if serves(x, layer["weight"], bias):
-            return matmul(x, layer["weight"], bias)
-    return layer(x)
+def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None, shape=None) -> mx.array:
+    """x (..., K) @ weight.T (+ bias) for a weight (N, K) and input `serves` accepts."""
+    n, k = weight.shape
+    kernel = build("vlmserve_few_row_mm", _DENSE_LOOP, MMA_TYPES[weight.dtype], ("x", "w"), bias is not None)
+    return launch(kernel, x, [x, weight] + ([bias] if bias is not None else []), n, k, [], shape)

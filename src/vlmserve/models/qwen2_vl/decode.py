@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_vlm.models.mlp import SwiGLUMLP, swiglu
 from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
 
-from vlmserve.engine.ops import cuda_kernels, decode_attention, few_row_matmul
+from vlmserve.engine.ops import cuda_kernels, decode_attention, few_row_linear
 from vlmserve.engine.ops.fused_projections import FusedPart
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 
@@ -75,7 +75,7 @@ def applies(caches: list) -> bool:
 
 
 def _linear(layer: nn.Module, x: mx.array, kernels: bool) -> mx.array:
-    return few_row_matmul.linear(layer, x) if kernels else layer(x)
+    return few_row_linear.linear(layer, x) if kernels else layer(x)
 
 
 def _fused(part: nn.Module, size: int) -> nn.Module | None:
@@ -161,8 +161,8 @@ def forward(
     h = model.norm(h)
     if not language_model.args.tie_word_embeddings:
         logits = _linear(language_model.lm_head, h, kernels)
-    elif kernels and few_row_matmul.serves(h, model.embed_tokens.weight):
-        logits = few_row_matmul.matmul(h, model.embed_tokens.weight)
+    elif kernels:
+        logits = few_row_linear.tied_logits(model.embed_tokens, h)
     else:
         logits = model.embed_tokens.as_linear(h)
     return logits[:, -1, :]

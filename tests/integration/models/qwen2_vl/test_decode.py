@@ -89,14 +89,19 @@ def _language_model(name: str, tied: bool, dtype: str):
         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
         tie_word_embeddings=tied,
     )
+    import mlx.nn as nn
+
     mx.random.seed(0)
     lm = family.LanguageModel(family.TextConfig.from_dict(text), family.ModelConfig.from_dict(config))
+    dtype, _, bits = dtype.partition("+")
     lm.set_dtype(getattr(mx, dtype))
+    if bits:  # "+4bit": affine, groups of 64, as mlx-vlm's convert makes them
+        nn.quantize(lm, group_size=64, bits=int(bits.removesuffix("bit")))
     mx.eval(lm.parameters())
     return lm
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16+4bit", "bfloat16+8bit"])
 @pytest.mark.parametrize("fused,tied", [(True, False), (False, True)], ids=["fused", "separate-tied"])
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
 def test_step_equals_mlx_vlm(name, fused, tied, dtype):

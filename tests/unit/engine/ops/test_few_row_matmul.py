@@ -1,6 +1,7 @@
-"""The few-row matmul kernel (engine/few_row_matmul.py): on CUDA it computes x @ W^T (+ bias)
-to float32 summation order, the same on every call; elsewhere, and for shapes it does not
-take, `linear` is the layer's own call."""
+"""The few-row matmul kernels (engine/ops/few_row_matmul.py, few_row_quantized.py): on CUDA they
+compute x @ W^T (+ bias) for dense and affine-quantized weights to float32 summation order, the
+same on every call; elsewhere, and for shapes they do not take, `few_row_linear.linear` is the
+layer's own call."""
 
 from __future__ import annotations
 
@@ -15,25 +16,31 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
         import mlx.core as mx
         import mlx.nn as nn
 
-        from vlmserve.engine.ops import cuda_kernels, few_row_matmul
+        from vlmserve.engine.ops import cuda_kernels, few_row_linear, few_row_matmul, few_row_quantized
 
-        layer = nn.Linear(64, 48, bias=True)
-        layer.set_dtype(mx.bfloat16)
+        dense = nn.Linear(64, 48, bias=True)
+        dense.set_dtype(mx.bfloat16)
+        quantized = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=4)
         out = []
-        for rows in (1, 4, 33):  # 1 and 33 rows: never the kernel (MLX's gemv; cuBLAS's tiles)
-            x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
-            served = few_row_matmul.serves(x, layer.weight, layer.bias)
-            out.append(
-                (
-                    rows,
-                    served,
-                    np.array(few_row_matmul.linear(layer, x).astype(mx.float32)),
-                    np.array(layer(x).astype(mx.float32)),
+        for layer in (dense, quantized):
+            for rows in (1, 4, 33):  # 1 and 33 rows: never the kernel (MLX's gemv; cuBLAS's tiles)
+                x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
+                if layer is dense:
+                    served = few_row_matmul.serves(x, layer.weight, layer.bias)
+                else:
+                    served = few_row_quantized.serves_layer(layer, x)
+                out.append(
+                    (
+                        rows,
+                        served,
+                        np.array(few_row_linear.linear(layer, x).astype(mx.float32)),
+                        np.array(layer(x).astype(mx.float32)),
+                    )
                 )
-            )
         return cuda_kernels.enabled(), out
 
     on_cuda, results = on_own_thread(work)
+    assert len(results) == 6
     for rows, served, ours, ref in results:
         assert served == (on_cuda and rows == 4)
         if served:
@@ -45,14 +52,18 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
 def test_launch_shapes_fit_every_served_shape():
     """Every served (rows, N, K) gets a grid that covers N exactly and a block within the
     48 KB of static shared memory its reduction declares."""
-    from vlmserve.engine.ops.few_row_matmul import MAX_ROWS, MIN_ROWS, _launch_shape
+    import mlx.core as mx
+
+    from vlmserve.engine.ops import few_row_quantized
+    from vlmserve.engine.ops.few_row_matmul import MAX_ROWS, MIN_ROWS, launch_shape
 
     for m in range(MIN_ROWS, MAX_ROWS + 1):
+        x = mx.zeros((m, 1, 32))
         for n in (16, 48, 2048, 8192, 17920, 151936, 8208):
             for k in (32, 1536, 4096, 8960):
-                mt, f, warps, u = _launch_shape(m, n, k)
-                assert mt * 8 >= m and n % (16 * f) == 0 and u >= 1
-                assert max(1, warps // 2) * f * mt * 4 * 32 * 4 <= 48 * 1024
+                for mt, f, warps, u in (launch_shape(m, n, k), few_row_quantized.launch_shape(x, n, k)):
+                    assert mt * 8 >= m and n % (16 * f) == 0 and u >= 1 and warps * 32 <= 1024
+                    assert max(1, warps // 2) * f * mt * 4 * 32 * 4 <= 48 * 1024
 
 
 @pytest.mark.gpu
@@ -99,3 +110,59 @@ def test_kernel_matches_float32_matmul(dtype):
         assert shaped
         np.testing.assert_array_equal(ours, again)  # a fixed summation order: the same every call
         np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)  # one rounding to bf16/fp16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
+    """4 and 8 bits, groups of 32, 64 and 128, narrow, wide and deep layers, with and without
+    bias, rows that do and do not fill the 8-row tiles: against x @ dequantize(W).T in float32,
+    and against MLX's own quantized matmul."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import cuda_kernels, few_row_quantized
+
+        if not cuda_kernels.enabled():
+            return None
+        t = getattr(mx, dtype)
+        results = []
+        for bits in (4, 8):
+            for group in (32, 64, 128):
+                for n, k, with_bias in ((48, 128, True), (8192, 256, False), (32, 4096, True)):
+                    dense = nn.Linear(k, n, bias=with_bias)
+                    dense.set_dtype(t)
+                    layer = nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits)
+                    w = mx.dequantize(layer.weight, layer.scales, layer.biases, group, bits).astype(mx.float32)
+                    for rows in (2, 5, 17, 32):
+                        x = mx.random.normal((rows, 1, k), key=mx.random.key(rows + k)).astype(t)
+                        assert few_row_quantized.serves_layer(layer, x)
+                        ours = few_row_quantized.matmul(layer, x)
+                        again = few_row_quantized.matmul(layer, x)
+                        ref = x.astype(mx.float32) @ w.T
+                        if with_bias:
+                            ref = ref + layer.bias.astype(mx.float32)
+                        results.append(
+                            (
+                                (bits, group, n, k, rows),
+                                ours.shape == x.shape[:-1] + (n,) and ours.dtype == t,
+                                np.array(ours.astype(mx.float32)),
+                                np.array(again.astype(mx.float32)),
+                                np.array(ref),
+                                np.array(layer(x).astype(mx.float32)),
+                            )
+                        )
+        return results
+
+    results = on_own_thread(work)
+    if results is None:
+        pytest.skip("the kernel runs on CUDA only")
+    assert len(results) == 2 * 3 * 3 * 4
+    for case, shaped, ours, again, ref, mlx_ours in results:
+        assert shaped, case
+        np.testing.assert_array_equal(ours, again, err_msg=str(case))
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(ours, ref, atol=1e-2 * scale, rtol=1e-2, err_msg=str(case))
+        np.testing.assert_allclose(ours, mlx_ours, atol=2e-2 * scale, rtol=2e-2, err_msg=str(case))

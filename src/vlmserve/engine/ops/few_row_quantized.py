@@ -1,0 +1,173 @@
+"""The few-row matmul (few_row_matmul.py) over an affine-quantized weight: 4 or 8 bits, groups
+of 32, 64 or 128, bf16 or fp16 scales and biases, as MLX's QuantizedLinear stores them.
+
+MLX's quantized matmul for a decode step's 2-32 rows is a general tiled GEMM on CUDA, dear
+to launch and to run at that size. Here the loop of the dense kernel stays, with smaller
+loads: each lane reads the 8 codes of its two weight rows for a chunk of 32 inputs (one
+32-bit word at 4 bits, two at 8), turns them into mma operands exactly, and the chunk's
+partial dot product is scaled in float32:
+
+    y[m, n] += scale[n, g] * sum_k x[m, k] * q[n, k]  +  bias[n, g] * sum_k x[m, k]
+
+for the chunk's group g, as MLX's own quantized kernels compute it. Codes become operands by
+bit pattern: `MAGIC | q` is the number OFF + q in bf16 (128 + q) or fp16 (1024 + q), exact, and
+the OFF * sum_k x[m, k] it adds is taken out with the bias (bias - OFF * scale). 8-bit codes in
+bf16 (256 values do not fit one exponent) are converted instead. The sums of x per row and
+chunk come from one more mma against ones, already in the output's fragment layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from vlmserve.engine.ops import few_row_matmul as dense
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+_QUANTIZED_LOOP = """    constexpr int WPR = K * BITS / 32;               // 32-bit words per weight row
+    constexpr int GPR = K / GS;                      // groups per weight row
+    constexpr int WPL = BITS / 4;                    // words per lane and row in a chunk
+    const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
+    // W is read once: past L1 (which keeps X, read by every block).
+    auto stream = [](const uint32_t* p) {
+        uint32_t v;
+        asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+        return v;
+    };
+    // Two codes as one mma operand register: OFF + q in T, exactly.
+    auto pair = [](uint32_t lo, uint32_t hi) -> uint32_t {
+        if constexpr (MAGIC != 0) {
+            return (uint32_t)MAGIC | lo | (hi << 16);
+        } else {
+            const T l = static_cast<T>((float)lo), h = static_cast<T>((float)hi);
+            return (uint32_t)(*reinterpret_cast<const unsigned short*>(&l))
+                | ((uint32_t)(*reinterpret_cast<const unsigned short*>(&h)) << 16);
+        }
+    };
+    // The codes k..k+7 of one row, from its WPL words, as four operand registers (pairs of k).
+    auto operands = [&](const uint32_t (&v)[WPL], uint32_t (&p)[4]) {
+        constexpr uint32_t MASK = (1u << BITS) - 1;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int lo = 2 * j * BITS, hi = lo + BITS;
+            p[j] = pair((v[lo / 32] >> (lo % 32)) & MASK, (v[hi / 32] >> (hi % 32)) & MASK);
+        }
+    };
+    const T one_t = static_cast<T>(1.f);
+    const uint32_t one_bits = *reinterpret_cast<const unsigned short*>(&one_t);
+    const uint32_t ones = one_bits | (one_bits << 16);
+    for (int kc0 = warp; kc0 < KC; kc0 += U * WARPS) {
+        uint32_t a[U][F][2][WPL];
+        float sc[U][F][2], bi[U][F][2];
+        uint4 b[U][MT];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {                // issue every load of U chunks first, unbranched:
+            const bool live = kc0 + u * WARPS < KC;  // out-of-range chunks and rows read a valid
+            const int kc = live ? kc0 + u * WARPS : kc0;  // address and count for nothing
+            const int group = kc * 32 / GS;
+            #pragma unroll
+            for (int f = 0; f < F; ++f)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const size_t n = n0 + f * 16 + h * 8 + g;
+                    #pragma unroll
+                    for (int i = 0; i < WPL; ++i) a[u][f][h][i] = stream(wq + n * WPR + kc * BITS + c * WPL + i);
+                    const float s = static_cast<float>(scales[n * GPR + group]);
+                    sc[u][f][h] = live ? s : 0.f;
+                    bi[u][f][h] = live ? static_cast<float>(biases[n * GPR + group]) - OFF * s : 0.f;
+                }
+            #pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                const int row = t * 8 + g;
+                b[u][t] = __ldg(xv + ((size_t)(row < M ? row : M - 1) * K + kc * 32) / 8 + c);
+                if (!live || row >= M) b[u][t] = zero;
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u)
+            #pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                // sum_k x over the chunk for rows t*8 + 2c and 2c+1: every row of ones @ X^T.
+                float xs[4] = {0.f, 0.f, 0.f, 0.f};
+                asm volatile(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, {%0,%1,%2,%3};"
+                    : "+f"(xs[0]), "+f"(xs[1]), "+f"(xs[2]), "+f"(xs[3]) : "r"(ones), "r"(b[u][t].x), "r"(b[u][t].y));
+                asm volatile(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, {%0,%1,%2,%3};"
+                    : "+f"(xs[0]), "+f"(xs[1]), "+f"(xs[2]), "+f"(xs[3]) : "r"(ones), "r"(b[u][t].z), "r"(b[u][t].w));
+                #pragma unroll
+                for (int f = 0; f < F; ++f) {
+                    uint32_t p0[4], p1[4];           // rows g and g+8 of this feature tile
+                    operands(a[u][f][0], p0);
+                    operands(a[u][f][1], p1);
+                    float d[4] = {0.f, 0.f, 0.f, 0.f};
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                        : "r"(p0[0]), "r"(p1[0]), "r"(p0[1]), "r"(p1[1]), "r"(b[u][t].x), "r"(b[u][t].y));
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                        : "r"(p0[2]), "r"(p1[2]), "r"(p0[3]), "r"(p1[3]), "r"(b[u][t].z), "r"(b[u][t].w));
+                    #pragma unroll
+                    for (int r = 0; r < 4; ++r)  // d[r]: feature g + 8 (r >> 1), row 2c + (r & 1)
+                        acc[f][t][r] += sc[u][f][r >> 1] * d[r] + bi[u][f][r >> 1] * xs[r & 1];
+                }
+            }
+    }
+"""
+
+# (MAGIC, OFF) per (activation dtype, bits): see the module's docstring.
+_CODES = {
+    (mx.bfloat16, 4): (0x43004300, 128),
+    (mx.float16, 4): (0x64006400, 1024),
+    (mx.float16, 8): (0x64006400, 1024),
+    (mx.bfloat16, 8): (0, 0),
+}
+
+
+def serves_layer(layer: nn.Module, x: mx.array) -> bool:
+    """An affine-quantized nn.QuantizedLinear / QuantizedEmbedding the kernel takes for input x."""
+    if not dense.enabled() or getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
+        return False
+    w, scales = layer["weight"], layer["scales"]
+    bits, group = getattr(layer, "bits", None), getattr(layer, "group_size", None)
+    if bits not in BITS or group not in GROUP_SIZES or w.ndim != 2 or w.dtype != mx.uint32:
+        return False
+    n, k = w.shape[0], w.shape[1] * 32 // bits
+    if n % 16 or k % group or x.dtype not in dense.MMA_TYPES or scales.shape != (n, k // group):
+        return False
+    return dense.bias_served(layer.get("bias", None), n, x.dtype) and dense.rows_served(x, k)
+
+
+def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
+    """x (..., K) @ dequantized(layer.weight).T (+ layer.bias) for a layer `serves_layer` accepts."""
+    bits, group = layer.bits, layer.group_size
+    w = layer["weight"]
+    n, k = w.shape[0], w.shape[1] * 32 // bits
+    bias = layer.get("bias", None)
+    kernel = _kernel(dense.MMA_TYPES[x.dtype], bias is not None)
+    magic, off = _CODES[(x.dtype, bits)]
+    inputs = [x, w, layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
+    template = [("BITS", bits), ("GS", group), ("MAGIC", magic), ("OFF", off)]
+    return dense.launch(kernel, x, inputs, n, k, template, shape or launch_shape(x, n, k))
+
+
+def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
+    """(MT, F, WARPS, U) as in few_row_matmul.launch_shape. A chunk's weights are a quarter
+    (4 bits) or half (8 bits) of the dense kernel's, so each warp takes two feature tiles where
+    N allows (X, read by every warp, is then read half as often) and fewer chunks in flight."""
+    mt = 1 if math.prod(x.shape[:-1]) <= 8 else 4
+    f = next(f for f in (4, 2, 1) if n % (16 * f) == 0) if n >= 8192 else (2 if n % 32 == 0 else 1)
+    warps = 4 if n >= 8192 else (16 if k >= 4096 else 8)
+    return mt, f, warps, 2
+
+
+@functools.cache
+def _kernel(mma: str, with_bias: bool):
+    return dense.build("vlmserve_few_row_qmm", _QUANTIZED_LOOP, mma, ("x", "w", "scales", "biases"), with_bias)
