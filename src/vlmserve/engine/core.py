@@ -81,6 +81,7 @@ class EngineCore:
         self._idle_since: float | None = None  # when the last step ran out of work (None: busy, or released)
         self._memory: dict[str, int] = {}  # MLX's memory figures, read on the worker (step_memory)
         self._memory_read = 0.0
+        self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
 
     @classmethod
     def load(
@@ -189,11 +190,28 @@ class EngineCore:
             # admitted one step earlier would otherwise wait for this step's group).
             self.runner.read_inflight()
             self.runner.flush_events()
-        self._prefill()
+        prefill = self._prefill()
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
         self._idle_since = None if self.has_work() else time.monotonic()
+        self._note_peak(prefill)
         self._read_memory()
+
+    def _note_peak(self, prefill: str) -> None:
+        """Log each new high of MLX's memory (by 256 MB or more) with what the step did: where the
+        device memory beyond weights and KV goes, read off the log."""
+        peak = mx.get_peak_memory()
+        if peak >= self._peak_noted + (256 << 20):
+            self._peak_noted = peak
+            log.info(
+                "MLX memory peaked at %.2f GB (active now %.2f GB, cached %.2f GB) in a step that %s "
+                "and decoded %d rows",
+                peak / 1e9,
+                mx.get_active_memory() / 1e9,
+                mx.get_cache_memory() / 1e9,
+                prefill,
+                len(self.sched.running),
+            )
 
     def _read_memory(self) -> None:
         """MLX's memory figures for the gauges, at most once a second (read here, on the worker)."""
@@ -224,7 +242,8 @@ class EngineCore:
             for seq in admitted:
                 self.hooks.on_admit(seq.req)
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> str:
+        """This step's prefill; returns what it did, in words (for _note_peak)."""
         # The new requests this step's budget reaches are embedded in one call, so their images
         # go through the vision tower together.
         todo, _ = self.sched.unembedded_in_budget()
@@ -244,6 +263,11 @@ class EngineCore:
             except Exception as exc:  # the batched forward failed: those requests end, others go on
                 for seq in plan.group:
                     self.runner.fail_prefill(seq, exc)
+        images = sum(seq.req.prepared.num_images for seq in todo)
+        return (
+            f"embedded {len(todo)} requests ({images} images), prefilled {len(plan.singles)} alone "
+            f"and {len(plan.group)} together"
+        )
 
     def release_idle_memory(self) -> None:
         """Hand MLX's cached buffers back once idle for `idle_release_s` (other processes share the device).
