@@ -159,13 +159,17 @@ def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
 
 
 def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
-    """(MT, F, WARPS, U) as in few_row_matmul.launch_shape. A chunk's weights are a quarter
-    (4 bits) or half (8 bits) of the dense kernel's, so each warp takes two feature tiles where
-    N allows (X, read by every warp, is then read half as often) and fewer chunks in flight."""
+    """(MT, F, WARPS, U) as in few_row_matmul.launch_shape, chosen by the kernel's time per call
+    on the H100 (benchmarks/few_row_probe.py) for a 2B model's layers at 8 and 32 rows: four
+    feature tiles per warp for wide layers, 16 warps for deep ones, two of each otherwise.
+    16 warps take one tile and one chunk in flight: more asked too many registers for a
+    512-thread block (the launch failed)."""
     mt = 1 if math.prod(x.shape[:-1]) <= 8 else 4
-    f = next(f for f in (4, 2, 1) if n % (16 * f) == 0) if n >= 8192 else (2 if n % 32 == 0 else 1)
-    warps = 4 if n >= 8192 else (16 if k >= 4096 else 8)
-    return mt, f, warps, 2
+    if n >= 8192:
+        return mt, next(f for f in (4, 2, 1) if n % (16 * f) == 0), 4, 1
+    if k >= 4096:
+        return mt, 1, 16, 1
+    return mt, 2 if n % 32 == 0 else 1, 8, 2
 
 
 @functools.cache
