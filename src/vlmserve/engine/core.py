@@ -83,6 +83,7 @@ class EngineCore:
         self._memory: dict[str, int] = {}  # MLX's memory figures, read on the worker (step_memory)
         self._memory_read = 0.0
         self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
+        self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes compiled while idle (idle_work)
 
     @classmethod
     def load(
@@ -347,13 +348,33 @@ class EngineCore:
                 runs += self.model.warm_vision(prepared, self._vision_batch_limit(prepared))
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
-        t0 = time.perf_counter()
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
         # Bounded whatever --max-num-seqs is: bigger batches and longer rows are traced when they
-        # come, on their second step (DecodeSteps).
-        traced = self.runner.batches.warm(min(self.sched.max_num_seqs, WARM_SLOTS), capacity)
-        if traced:
-            log.info("compiled %d decode shapes in %.1f s", traced, time.perf_counter() - t0)
+        # come, on their second step (DecodeSteps). These are traced after /ready, while idle.
+        self._shapes_to_warm = self.runner.batches.shapes_to_warm(min(self.sched.max_num_seqs, WARM_SLOTS), capacity)
+        if self._shapes_to_warm:
+            log.info(
+                "%d decode shapes to compile while idle (until then, steps of those shapes run eagerly)",
+                len(self._shapes_to_warm),
+            )
+
+    def has_idle_work(self) -> bool:
+        """Warm-up left for idle time (decode shapes not compiled yet)."""
+        return bool(self._shapes_to_warm)
+
+    def idle_work(self) -> None:
+        """One piece of the warm-up left for idle time: compile one decode shape (a second or two
+        on CUDA with an empty kernel cache; a request that arrives meanwhile waits for it)."""
+        rows, width = self._shapes_to_warm.pop(0)
+        t0 = time.perf_counter()
+        if self.runner.batches.warm_shape(rows, width):
+            log.info(
+                "compiled the decode step for %d rows x %d blocks while idle in %.2f s (%d to go)",
+                rows,
+                width,
+                time.perf_counter() - t0,
+                len(self._shapes_to_warm),
+            )
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken

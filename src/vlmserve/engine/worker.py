@@ -63,10 +63,13 @@ class MLXWorkerThread(threading.Thread):
             while not self._stopping.is_set():
                 self.heartbeat = time.monotonic()
                 busy = self.core is not None and self.core.has_work()
-                self._run_jobs(block=not busy)
+                idle_work = not busy and self.core is not None and self.core.has_idle_work()
+                self._run_jobs(block=not (busy or idle_work))
                 if self.core is not None:
                     if self.core.has_work():
                         self.core.step()
+                    elif self.core.has_idle_work():
+                        self.core.idle_work()
                     else:
                         self.core.release_idle_memory()
                 if self.after_work is not None:

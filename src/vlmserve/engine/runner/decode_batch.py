@@ -386,14 +386,13 @@ class DecodeBatches:
     def pool_bytes(self) -> int:
         return sum(sum(a.nbytes for a in pool.arrays()) for pool in self.pools.values())
 
-    def warm(self, max_rows: int, max_tokens: int) -> int:
-        """Trace the compiled step at every row bucket up to `max_rows` (and where attention
-        gathers, every width up to `max_tokens`) on the model dtype's pool; other shapes are
-        traced when they come (DecodeSteps). Returns shapes traced."""
+    def shapes_to_warm(self, max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+        """(rows, table width) of the compiled step at every row bucket up to `max_rows` (and
+        where attention gathers, every width up to `max_tokens`) on the model dtype's pool;
+        other shapes are traced when they come (DecodeSteps)."""
         if not self.compiled:
-            return 0
+            return []
         dtype = self.model.kv_layout()[2]
-        pool = self.pool(dtype)
         most = -(-self.context_length // self.block_size)
         widths = sorted(
             {
@@ -401,10 +400,13 @@ class DecodeBatches:
                 for t in buckets_up_to(max_tokens, WIDTH_BUCKETS)
             }
         )
-        shapes = [(n, w) for n in buckets_up_to(max_rows, ROW_BUCKETS) for w in widths]
-        t0 = time.perf_counter()
-        for i, (n, w) in enumerate(shapes, 1):
-            self.step.trace(pool, n, w)
-            seconds = time.perf_counter() - t0
-            log.info("decode shapes %d/%d: %d rows x %d blocks (%.1f s)", i, len(shapes), n, w, seconds)
-        return len(shapes)
+        return [(n, w) for n in buckets_up_to(max_rows, ROW_BUCKETS) for w in widths]
+
+    def warm_shape(self, rows: int, width: int) -> bool:
+        """Trace the compiled step at this shape on the model dtype's pool, unless it already is."""
+        dtype = self.model.kv_layout()[2]
+        pool = self.pool(dtype)
+        if (rows, width, pool.keys[0].shape[0], pool.dtype) in self.step.traced:
+            return False
+        self.step.trace(pool, rows, width)
+        return True

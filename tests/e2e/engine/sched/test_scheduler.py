@@ -262,6 +262,15 @@ def test_compiled_decode_matches_eager():
     eager = start_server("qwen2_vl", compile_decode="off", **settings)
     try:
         assert compiled.engine.core.runner.batches.compiled and not eager.engine.core.runner.batches.compiled
+        # Warm-up leaves the decode shapes to idle time, after /ready: the idle worker compiles them.
+        core = compiled.engine.core
+        deadline = time.monotonic() + 60
+        while core.has_idle_work() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not core.has_idle_work() and not eager.engine.core.has_idle_work()
+        batches = core.runner.batches
+        warmed = batches.shapes_to_warm(4, 2 * compiled.config.prefill_chunk)
+        assert warmed and set(warmed) <= {(rows, width) for rows, width, *_ in batches.step.traced}
         reqs = _mixed_requests()[:8]
 
         async def run(target, concurrent):
