@@ -31,6 +31,7 @@ from vlmserve.models.base import ProcessorAdapter
 from vlmserve.models.pixels import cast_pixels
 from vlmserve.models.processor import plain_prompt
 from vlmserve.models.registry import processor_adapter
+from vlmserve.object_memo import ObjectMemo
 from vlmserve.protocol import ChatMessage, ChatRequest, EngineError, ImageRef, PreparedRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,12 +83,24 @@ def _arguments(call: dict) -> Any:
         return call["arguments"]
 
 
+def image_bytes(image: Image.Image) -> int:
+    return image.width * image.height * len(image.getbands())
+
+
+# Shared decoded images come back every turn of an image chat: hash each once.
+_HASHES = ObjectMemo(max_entries=256, max_bytes=512 << 20, size=lambda image, _: image_bytes(image))
+
+
 def image_hash(image: Image.Image) -> str:
     """An image's content as the processor gets it (mode, size, pixels): the same picture sent
     twice, by URL or inline, hashes the same; any other pixel does not."""
-    digest = hashlib.blake2b(f"{image.mode}:{image.width}x{image.height}:".encode(), digest_size=16)
-    digest.update(image.tobytes())
-    return digest.hexdigest()
+
+    def compute() -> str:
+        digest = hashlib.blake2b(f"{image.mode}:{image.width}x{image.height}:".encode(), digest_size=16)
+        digest.update(image.tobytes())
+        return digest.hexdigest()
+
+    return _HASHES.get(image, None, compute)
 
 
 def load_chat_template(value: str | None) -> str | None:

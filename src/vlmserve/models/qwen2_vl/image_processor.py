@@ -32,6 +32,7 @@ import numpy as np
 from PIL import Image
 
 from vlmserve.models.pixels import cast_pixels
+from vlmserve.object_memo import ObjectMemo
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,8 @@ class QwenImages:
         ps = self.inner.patch_size
         frames, grids = [], []
         for image in flat:
-            rgb = image if image.mode == "RGB" else image.convert("RGB")
-            h, w = self.inner._resolved_size(rgb.height, rgb.width, **self.size_limits)
-            if (h, w) != (rgb.height, rgb.width):
-                rgb = rgb.resize((w, h), resample=Image.BICUBIC)
-            frames.append(np.asarray(rgb).reshape(-1))
+            h, w = self.inner._resolved_size(image.height, image.width, **self.size_limits)
+            frames.append(_FRAMES.get(image, (h, w), lambda image=image, h=h, w=w: _rgb_frame(image, h, w)))
             grids.append([1, h // ps, w // ps])
         packed = {
             "pixel_bytes": np.concatenate(frames),
@@ -89,6 +87,21 @@ class QwenImages:
     def layout(self) -> tuple[int, int, int]:
         """(patch size, temporal patch size, merge size): what unpacking needs besides the grids."""
         return self.inner.patch_size, self.inner.temporal_patch_size, self.inner.merge_size
+
+
+def _rgb_frame(image: Image.Image, h: int, w: int) -> np.ndarray:
+    """The image as RGB bytes at (h, w), flat and read-only (it may be shared, see _FRAMES)."""
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    if (h, w) != (rgb.height, rgb.width):
+        rgb = rgb.resize((w, h), resample=Image.BICUBIC)
+    frame = np.asarray(rgb).reshape(-1)
+    frame.flags.writeable = False
+    return frame
+
+
+# A chat sends its image again every turn, and the image cache hands back the same decoded
+# object: its resized frame is made once.
+_FRAMES = ObjectMemo(max_entries=64, max_bytes=512 << 20, size=lambda image, frame: frame.nbytes)
 
 
 def size_limits(inner, max_pixels: int | None) -> dict[str, int]:

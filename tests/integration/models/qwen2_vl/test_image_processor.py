@@ -50,12 +50,33 @@ def test_same_bits_as_the_processor(image_processor, dtype, packed):
     ]
     for images in cases:
         want = image_processor(images=images)
-        got = fast(images=images)
-        np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
         expected = cast_pixels(np.asarray(want["pixel_values"]), dtype)
-        assert ("pixel_values" not in got) == packed
-        assert _patches(got).dtype == expected.dtype
-        np.testing.assert_array_equal(_patches(got), expected)
+        for _ in range(2):  # the second call takes the resized frames remembered for these objects
+            got = fast(images=images)
+            np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
+            assert ("pixel_values" not in got) == packed
+            assert _patches(got).dtype == expected.dtype
+            np.testing.assert_array_equal(_patches(got), expected)
+
+
+def test_a_remembered_frame_is_per_image_object_and_size(image_processor):
+    """The same decoded object at another size cap is resized again; an equal but distinct object
+    is its own entry."""
+    rng = np.random.default_rng(3)
+    image = _image(rng, 300, 410, "RGB")
+    small = fast_qwen_images(image_processor, "bfloat16", packed=True, max_pixels=56 * 56)
+    large = fast_qwen_images(image_processor, "bfloat16", packed=True)
+    for fast in (large, small, large, small):
+        got = fast(images=[image])
+        want = image_processor(images=[image], **fast.size_limits)
+        np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
+        np.testing.assert_array_equal(_patches(got), cast_pixels(np.asarray(want["pixel_values"]), "bfloat16"))
+    twin = image.copy()
+    twin.putpixel((0, 0), (1, 2, 3))  # a distinct object, changed after copying: not the first's frame
+    np.testing.assert_array_equal(
+        _patches(large(images=[twin])),
+        cast_pixels(np.asarray(image_processor(images=[twin])["pixel_values"]), "bfloat16"),
+    )
 
 
 def test_other_inputs_take_the_processors_path(image_processor):
