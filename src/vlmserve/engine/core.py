@@ -10,7 +10,6 @@ the core's job too.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,10 +90,6 @@ class EngineCore:
     ) -> EngineCore:
         """Load the model behind its family's adapter and build the core (on the worker thread)."""
         mx.set_cache_limit(int(config.mlx_cache_limit_gb * (1 << 30)))
-        ptx = os.environ.get("MLX_PTX_CACHE_DIR")
-        if ptx and mx.default_device() == mx.gpu:
-            found = sum(1 for _ in Path(ptx).glob("*")) if Path(ptx).is_dir() else 0
-            log.info("kernel cache: %s (%d files; kernels not in it are built on first use)", ptx, found)
         log.info("loading weights: %s (%s)", model_path, model_type)
         t0 = time.perf_counter()
         model = load_model_adapter(model_path, model_type, tokenizer.eos_token_ids)
