@@ -10,6 +10,7 @@ import os
 import sys
 
 from vlmserve.config import DEFAULT_MODEL_DIR, ServerConfig
+from vlmserve.kernel_cache import use_persistent_kernel_cache
 from vlmserve.logging import start_logging
 
 
@@ -326,6 +327,7 @@ def set_process_settings(config: ServerConfig) -> None:
     """Settings of the whole interpreter: only for a process that `vlmserve serve` owns."""
     if config.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+    use_persistent_kernel_cache()  # before any process of the server imports MLX (which starts CUDA)
 
 
 def serve(config: ServerConfig) -> int:

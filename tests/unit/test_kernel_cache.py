@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from vlmserve.engine import kernel_cache
+from vlmserve import kernel_cache
 
 
 def test_kernel_caches_go_under_the_users_cache_directory(monkeypatch, tmp_path):

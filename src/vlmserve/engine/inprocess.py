@@ -15,11 +15,12 @@ from pathlib import Path
 from vlmserve.config import ServerConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
-from vlmserve.engine.kernel_cache import use_persistent_kernel_cache
+from vlmserve.engine.ops import cuda_kernels
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.thread_guard import GUARD
 from vlmserve.engine.worker import MLXWorkerThread
+from vlmserve.kernel_cache import use_persistent_kernel_cache
 from vlmserve.models.paths import resolve_model_path
 from vlmserve.models.registry import model_type_of
 from vlmserve.protocol import (
@@ -56,7 +57,10 @@ class Engine:
     async def start(self) -> None:
         """Resolve and load the model on the worker; raises with the reason if that fails."""
         loop = asyncio.get_running_loop()
-        use_persistent_kernel_cache()  # before the worker's first MLX call starts CUDA
+        ptx = use_persistent_kernel_cache()  # `vlmserve serve` named them already; other hosts of an engine may not
+        if cuda_kernels.on_cuda():
+            entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
+            log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
         self.worker.start()
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)

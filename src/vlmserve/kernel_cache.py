@@ -5,18 +5,15 @@ reboot, and unwritable for a service user when another user made it first), and 
 driver its binaries in ~/.nv/ComputeCache, up to 256 MiB (less than one model's kernels).
 Unless the environment names them already, both go under the user's cache directory and the
 driver's may hold 4 GiB, so a restart on the same machine reuses the kernels the last run
-built. The driver reads its variables once, when CUDA starts: call this before any MLX work.
+built. The driver reads its variables when CUDA starts, which importing MLX does: `vlmserve
+serve` calls this first, before any of its processes imports MLX. No MLX import here.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+from importlib import metadata
 from pathlib import Path
-
-import mlx.core as mx
-
-log = logging.getLogger(__name__)
 
 DRIVER_CACHE_BYTES = 4 << 30
 
@@ -29,12 +26,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlmserve"
 
 
+def _mlx_version() -> str:
+    """MLX's version without importing it (MLX's own headers are part of every kernel it builds)."""
+    try:
+        return metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def use_persistent_kernel_cache() -> Path:
-    """Name the two caches' directories (both are made on first use); returns MLX's."""
-    ptx = Path(os.environ.setdefault("MLX_PTX_CACHE_DIR", str(cache_root() / "mlx-ptx" / mx.__version__)))
+    """Name the caches in the environment (for this process and those it starts); returns MLX's directory."""
+    ptx = Path(os.environ.setdefault("MLX_PTX_CACHE_DIR", str(cache_root() / "mlx-ptx" / _mlx_version())))
     os.environ.setdefault("CUDA_CACHE_PATH", str(cache_root() / "cuda"))
     os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(DRIVER_CACHE_BYTES))
-    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-        entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
-        log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
     return ptx
