@@ -2,7 +2,9 @@
 question about it) skips the vision tower.
 
 Keyed by the image's content hash (PreparedRequest.image_hashes: the pixels as the processor got
-them); one server serves one model with one processor setting, so the hash is the whole key.
+them, after any per-request resize); one server serves one model with one processor setting, so
+the hash is the whole key. Qwen-VL keeps its tower's output per image; other families the image
+rows of a prompt's embedding per set of images (image_rows.py).
 An LRU within a byte budget. Runs on the MLX worker only.
 """
 

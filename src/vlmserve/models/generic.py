@@ -8,6 +8,7 @@ passing explicit position ids to the language model. A family's fast path subcla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
 from vlmserve.engine.ops import decode_attention, fused_projections, rope_rotation
+from vlmserve.models.image_rows import ImageRows
 from vlmserve.protocol import ModelInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,13 @@ def _extra_inputs(out) -> dict[str, Any]:
         for k, v in out.to_dict().items()
         if v is not None and k not in _PER_ROW_ONLY | {"inputs_embeds", "position_ids", "rope_deltas"}
     }
+
+
+def _comparable(state: PromptState | None) -> dict | None:
+    """What of a prompt state the language model reads (its fresh cache aside)."""
+    if state is None:
+        return None
+    return {k: v for k, v in vars(state).items() if k != "cache"}
 
 
 def _mergeable(cache) -> bool:
@@ -152,7 +161,7 @@ class GenericModel:
         self.install_fast_paths()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self.prompt_path_differs = self._prompt_path_differs()
-        self.feature_cache = None  # a FeatureCache where the engine reuses vision features (adapters that can)
+        self.feature_cache = None  # a FeatureCache where the engine reuses vision features
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
@@ -165,6 +174,7 @@ class GenericModel:
             or getattr(self.model.config, "image_token_index", None),
             pixel_dtype=self.pixel_dtype(),
         )
+        self.image_rows = ImageRows(self.info.image_token_id)
 
     def install_fast_paths(self) -> None:
         """Kernel swaps that keep every output (engine/ops; each tested against mlx_vlm's path)."""
@@ -236,14 +246,48 @@ class GenericModel:
         image_features: mx.array | None = None,
         inputs: dict[str, mx.array] | None = None,
     ) -> PromptState:
-        """NumPy -> mx on this thread (unless `inputs` already holds it), then vision encoder + token embeddings."""
+        """NumPy -> mx on this thread (unless `inputs` already holds it), then vision encoder + token
+        embeddings; or, for images embedded before, the text embeddings with their rows (image_rows.py)."""
         input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
         inputs = dict(inputs if inputs is not None else self.stage_inputs(prepared))
         pixel_values = inputs.pop("pixel_values", None)
         mask = mx.ones(input_ids.shape, dtype=mx.int32)
         if image_features is not None:
             inputs["cached_image_features"] = image_features
+        key = None
+        if image_features is None and pixel_values is not None and self.feature_cache is not None:
+            key = self.image_rows.key(prepared.image_hashes)
+        if key is not None:
+            positions = self.image_rows.positions(prepared.prompt_ids)
+            hit = self.feature_cache.lookup((key,))
+            if hit is not None and hit[0].shape[0] == len(positions):
+                return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        state = self._prompt_state(prepared, input_ids, inputs, out, mask)
+        if key is not None and len(positions):
+            rows = self.image_rows.take(out.inputs_embeds, positions)
+            if self.image_rows.works is None:
+                try:
+                    rebuilt = self._embed_around_rows(prepared, input_ids, mask, inputs, positions, rows)
+                except Exception:  # noqa: BLE001 - a text path this family does not take: no reuse
+                    log.debug("%s: the text path failed on an image prompt", self.info.model_type, exc_info=True)
+                    rebuilt = None
+                self.image_rows.check(self.info.model_type, _comparable(state), _comparable(rebuilt))
+            if self.image_rows.works:
+                mx.async_eval(rows)  # its own buffer, computed with the prompt's embedding
+                self.feature_cache.store(key, rows)
+        return state
+
+    def _embed_around_rows(
+        self, prepared: PreparedRequest, input_ids: mx.array, mask: mx.array, inputs: dict, positions, rows
+    ) -> PromptState:
+        """The prompt from the model's text path, with remembered image rows at the placeholders."""
+        out = self.model.get_input_embeddings(input_ids, None, mask=mask, **inputs)
+        out = dataclasses.replace(out, inputs_embeds=self.image_rows.place(out.inputs_embeds, positions, rows))
+        return self._prompt_state(prepared, input_ids, inputs, out, mask)
+
+    def _prompt_state(self, prepared: PreparedRequest, input_ids: mx.array, inputs: dict, out, mask) -> PromptState:
+        """A PromptState from the model's embedding output."""
         position_ids, rope_deltas = out.position_ids, out.rope_deltas
         if self.uses_mrope and position_ids is None:
             # GLM-4V keeps an image prompt's M-RoPE positions on the shared language model

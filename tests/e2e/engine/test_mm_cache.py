@@ -56,11 +56,12 @@ def _run(server, bodies, concurrent=False):
     return asyncio.run(go())
 
 
-@pytest.fixture(scope="module")
-def servers():
-    """With reuse (a small prefix budget, so entries are also evicted) and without any."""
-    reuse = start_server("qwen2_vl", prefix_cache_tokens=600)
-    strict = start_server("qwen2_vl", mm_cache=False)
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def servers(request):
+    """With reuse (a small prefix budget, so entries are also evicted) and without any. Qwen2-VL
+    reuses its tower's features; LLaVA the image rows of its prompt embedding (image_rows.py)."""
+    reuse = start_server(request.param, prefix_cache_tokens=600)
+    strict = start_server(request.param, mm_cache=False)
     yield reuse, strict
     reuse.stop()
     strict.stop()
@@ -143,13 +144,24 @@ def test_questions_about_one_new_image_at_once_run_the_tower_once(servers, monke
     from vlmserve.models.qwen2_vl.adapter import QwenVLModel
 
     reuse, strict = servers
-    tower, images_seen = QwenVLModel._tower, []
+    images_seen = []
+    if isinstance(reuse.engine.core.model, QwenVLModel):  # all new images of a step in one tower call
+        tower = QwenVLModel._tower
 
-    def counting(self, pixels, grid):
-        images_seen.append(len(grid))
-        return tower(self, pixels, grid)
+        def counting(self, pixels, grid):
+            images_seen.append(len(grid))
+            return tower(self, pixels, grid)
 
-    monkeypatch.setattr(QwenVLModel, "_tower", counting)
+        monkeypatch.setattr(QwenVLModel, "_tower", counting)
+    else:  # one tower call per request
+        tower_cls = type(reuse.engine.core.model.model.vision_tower)
+        call = tower_cls.__call__
+
+        def counting(self, *args, **kwargs):
+            images_seen.append(1)
+            return call(self, *args, **kwargs)
+
+        monkeypatch.setattr(tower_cls, "__call__", counting)
     green = _image((30, 180, 40))
     bodies = [_chat(reuse, [_turn(f"Question {i}: what do you see?", green)]) for i in range(8)]
 

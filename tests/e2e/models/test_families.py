@@ -113,10 +113,17 @@ def test_a_later_turn_about_an_image_answers_as_mlx_vlm(family_server):
     does without any reuse."""
     first = [("user", "What is in the picture?", [PHOTO])]
     turns = [*first, ("assistant", "A small picture with a few colours.", []), ("user", "Say more about it.", [])]
+    features = family_server.engine.core.model.feature_cache
     with family_server.client(timeout=family_server.request_timeout) as c:
         _text(c.post("/v1/chat/completions", json=_body(family_server.model_id, first)))
+        hits = features.hits
         later = c.post("/v1/chat/completions", json=_body(family_server.model_id, turns))
     messages, paths = _chat(turns)
     assert _text(later) == mlx_vlm_chat_text(family_server, messages, paths, MAX_TOKENS)
+    model = family_server.engine.core.model
+    qwen = model.info.model_type in ("qwen2_vl", "qwen2_5_vl")  # their own feature path
+    assert qwen or model.image_rows.works is not None  # the first image prompt checked the row reuse
+    if qwen or model.image_rows.works:
+        assert features.hits == hits + 1  # the later turn did not run the vision tower
     if family_server.engine.info.model_type in ("qwen2_vl", "qwen2_5_vl"):
         assert later.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
