@@ -5,6 +5,8 @@ layer's own call."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -68,6 +70,25 @@ def test_launch_shapes_fit_every_served_shape():
                     assert max(1, warps // 2) * f * mt * 4 * 32 * 4 <= 48 * 1024
 
 
+def _outcome(case, run, x, n, ref):
+    """(case, right shape and dtype, output, output again, reference) as NumPy (on the MLX thread)."""
+    import mlx.core as mx
+
+    ours, again = run(), run()
+    shaped = ours.shape == x.shape[:-1] + (n,) and ours.dtype == x.dtype
+    return case, shaped, *(np.array(a.astype(mx.float32)) for a in (ours, again, ref))
+
+
+def _check(results, atol: float, relative_to_output: bool = False) -> None:
+    """Each output has its shape, is the same on every call (a fixed summation order), and is
+    within one rounding to bf16/fp16 of the float32 reference."""
+    for case, shaped, ours, again, ref in results:
+        assert shaped, case
+        np.testing.assert_array_equal(ours, again, err_msg=str(case))
+        scale = np.abs(ref).max() if relative_to_output else 1.0
+        np.testing.assert_allclose(ours, ref, atol=atol * scale, rtol=atol, err_msg=str(case))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_kernel_matches_float32_matmul(dtype):
@@ -90,28 +111,16 @@ def test_kernel_matches_float32_matmul(dtype):
                 x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(t)
                 for b in (None, bias):
                     assert few_row_matmul.serves(x, w, b)
-                    ours = few_row_matmul.matmul(x, w, b)
-                    again = few_row_matmul.matmul(x, w, b)
                     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
                     if b is not None:
                         ref = ref + b.astype(mx.float32)
-                    results.append(
-                        (
-                            ours.shape == x.shape[:-1] + (n,),
-                            np.array(ours.astype(mx.float32)),
-                            np.array(again.astype(mx.float32)),
-                            np.array(ref),
-                        )
-                    )
+                    results.append(_outcome((rows, n, k), partial(few_row_matmul.matmul, x, w, b), x, n, ref))
         return results
 
     results = on_own_thread(work)
     if results is None:
         pytest.skip("the kernel runs on CUDA only")
-    for shaped, ours, again, ref in results:
-        assert shaped
-        np.testing.assert_array_equal(ours, again)  # a fixed summation order: the same every call
-        np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)  # one rounding to bf16/fp16
+    _check(results, atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -146,19 +155,12 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
                 for rows in (5, 32):  # 8-row tiles part filled (one tile; four)
                     x = mx.random.normal((rows, 1, k), key=mx.random.key(rows + k)).astype(t)
                     assert few_row_quantized.serves_layer(layer, x)
-                    ours = few_row_quantized.matmul(layer, x)
-                    again = few_row_quantized.matmul(layer, x)
                     ref = x.astype(mx.float32) @ w.T
                     if with_bias:
                         ref = ref + layer.bias.astype(mx.float32)
+                    case = (bits, group, n, k, rows)
                     results.append(
-                        (
-                            (bits, group, n, k, rows),
-                            ours.shape == x.shape[:-1] + (n,) and ours.dtype == t,
-                            np.array(ours.astype(mx.float32)),
-                            np.array(again.astype(mx.float32)),
-                            np.array(ref),
-                        )
+                        _outcome(case, lambda x=x, layer=layer: few_row_quantized.matmul(layer, x), x, n, ref)
                     )
         return results
 
@@ -166,8 +168,4 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
     if results is None:
         pytest.skip("the kernel runs on CUDA only")
     assert len(results) == (3 + 4) * 2
-    for case, shaped, ours, again, ref in results:
-        assert shaped, case
-        np.testing.assert_array_equal(ours, again, err_msg=str(case))
-        scale = np.abs(ref).max()
-        np.testing.assert_allclose(ours, ref, atol=1e-2 * scale, rtol=1e-2, err_msg=str(case))
+    _check(results, atol=1e-2, relative_to_output=True)
