@@ -20,7 +20,7 @@ import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
-from vlmserve.engine.ops import decode_attention, fused_projections, rope_rotation
+from vlmserve.engine.ops import decode_attention, few_row_quantized, fused_projections, rope_rotation
 from vlmserve.models.image_rows import ImageRows
 from vlmserve.protocol import ModelInfo, PreparedRequest
 
@@ -181,6 +181,9 @@ class GenericModel:
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
+        passed, refused = few_row_quantized.verify(self.language_model)
+        if passed or refused:
+            log.info("quantized few-row kernel: %d layer settings checked, %d refused", passed + refused, refused)
 
     def _prompt_path_differs(self) -> bool:
         """Whether the language model reads a text token differently from its id than from the

@@ -170,13 +170,18 @@ def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
     return bias_served(bias, n, weight.dtype) and rows_served(x, k)
 
 
+def row_tiles(rows: int) -> int:
+    """8-row tiles per launch: two counts only (each build costs the server's start ~2 s of JIT)."""
+    return 1 if rows <= 8 else 4
+
+
 def launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(MT, F, WARPS, U) for m <= MAX_ROWS rows: 8-row tiles, 16-feature tiles per warp, warps
     splitting K, chunks in flight. Chosen by the kernel's own time on the H100 for each layer
     shape of a 2B-parameter decode step, one call at a time as a step runs them: wide layers
     want several feature tiles per warp (X is read fewer times), deep ones many warps per block,
     narrow ones all their loads in flight at once."""
-    mt = 1 if m <= 8 else 4  # two tile counts only: each build costs the server's start ~2 s of JIT
+    mt = row_tiles(m)
     wide, deep = n >= 8192, k >= 4096
     if wide:
         f = next(f for f in (4, 2, 1) if n % (16 * f) == 0)

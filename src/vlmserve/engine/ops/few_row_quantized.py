@@ -19,12 +19,15 @@ chunk come from one more mma against ones, already in the output's fragment layo
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.ops import few_row_matmul as dense
+
+log = logging.getLogger(__name__)
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -131,18 +134,76 @@ _CODES = {
 }
 
 
-def serves_layer(layer: nn.Module, x: mx.array) -> bool:
-    """An affine-quantized nn.QuantizedLinear / QuantizedEmbedding the kernel takes for input x."""
-    if not dense.enabled() or getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
+# Layer settings checked on this device (verify): (N, K, bits, group, dtypes, bias, 8-row tiles) -> passed.
+_CHECKED: dict[tuple, bool] = {}
+
+
+def _fits(layer: nn.Module, dtype: mx.Dtype) -> bool:
+    """A layer the kernel is built for, with activations of `dtype`."""
+    if getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
         return False
     w, scales = layer["weight"], layer["scales"]
     bits, group = getattr(layer, "bits", None), getattr(layer, "group_size", None)
     if bits not in BITS or group not in GROUP_SIZES or w.ndim != 2 or w.dtype != mx.uint32:
         return False
     n, k = w.shape[0], w.shape[1] * 32 // bits
-    if n % 16 or k % group or x.dtype not in dense.MMA_TYPES or scales.shape != (n, k // group):
+    if n % 16 or k % group or dtype not in dense.MMA_TYPES or scales.shape != (n, k // group):
         return False
-    return dense.bias_served(layer.get("bias", None), n, x.dtype) and dense.rows_served(x, k)
+    return dense.bias_served(layer.get("bias", None), n, dtype)
+
+
+def _setting(layer: nn.Module, dtype: mx.Dtype, rows: int) -> tuple:
+    tiles = dense.row_tiles(rows)
+    return (*layer["weight"].shape, layer.bits, layer.group_size, dtype, layer["scales"].dtype, "bias" in layer, tiles)
+
+
+def serves_layer(layer: nn.Module, x: mx.array) -> bool:
+    """An affine-quantized nn.QuantizedLinear / QuantizedEmbedding the kernel takes for input x:
+    one whose setting `verify` checked on this device."""
+    if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, x.shape[-1]):
+        return False
+    k = layer["weight"].shape[1] * 32 // layer.bits
+    return x.shape[-1] == k and _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1]))) is True
+
+
+def verify(module: nn.Module) -> tuple[int, int]:
+    """Check the kernel once per quantized layer setting under `module`, at both tile counts,
+    against x @ dequantize(W).T in float32 (activations in the scales' dtype, as a quantized
+    model runs); only settings that pass are served. On the MLX thread, before any decode step
+    is compiled. Returns (settings passed, settings refused)."""
+    passed = refused = 0
+    for name, layer in module.named_modules():
+        # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
+        if type(layer) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "_alone" in name.split("."):
+            continue
+        dtype = layer["scales"].dtype
+        if not dense.enabled() or not _fits(layer, dtype):
+            continue
+        for rows in (dense.MIN_ROWS, dense.MAX_ROWS):
+            setting = _setting(layer, dtype, rows)
+            if setting not in _CHECKED:
+                _CHECKED[setting] = _agrees(layer, dtype, rows)
+                if not _CHECKED[setting]:
+                    log.warning("the quantized few-row kernel disagrees for %s: MLX's matmul serves it", setting)
+            passed += _CHECKED[setting]
+            refused += not _CHECKED[setting]
+    return passed, refused
+
+
+def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
+    k = layer["weight"].shape[1] * 32 // layer.bits
+    x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(dtype)
+    w = mx.dequantize(layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    if "bias" in layer:
+        ref = ref + layer["bias"].astype(mx.float32)
+    try:
+        ours = matmul(layer, x).astype(mx.float32)
+        scale = mx.abs(ref).max()
+        return bool(mx.all(mx.abs(ours - ref) <= 1e-2 * scale + 1e-2 * mx.abs(ref)).item())
+    except Exception:  # noqa: BLE001 - a build or launch this device refuses: MLX's matmul serves it
+        log.warning("the quantized few-row kernel failed to run on this device", exc_info=True)
+        return False
 
 
 def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
@@ -164,7 +225,7 @@ def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
     feature tiles per warp for wide layers, 16 warps for deep ones, two of each otherwise.
     16 warps take one tile and one chunk in flight: more asked too many registers for a
     512-thread block (the launch failed)."""
-    mt = 1 if math.prod(x.shape[:-1]) <= 8 else 4
+    mt = dense.row_tiles(math.prod(x.shape[:-1]))
     if n >= 8192:
         return mt, next(f for f in (4, 2, 1) if n % (16 * f) == 0), 4, 1
     if k >= 4096:

@@ -106,12 +106,13 @@ def _language_model(name: str, tied: bool, dtype: str):
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
 def test_step_equals_mlx_vlm(name, fused, tied, dtype):
     def work():
-        from vlmserve.engine.ops import cuda_kernels, fused_projections
+        from vlmserve.engine.ops import cuda_kernels, few_row_quantized, fused_projections
         from vlmserve.models.qwen2_vl import decode as qwen_decode
 
         lm = _language_model(name, tied, dtype)
         if fused:
             assert fused_projections.install(lm) == 2 * len(lm.model.layers)
+        few_row_quantized.verify(lm)  # as the server does at load (on CUDA the kernel then takes quantized layers)
 
         def reference(tokens, caches, pos):
             return lm(tokens[:, None], cache=caches, position_ids=pos).logits[:, -1, :]

@@ -23,6 +23,7 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
         dense = nn.Linear(64, 48, bias=True)
         dense.set_dtype(mx.bfloat16)
         quantized = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=4)
+        few_row_quantized.verify(quantized)  # on CUDA: checked, then served
         out = []
         for layer in (dense, quantized):
             for rows in (1, 4, 33):  # 1 and 33 rows: never the kernel (MLX's gemv; cuBLAS's tiles)
@@ -151,6 +152,7 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
                 dense = nn.Linear(k, n, bias=with_bias)
                 dense.set_dtype(t)
                 layer = nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits)
+                assert few_row_quantized.verify(layer) == (2, 0)  # both tile counts pass the self-check
                 w = mx.dequantize(layer.weight, layer.scales, layer.biases, group, bits).astype(mx.float32)
                 for rows in (5, 32):  # 8-row tiles part filled (one tile; four)
                     x = mx.random.normal((rows, 1, k), key=mx.random.key(rows + k)).astype(t)
@@ -169,3 +171,38 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
         pytest.skip("the kernel runs on CUDA only")
     assert len(results) == (3 + 4) * 2
     _check(results, atol=1e-2, relative_to_output=True)
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_a_quantized_setting_is_served_only_after_it_passed_its_check(monkeypatch, agrees):
+    """verify() runs the kernel once per layer setting and tile count against the dequantized
+    float32 matmul; a setting that disagrees (or fails to build) is left to MLX's matmul.
+    The kernel is stood in for here, so this runs on any backend."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import few_row_matmul, few_row_quantized
+
+        monkeypatch.setattr(few_row_matmul, "enabled", lambda: True)
+        monkeypatch.setattr(few_row_quantized, "_CHECKED", {})
+
+        def stand_in(layer, x, shape=None):
+            w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+            y = (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
+            return y if agrees else y + 1
+
+        monkeypatch.setattr(few_row_quantized, "matmul", stand_in)
+        dense = nn.Linear(64, 48, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        layer = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=4)
+        x = mx.zeros((4, 1, 64), dtype=mx.bfloat16)
+        before = few_row_quantized.serves_layer(layer, x)
+        outcome = few_row_quantized.verify(layer), few_row_quantized.verify(layer)  # the second: no new checks
+        return before, outcome, few_row_quantized.serves_layer(layer, x)
+
+    before, (first, again), after = on_own_thread(work)
+    assert before is False  # never served unchecked
+    assert first == again == ((2, 0) if agrees else (0, 2))
+    assert after is agrees
