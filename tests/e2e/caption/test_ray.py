@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import MODELS
+from support.helpers import MODELS, free_port
 
 pytest.importorskip("ray")
 pyarrow_parquet = pytest.importorskip("pyarrow.parquet")
@@ -36,20 +36,16 @@ def cluster(tmp_path_factory):
     ray = _ray_cli()
     env = {**os.environ, **RAY_ENV}
     temp = tmp_path_factory.mktemp("ray")
-    port = "6389"
-    head = [
-        ray,
-        "start",
-        "--head",
-        "--port",
-        port,
-        "--num-cpus",
-        "1",
-        "--temp-dir",
-        str(temp),
-        "--include-dashboard=false",
-    ]
-    subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+    for _ in range(2):  # a busy machine can make the head miss Ray's own start-up deadline
+        port = str(free_port())
+        head = [ray, "start", "--head", "--port", port, "--num-cpus", "1", "--temp-dir", str(temp)]
+        started = subprocess.run(
+            [*head, "--include-dashboard=false"], env=env, capture_output=True, text=True, timeout=120
+        )
+        if started.returncode == 0:
+            break
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-3000:] + started.stdout[-2000:]
     try:
         address = f"127.0.0.1:{port}"
         subprocess.run(

@@ -45,7 +45,10 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.budget = budget
         self.units = units or (lambda tokens, dtype: 0)
-        self._entries: OrderedDict[tuple[int, ...], tuple[list[tuple[mx.array, mx.array]], int]] = OrderedDict()
+        # key -> (per-layer KV, budget units, the key as an array: lookups compare arrays, not tuples)
+        self._entries: OrderedDict[tuple[int, ...], tuple[list[tuple[mx.array, mx.array]], int, np.ndarray]] = (
+            OrderedDict()
+        )
         self._tokens = 0
 
     @property
@@ -62,8 +65,8 @@ class PrefixCache:
             return 0
         best_key, best_n = None, 0
         limit = len(tokens) - 1
-        for key in self._entries:
-            stored = np.asarray(key[:limit], dtype=tokens.dtype)
+        for key, (_, _, stored) in self._entries.items():
+            stored = stored[:limit]
             same = stored == tokens[: len(stored)]
             n = len(stored) if same.all() else int(np.argmin(same))
             if n > best_n:
@@ -90,13 +93,13 @@ class PrefixCache:
                 return
         layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
         mx.eval(layers)
-        self._entries[key] = (layers, units)
+        self._entries[key] = (layers, units, np.asarray(tokens, dtype=np.int64))
         self._tokens += n
         while self._tokens > self.max_tokens:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        old, (_, units) = self._entries.popitem(last=False)
+        old, (_, units, _) = self._entries.popitem(last=False)
         self._tokens -= len(old)
         if self.budget is not None:
             self.budget.give(units)
