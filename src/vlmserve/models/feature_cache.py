@@ -11,19 +11,28 @@ An LRU within a byte budget. Runs on the MLX worker only.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import mlx.core as mx
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, mx.array):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 class FeatureCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, mx.array] = OrderedDict()
+        self._entries: OrderedDict[str, Any] = OrderedDict()
         self.bytes = 0
         self.queries = 0
         self.hits = 0
 
-    def lookup(self, keys: tuple[str, ...]) -> list[mx.array] | None:
+    def lookup(self, keys: tuple[str, ...]) -> list[Any] | None:
         """Every image's features, or None unless all of them are cached (one query, one hit)."""
         self.queries += 1
         if not keys or any(k not in self._entries for k in keys):
@@ -33,14 +42,16 @@ class FeatureCache:
             self._entries.move_to_end(k)
         return [self._entries[k] for k in keys]
 
-    def store(self, key: str, features: mx.array) -> None:
-        if key in self._entries or features.nbytes > self.max_bytes:
+    def store(self, key: str, features: Any) -> None:
+        """An array, or a nested tuple/list of arrays (None allowed)."""
+        size = _nbytes(features)
+        if key in self._entries or size > self.max_bytes:
             return
         self._entries[key] = features
-        self.bytes += features.nbytes
+        self.bytes += size
         while self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
-            self.bytes -= old.nbytes
+            self.bytes -= _nbytes(old)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -263,31 +263,46 @@ class GenericModel:
         if key is not None:
             positions = self.image_rows.positions(prepared.prompt_ids)
             hit = self.feature_cache.lookup((key,))
-            if hit is not None and hit[0].shape[0] == len(positions):
+            if hit is not None and hit[0][0].shape[0] == len(positions):
                 return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
         state = self._prompt_state(prepared, input_ids, inputs, out, mask)
         if key is not None and len(positions):
-            rows = self.image_rows.take(out.inputs_embeds, positions)
+            # The image's rows, and its rows for the layers that take vision features again (deepstack).
+            deepstack = getattr(out, _MASK_ROWS, None)
+            remembered = (
+                self.image_rows.take(out.inputs_embeds, positions),
+                None if deepstack is None else list(deepstack),
+            )
             if self.image_rows.works is None:
                 try:
-                    rebuilt = self._embed_around_rows(prepared, input_ids, mask, inputs, positions, rows)
+                    rebuilt = self._embed_around_rows(prepared, input_ids, mask, inputs, positions, remembered)
                 except Exception:  # noqa: BLE001 - a text path this family does not take: no reuse
                     log.debug("%s: the text path failed on an image prompt", self.info.model_type, exc_info=True)
                     rebuilt = None
                 self.image_rows.check(self.info.model_type, _comparable(state), _comparable(rebuilt))
             if self.image_rows.works:
-                mx.async_eval(rows)  # its own buffer, computed with the prompt's embedding
-                self.feature_cache.store(key, rows)
+                mx.async_eval(remembered[0])  # its own buffer, computed with the prompt's embedding
+                self.feature_cache.store(key, remembered)
         return state
 
     def _embed_around_rows(
-        self, prepared: PreparedRequest, input_ids: mx.array, mask: mx.array, inputs: dict, positions, rows
+        self, prepared: PreparedRequest, input_ids: mx.array, mask: mx.array, inputs: dict, positions, remembered
     ) -> PromptState:
-        """The prompt from the model's text path, with remembered image rows at the placeholders."""
+        """The prompt from the model's text path, with remembered image rows at the placeholders
+        (and, for deepstack models, the image's rows for those layers, at the same positions)."""
+        rows, deepstack = remembered
         out = self.model.get_input_embeddings(input_ids, None, mask=mask, **inputs)
-        out = dataclasses.replace(out, inputs_embeds=self.image_rows.place(out.inputs_embeds, positions, rows))
-        return self._prompt_state(prepared, input_ids, inputs, out, mask)
+        changes = {"inputs_embeds": self.image_rows.place(out.inputs_embeds, positions, rows)}
+        if deepstack is not None:
+            changes[_MASK_ROWS] = deepstack
+            changes[_TOKEN_MASK] = input_ids == self.info.image_token_id
+        if self.uses_mrope and inputs.get("image_grid_thw") is not None:
+            # A text path gives text positions (Qwen3-VL's): the images' M-RoPE ones, as its image path makes them.
+            changes["position_ids"], changes["rope_deltas"] = self.language_model.get_rope_index(
+                input_ids, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), mask
+            )
+        return self._prompt_state(prepared, input_ids, inputs, dataclasses.replace(out, **changes), mask)
 
     def _prompt_state(self, prepared: PreparedRequest, input_ids: mx.array, inputs: dict, out, mask) -> PromptState:
         """A PromptState from the model's embedding output."""

@@ -7,11 +7,14 @@ tokens and nowhere else. Their rows there are then the image's features, as the 
 reads them: a request whose images (by content hash) were embedded before takes its text
 embedding from the model's own text path and puts the remembered rows back at its placeholders.
 
+Deepstack models (Qwen3-VL) also hand some language layers the image's rows again: those are
+kept with it, and the images' M-RoPE positions are computed as the image path computes them.
+
 That holds only where the merge is that simple. So it is checked once per model, on its first
 image prompt: the prompt rebuilt this way must equal the model's own, bit for bit (embedding,
 positions, every extra input). A family that merges otherwise (a merge that changes the
-prompt's length, an attention mask or deepstack rows only images bring, positions from the
-images) fails the check and keeps running its tower for every request.
+prompt's length, an attention mask only images bring) fails the check and keeps running its
+tower for every request.
 """
 
 from __future__ import annotations
