@@ -13,12 +13,13 @@ set -euo pipefail
 export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller
 MODELS=${MODELS:-/root/models}
 FORMATS=${FORMATS:-bf16 4bit}
-WORKLOADS=${WORKLOADS:-w1 mixed}
+WORKLOADS=${WORKLOADS:-w1 mixed multiturn}
 OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
 MIXED_LEVELS=${MIXED_LEVELS:-32}
 PEER=${PEER:-1}
 SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to existing results (split across device calls)
+RESTART=${RESTART:-1}  # RESTART=1: start vlmserve a second time after its run and report when it was ready
 CLIENTS=${CLIENTS:-4}  # load-generator processes (bench.py --client-processes; one Python process delays W1's waves)
 WRAP=${WRAP:-}  # prefix for the vlmserve command, e.g. "py-spy record --gil -f raw -o $OUT/gil.txt --"
 mkdir -p "$OUT"
@@ -44,6 +45,10 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
   done
   echo "$format $name ready after $(( $(date +%s) - t0 )) s"
   for workload in $WORKLOADS; do
+    if [ "$workload" = multiturn ]; then  # 3-turn image chats and 8 questions about one image (TTFT, reuse)
+      python3 benchmarks/multiturn.py --url "${ready%/*}" --model "$model_id" --out "$OUT/$format-$name-multiturn.json" || true
+      continue
+    fi
     local levels=$LEVELS passes=1 plot=(--plot "$OUT/$format-$workload.png")
     if [ "$workload" = mixed ]; then levels=$MIXED_LEVELS passes=2; fi
     python3 benchmarks/bench.py --url "${ready%/*}" --label "$label" --model "$model_id" --workload "$workload" \
@@ -59,6 +64,10 @@ for format in $FORMATS; do
   [ "$SELF" = 1 ] && rm -f "$OUT/$format"-*.json
   [ "$SELF" = 1 ] && serve_and_bench "$format" vlmserve http://127.0.0.1:8100/ready vlmserve "$(basename "$model")" \
     $WRAP python3 -m vlmserve.cli serve "$model" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
+  if [ "$SELF" = 1 ] && [ "$RESTART" = 1 ]; then  # again, with the kernels the first start built in its cache
+    WORKLOADS="" serve_and_bench "$format" vlmserve-restart http://127.0.0.1:8100/ready vlmserve "$(basename "$model")" \
+      python3 -m vlmserve.cli serve "$model" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
+  fi
   if [ "$PEER" = 1 ]; then
     serve_and_bench "$format" mlx_vlm http://127.0.0.1:8200/health mlx-vlm-0.7.10 "$model" \
       python3 -m mlx_vlm.server --model "$model" --port 8200
