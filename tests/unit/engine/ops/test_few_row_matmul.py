@@ -206,3 +206,41 @@ def test_a_quantized_setting_is_served_only_after_it_passed_its_check(monkeypatc
     assert before is False  # never served unchecked
     assert first == again == ((2, 0) if agrees else (0, 2))
     assert after is agrees
+
+
+@pytest.mark.parametrize("rows", [33, 48, 64, 128])
+def test_a_quantized_layer_past_one_launch_runs_in_even_slices(monkeypatch, rows):
+    """Past MAX_ROWS rows, a checked quantized setting runs the kernel on even slices of at most
+    MAX_ROWS rows (each at least half of it) whose outputs, in order, are the whole answer. The
+    kernel is stood in for here, so this runs on any backend."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import few_row_linear, few_row_matmul, few_row_quantized
+
+        monkeypatch.setattr(few_row_matmul, "enabled", lambda: True)
+        monkeypatch.setattr(few_row_quantized, "_CHECKED", {})
+        calls = []
+
+        def stand_in(layer, x, shape=None):
+            calls.append(x.shape)
+            w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+            return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
+
+        monkeypatch.setattr(few_row_quantized, "matmul", stand_in)
+        dense = nn.Linear(64, 48, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        layer = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=4)
+        few_row_quantized.verify(layer)
+        calls.clear()
+        x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
+        ours = few_row_linear.linear(layer, x)
+        ref = stand_in(layer, x)
+        return calls[:-1], ours.shape, bool(mx.array_equal(ours, ref).item())
+
+    slices, shape, equal = on_own_thread(work)
+    assert shape == (rows, 1, 48) and equal
+    sizes = [s[0] for s in slices]
+    assert sum(sizes) == rows and all(16 <= n <= 32 for n in sizes) and max(sizes) - min(sizes) <= 1
