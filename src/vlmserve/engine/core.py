@@ -195,23 +195,21 @@ class EngineCore:
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
         self._idle_since = None if self.has_work() else time.monotonic()
-        self._note_peak(prefill)
+        self._note_peak(f"a step that {prefill} and decoded {len(self.sched.running)} rows")
         self._read_memory()
 
-    def _note_peak(self, prefill: str) -> None:
-        """Log each new high of MLX's memory (by 256 MB or more) with what the step did: where the
-        device memory beyond weights and KV goes, read off the log."""
+    def _note_peak(self, where: str) -> None:
+        """Log each new high of MLX's memory (by 256 MB or more) with what ran since the last check:
+        where the device memory beyond weights and KV goes, read off the log."""
         peak = mx.get_peak_memory()
         if peak >= self._peak_noted + (256 << 20):
             self._peak_noted = peak
             log.info(
-                "MLX memory peaked at %.2f GB (active now %.2f GB, cached %.2f GB) in a step that %s "
-                "and decoded %d rows",
+                "MLX memory peaked at %.2f GB (active now %.2f GB, cached %.2f GB) in %s",
                 peak / 1e9,
                 mx.get_active_memory() / 1e9,
                 mx.get_cache_memory() / 1e9,
-                prefill,
-                len(self.sched.running),
+                where,
             )
 
     def _read_memory(self) -> None:
@@ -343,6 +341,7 @@ class EngineCore:
                 runs += self.model.warm_vision(prepared, self._vision_batch_limit(prepared))
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
+        self._note_peak("warm-up")
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
         # Bounded whatever --max-num-seqs is: bigger batches and longer rows are traced when they
         # come, on their second step (DecodeSteps). These are traced after /ready, while idle.
@@ -362,7 +361,13 @@ class EngineCore:
         on CUDA with an empty kernel cache; a request that arrives meanwhile waits for it)."""
         rows, width = self._shapes_to_warm.pop(0)
         t0 = time.perf_counter()
-        if self.runner.batches.warm_shape(rows, width):
+        try:
+            traced = self.runner.batches.warm_shape(rows, width)
+        except Exception:  # e.g. out of memory: those shapes are traced when traffic brings them
+            log.warning("compiling decode shapes while idle failed; they compile when first used", exc_info=True)
+            self._shapes_to_warm.clear()
+            return
+        if traced:
             log.info(
                 "compiled the decode step for %d rows x %d blocks while idle in %.2f s (%d to go)",
                 rows,
@@ -370,6 +375,7 @@ class EngineCore:
                 time.perf_counter() - t0,
                 len(self._shapes_to_warm),
             )
+        self._note_peak(f"compiling the decode step for {rows} rows")
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken

@@ -57,7 +57,9 @@ class Engine:
     async def start(self) -> None:
         """Resolve and load the model on the worker; raises with the reason if that fails."""
         loop = asyncio.get_running_loop()
-        ptx = use_persistent_kernel_cache()  # `vlmserve serve` named them already; other hosts of an engine may not
+        # `vlmserve serve` named the caches before MLX started CUDA; here (MLX imported) only MLX's
+        # own PTX directory still takes effect, for an engine embedded some other way.
+        ptx = use_persistent_kernel_cache()
         if cuda_kernels.on_cuda():
             entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
             log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)

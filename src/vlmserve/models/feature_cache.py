@@ -11,6 +11,7 @@ An LRU within a byte budget. Runs on the MLX worker only.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -32,10 +33,13 @@ class FeatureCache:
         self.queries = 0
         self.hits = 0
 
-    def lookup(self, keys: tuple[str, ...]) -> list[Any] | None:
-        """Every image's features, or None unless all of them are cached (one query, one hit)."""
+    def lookup(self, keys: tuple[str, ...], fits: Callable[[list[Any]], bool] | None = None) -> list[Any] | None:
+        """Every image's features, or None unless all of them are cached and `fits` them (one
+        query, one hit)."""
         self.queries += 1
         if not keys or any(k not in self._entries for k in keys):
+            return None
+        if fits is not None and not fits([self._entries[k] for k in keys]):
             return None
         self.hits += 1
         for k in keys:

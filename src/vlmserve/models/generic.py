@@ -262,12 +262,14 @@ class GenericModel:
             key = self.image_rows.key(prepared.image_hashes)
         if key is not None:
             positions = self.image_rows.positions(prepared.prompt_ids)
-            hit = self.feature_cache.lookup((key,))
-            if hit is not None and hit[0][0].shape[0] == len(positions):
+            key = key if len(positions) else None  # no placeholder to put rows at
+        if key is not None:
+            hit = self.feature_cache.lookup((key,), fits=lambda found: found[0][0].shape[0] == len(positions))
+            if hit is not None:
                 return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
         state = self._prompt_state(prepared, input_ids, inputs, out, mask)
-        if key is not None and len(positions):
+        if key is not None:
             # The image's rows, and its rows for the layers that take vision features again (deepstack).
             deepstack = getattr(out, _MASK_ROWS, None)
             remembered = (

@@ -15,6 +15,11 @@ image prompt: the prompt rebuilt this way must equal the model's own, bit for bi
 positions, every extra input). A family that merges otherwise (a merge that changes the
 prompt's length, an attention mask only images bring) fails the check and keeps running its
 tower for every request.
+
+Limits: the check runs once, on the model's first image prompt (usually warm-up's one image),
+and takes a merge that places one image's rows in order to place several the same way. The
+key is a prompt's images together, in order: a chat that adds an image each turn reuses
+nothing for that turn (its prompt KV, keyed by content, still is).
 """
 
 from __future__ import annotations

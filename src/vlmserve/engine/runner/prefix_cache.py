@@ -93,7 +93,7 @@ class PrefixCache:
                 return
         layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
         mx.eval(layers)
-        self._entries[key] = (layers, units, np.asarray(tokens, dtype=np.int64))
+        self._entries[key] = (layers, units, np.array(tokens, dtype=np.int64))
         self._tokens += n
         while self._tokens > self.max_tokens:
             self._evict_oldest()

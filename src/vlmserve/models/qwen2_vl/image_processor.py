@@ -101,7 +101,11 @@ def _rgb_frame(image: Image.Image, h: int, w: int) -> np.ndarray:
 
 # A chat sends its image again every turn, and the image cache hands back the same decoded
 # object: its resized frame is made once.
-_FRAMES = ObjectMemo(max_entries=64, max_bytes=512 << 20, size=lambda image, frame: frame.nbytes)
+_FRAMES = ObjectMemo(
+    max_entries=64,
+    max_bytes=512 << 20,
+    size=lambda image, frame: image.width * image.height * len(image.getbands()) + frame.nbytes,  # both stay alive
+)
 
 
 def size_limits(inner, max_pixels: int | None) -> dict[str, int]:
