@@ -327,14 +327,19 @@ class DecodeSteps:
         log.info("compiled the decode step for %d rows x %d blocks in %.2f s", shape[0], shape[1], seconds)
         return out
 
-    def trace(self, pool: BlockPool, rows: int, width: int) -> None:
-        """Trace (and on CUDA build) the compiled step at this shape (warm-up); its writes go to block 0."""
+    def trace(self, pool: BlockPool, rows: int, width: int) -> bool:
+        """Trace (and on CUDA build) the compiled step at this shape (warm-up) unless it already
+        is; its writes go to block 0. Returns whether it traced."""
+        shape = (rows, width, pool.keys[0].shape[0], pool.dtype)
+        if shape in self.traced:
+            return False
         zeros = mx.zeros((rows,), dtype=mx.int32)
         table = mx.zeros((rows, width), dtype=mx.int32)
         out = self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
         mx.eval(out)
         pool.set_arrays(out[1:])
-        self.traced.add((rows, width, pool.keys[0].shape[0], pool.dtype))
+        self.traced.add(shape)
+        return True
 
 
 class DecodeBatches:
@@ -404,9 +409,4 @@ class DecodeBatches:
 
     def warm_shape(self, rows: int, width: int) -> bool:
         """Trace the compiled step at this shape on the model dtype's pool, unless it already is."""
-        dtype = self.model.kv_layout()[2]
-        pool = self.pool(dtype)
-        if (rows, width, pool.keys[0].shape[0], pool.dtype) in self.step.traced:
-            return False
-        self.step.trace(pool, rows, width)
-        return True
+        return self.step.trace(self.pool(self.model.kv_layout()[2]), rows, width)
