@@ -257,19 +257,17 @@ class GenericModel:
         mask = mx.ones(input_ids.shape, dtype=mx.int32)
         if image_features is not None:
             inputs["cached_image_features"] = image_features
-        key = None
+        reuse = None
         if image_features is None and pixel_values is not None and self.feature_cache is not None:
-            key = self.image_rows.key(prepared.image_hashes)
-        if key is not None:
-            positions = self.image_rows.positions(prepared.prompt_ids)
-            key = key if len(positions) else None  # no placeholder to put rows at
-        if key is not None:
+            reuse = self.image_rows.key(prepared.image_hashes, prepared.prompt_ids)
+        if reuse is not None:
+            key, positions = reuse
             hit = self.feature_cache.lookup((key,), fits=lambda found: found[0][0].shape[0] == len(positions))
             if hit is not None:
                 return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
         out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
         state = self._prompt_state(prepared, input_ids, inputs, out, mask)
-        if key is not None:
+        if reuse is not None:
             # The image's rows, and its rows for the layers that take vision features again (deepstack).
             deepstack = getattr(out, _MASK_ROWS, None)
             remembered = (
@@ -299,11 +297,8 @@ class GenericModel:
         if deepstack is not None:
             changes[_MASK_ROWS] = deepstack
             changes[_TOKEN_MASK] = input_ids == self.info.image_token_id
-        if self.uses_mrope and inputs.get("image_grid_thw") is not None:
-            # A text path gives text positions (Qwen3-VL's): the images' M-RoPE ones, as its image path makes them.
-            changes["position_ids"], changes["rope_deltas"] = self.language_model.get_rope_index(
-                input_ids, inputs.get("image_grid_thw"), inputs.get("video_grid_thw"), mask
-            )
+        if self.uses_mrope:  # a text path gives text positions (Qwen3-VL's): _prompt_state makes the images' ones
+            changes["position_ids"] = changes["rope_deltas"] = None
         return self._prompt_state(prepared, input_ids, inputs, dataclasses.replace(out, **changes), mask)
 
     def _prompt_state(self, prepared: PreparedRequest, input_ids: mx.array, inputs: dict, out, mask) -> PromptState:

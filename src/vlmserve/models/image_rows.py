@@ -38,14 +38,13 @@ class ImageRows:
         self.image_token_id = image_token_id
         self.works: bool | None = None  # None until the first image prompt has been checked
 
-    def key(self, image_hashes: tuple[str, ...]) -> str | None:
-        """The cache key of a prompt's images together (None: no reuse for it)."""
+    def key(self, image_hashes: tuple[str, ...], prompt_ids: np.ndarray) -> tuple[str, np.ndarray] | None:
+        """The cache key of a prompt's images together, and the positions of their rows (None: no
+        reuse for this prompt)."""
         if self.works is False or self.image_token_id is None or not image_hashes:
             return None
-        return "rows:" + "|".join(image_hashes)
-
-    def positions(self, prompt_ids: np.ndarray) -> np.ndarray:
-        return np.flatnonzero(prompt_ids == self.image_token_id)
+        positions = np.flatnonzero(prompt_ids == self.image_token_id)
+        return ("rows:" + "|".join(image_hashes), positions) if len(positions) else None
 
     @staticmethod
     def take(embeds: mx.array, positions: np.ndarray) -> mx.array:
