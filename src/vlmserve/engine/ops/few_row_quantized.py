@@ -19,7 +19,6 @@ chunk come from one more mma against ones, already in the output's fragment layo
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 
@@ -139,6 +138,12 @@ _CODES = {
 _CHECKED: dict[tuple, bool] = {}
 
 
+def _dims(layer: nn.Module) -> tuple[int, int]:
+    """(N, K) of a quantized layer: its codes are packed 32 // bits to a uint32."""
+    w = layer["weight"]
+    return w.shape[0], w.shape[1] * 32 // layer.bits
+
+
 def _fits(layer: nn.Module, dtype: mx.Dtype) -> bool:
     """A layer the kernel is built for, with activations of `dtype`."""
     if getattr(layer, "mode", "affine") != "affine" or "biases" not in layer:
@@ -147,7 +152,7 @@ def _fits(layer: nn.Module, dtype: mx.Dtype) -> bool:
     bits, group = getattr(layer, "bits", None), getattr(layer, "group_size", None)
     if bits not in BITS or group not in GROUP_SIZES or w.ndim != 2 or w.dtype != mx.uint32:
         return False
-    n, k = w.shape[0], w.shape[1] * 32 // bits
+    n, k = _dims(layer)
     if n % 16 or k % group or dtype not in dense.MMA_TYPES or scales.shape != (n, k // group):
         return False
     return dense.bias_served(layer.get("bias", None), n, dtype)
@@ -161,10 +166,9 @@ def _setting(layer: nn.Module, dtype: mx.Dtype, rows: int) -> tuple:
 def serves_layer(layer: nn.Module, x: mx.array) -> bool:
     """An affine-quantized nn.QuantizedLinear / QuantizedEmbedding the kernel takes for input x:
     one whose setting `verify` checked on this device."""
-    if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, x.shape[-1]):
+    if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, _dims(layer)[1]):
         return False
-    k = layer["weight"].shape[1] * 32 // layer.bits
-    return x.shape[-1] == k and _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1]))) is True
+    return _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1]))) is True
 
 
 def verify(module: nn.Module) -> tuple[int, int]:
@@ -173,12 +177,14 @@ def verify(module: nn.Module) -> tuple[int, int]:
     model runs); only settings that pass are served. On the MLX thread, before any decode step
     is compiled. Returns (settings passed, settings refused)."""
     passed = refused = 0
+    if not dense.enabled():
+        return passed, refused
     for name, layer in module.named_modules():
         # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
         if type(layer) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "_alone" in name.split("."):
             continue
         dtype = layer["scales"].dtype
-        if not dense.enabled() or not _fits(layer, dtype):
+        if not _fits(layer, dtype):
             continue
         for rows in (dense.MIN_ROWS, dense.MAX_ROWS):
             setting = _setting(layer, dtype, rows)
@@ -194,7 +200,7 @@ def verify(module: nn.Module) -> tuple[int, int]:
 def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
     """The kernel build this layer takes at `rows`, run on its first output features (up to eight
     blocks' worth: N is a launch size, not part of the build), against the float32 reference."""
-    n, k = layer["weight"].shape[0], layer["weight"].shape[1] * 32 // layer.bits
+    n, k = _dims(layer)
     x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(dtype)
     shape = launch_shape(x, n, k)
     part = copy.copy(layer)
@@ -214,14 +220,13 @@ def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
 
 def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
     """x (..., K) @ dequantized(layer.weight).T (+ layer.bias) for a layer `serves_layer` accepts."""
-    bits, group = layer.bits, layer.group_size
-    w = layer["weight"]
-    n, k = w.shape[0], w.shape[1] * 32 // bits
+    n, k = _dims(layer)
     bias = layer.get("bias", None)
-    kernel = _kernel(dense.MMA_TYPES[x.dtype], bias is not None)
-    magic, off = _CODES[(x.dtype, bits)]
-    inputs = [x, w, layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
-    template = [("BITS", bits), ("GS", group), ("MAGIC", magic), ("OFF", off)]
+    names = ("x", "w", "scales", "biases")
+    kernel = dense.build("vlmserve_few_row_qmm", _QUANTIZED_LOOP, dense.MMA_TYPES[x.dtype], names, bias is not None)
+    magic, off = _CODES[(x.dtype, layer.bits)]
+    inputs = [x, layer["weight"], layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
+    template = [("BITS", layer.bits), ("GS", layer.group_size), ("MAGIC", magic), ("OFF", off)]
     return dense.launch(kernel, x, inputs, n, k, template, shape or launch_shape(x, n, k))
 
 
@@ -237,8 +242,3 @@ def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
     if k >= 4096:
         return mt, 1, 16, 1
     return mt, 2 if n % 32 == 0 else 1, 8, 2
-
-
-@functools.cache
-def _kernel(mma: str, with_bias: bool):
-    return dense.build("vlmserve_few_row_qmm", _QUANTIZED_LOOP, mma, ("x", "w", "scales", "biases"), with_bias)
