@@ -24,8 +24,8 @@ from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
 from vlmserve.engine.runner.model_runner import ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
-from vlmserve.engine.sched.request import EngineRequest
-from vlmserve.engine.sched.scheduler import Scheduler
+from vlmserve.engine.sched.request import EngineRequest, Sequence
+from vlmserve.engine.sched.scheduler import PrefillPlan, Scheduler
 from vlmserve.models.feature_cache import FeatureCache
 from vlmserve.models.registry import load_model_adapter
 from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, SamplingParams, TokenEvent
@@ -191,16 +191,22 @@ class EngineCore:
             # admitted one step earlier would otherwise wait for this step's group).
             self.runner.read_inflight()
             self.runner.flush_events()
-        prefill = self._prefill()
+        embedded, plan = self._prefill()
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
         self._idle_since = None if self.has_work() else time.monotonic()
-        self._note_peak(f"a step that {prefill} and decoded {len(self.sched.running)} rows")
+        self._note_peak(
+            lambda: (
+                f"a step that embedded {len(embedded)} requests "
+                f"({sum(seq.req.prepared.num_images for seq in embedded)} images), prefilled {len(plan.singles)} alone "
+                f"and {len(plan.group)} together, and decoded {len(self.sched.running)} rows"
+            )
+        )
         self._read_memory()
 
-    def _note_peak(self, where: str) -> None:
-        """Log each new high of MLX's memory (by 256 MB or more) with what ran since the last check:
-        where the device memory beyond weights and KV goes, read off the log."""
+    def _note_peak(self, where: Callable[[], str]) -> None:
+        """Log each new high of MLX's memory (by 256 MB or more) with what ran since the last check
+        (`where()`, said only then): where the device memory beyond weights and KV goes, read off the log."""
         peak = mx.get_peak_memory()
         if peak >= self._peak_noted + (256 << 20):
             self._peak_noted = peak
@@ -209,7 +215,7 @@ class EngineCore:
                 peak / 1e9,
                 mx.get_active_memory() / 1e9,
                 mx.get_cache_memory() / 1e9,
-                where,
+                where(),
             )
 
     def _read_memory(self) -> None:
@@ -241,8 +247,8 @@ class EngineCore:
             for seq in admitted:
                 self.hooks.on_admit(seq.req)
 
-    def _prefill(self) -> str:
-        """This step's prefill; returns what it did, in words (for _note_peak)."""
+    def _prefill(self) -> tuple[list[Sequence], PrefillPlan]:
+        """This step's prefill; returns the requests it embedded and its plan (for _note_peak)."""
         # The new requests this step's budget reaches are embedded in one call, so their images
         # go through the vision tower together.
         todo, _ = self.sched.unembedded_in_budget()
@@ -262,11 +268,7 @@ class EngineCore:
             except Exception as exc:  # the batched forward failed: those requests end, others go on
                 for seq in plan.group:
                     self.runner.fail_prefill(seq, exc)
-        images = sum(seq.req.prepared.num_images for seq in todo)
-        return (
-            f"embedded {len(todo)} requests ({images} images), prefilled {len(plan.singles)} alone "
-            f"and {len(plan.group)} together"
-        )
+        return todo, plan
 
     def release_idle_memory(self) -> None:
         """Hand MLX's cached buffers back once idle for `idle_release_s` (other processes share the device).
@@ -341,7 +343,7 @@ class EngineCore:
                 runs += self.model.warm_vision(prepared, self._vision_batch_limit(prepared))
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
-        self._note_peak("warm-up")
+        self._note_peak(lambda: "warm-up")
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
         # Bounded whatever --max-num-seqs is: bigger batches and longer rows are traced when they
         # come, on their second step (DecodeSteps). These are traced after /ready, while idle.
@@ -375,7 +377,7 @@ class EngineCore:
                 time.perf_counter() - t0,
                 len(self._shapes_to_warm),
             )
-        self._note_peak(f"compiling the decode step for {rows} rows")
+        self._note_peak(lambda: f"compiling the decode step for {rows} rows")
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken
