@@ -9,11 +9,7 @@ import pytest
 
 from support.helpers import data_uri, images
 
-from .test_tools import WEATHER, tool_server  # noqa: F401 - the fixture, served with a tool template
-
-
-def _client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="k", max_retries=0)
+from .test_tools import WEATHER, _client, tool_server  # noqa: F401 - the fixture, served with a tool template
 
 
 def _image_input(text="Describe the image."):
