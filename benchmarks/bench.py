@@ -46,10 +46,11 @@ MIXED_MAX_TOKENS = (32, 256)
 MIXED_TEXT_ONLY = 0.15
 
 
-def make_image(index: int, size: int | tuple[int, int]) -> str:
-    """A distinct deterministic PNG per request, as a data URI; `size` is a side or (width, height)."""
+def make_image(index: int, size: int | tuple[int, int], variant: int = 0) -> str:
+    """A distinct deterministic PNG per request, as a data URI; `size` is a side or (width, height).
+    Another `variant` gives other pixels at the same size."""
     width, height = (size, size) if isinstance(size, int) else size
-    rng = np.random.default_rng(index)
+    rng = np.random.default_rng([index, variant] if variant else index)
     base = rng.integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
     img = Image.fromarray(base).resize((width, height), Image.Resampling.BILINEAR)
     buf = io.BytesIO()
@@ -57,8 +58,11 @@ def make_image(index: int, size: int | tuple[int, int]) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def make_prompt(words: int) -> str:
-    text = (FILLER * (words // len(FILLER.split()) + 1)).split()[:words]
+def make_prompt(words: int, variant: int = 0) -> str:
+    """`words` words of filler text; another `variant` starts elsewhere in it (other tokens)."""
+    filler = FILLER.split()
+    start = 7 * variant % len(filler)
+    text = (filler[start:] + filler * (words // len(filler) + 1))[:words]
     return " ".join(text)
 
 
@@ -67,19 +71,21 @@ def request_spec(index: int, settings: dict) -> dict:
 
     W1: every request alike but for its image. Mixed: a size, prompt length, output length and
     whether it has an image, drawn per request from a generator seeded by its index (so a second
-    pass sends the very same requests)."""
+    pass sends the very same requests). `settings["variant"]` (if set and not 0) keeps every size,
+    length and max_tokens but changes the pixels and words, so no cache can serve the request."""
+    variant = settings.get("variant", 0)
     if settings["workload"] == "w1":
         return {
-            "image": make_image(index, settings["image_size"]),
-            "prompt": make_prompt(settings["prompt_words"]),
+            "image": make_image(index, settings["image_size"], variant),
+            "prompt": make_prompt(settings["prompt_words"], variant),
             "max_tokens": settings["max_tokens"],
         }
     rng = np.random.default_rng(10_000 + index)
     text_only = rng.random() < MIXED_TEXT_ONLY
     size = MIXED_SIZES[int(rng.integers(len(MIXED_SIZES)))]
     return {
-        "image": None if text_only else make_image(index, size),
-        "prompt": make_prompt(int(rng.integers(MIXED_WORDS[0], MIXED_WORDS[1] + 1))),
+        "image": None if text_only else make_image(index, size, variant),
+        "prompt": make_prompt(int(rng.integers(MIXED_WORDS[0], MIXED_WORDS[1] + 1)), variant),
         "max_tokens": int(rng.integers(MIXED_MAX_TOKENS[0], MIXED_MAX_TOKENS[1] + 1)),
     }
 
@@ -307,7 +313,7 @@ def _client_process(url, model, indices, workers, args, ready, go, out) -> None:
 
 
 async def run_clients(
-    url: str, model: str, concurrency: int, indices: list[int], args, processes: int
+    url: str, model: str, concurrency: int, indices: list[int], args, processes: int, variant: int = 0
 ) -> tuple[list[Result], float, float, float]:
     """Run the level from `processes` load-generator processes. Process p holds workers w = p, p + N,
     ... of the c, and the requests those workers would have taken first (n mod c among them), in
@@ -323,7 +329,7 @@ async def run_clients(
     go = ctx.Event()
     procs, pipes = [], []
     names = ("workload", "image_size", "prompt_words", "max_tokens", "image_first", "timeout")
-    settings = {k: getattr(args, k) for k in names}
+    settings = {k: getattr(args, k) for k in names} | {"variant": variant}
     for p in range(processes):
         workers = [w for w in range(concurrency) if w % processes == p]
         mine = [i for n, i in enumerate(indices) if n % concurrency in workers]
@@ -350,14 +356,16 @@ async def run_clients(
     return results, t0, end, cpu
 
 
-async def run_level(url: str, model: str, concurrency: int, n_requests: int, args, offset: int) -> dict:
+async def run_level(
+    url: str, model: str, concurrency: int, n_requests: int, args, offset: int, variant: int = 0
+) -> dict:
     stop = asyncio.Event()
     before = await scrape_profile(url)
     health = await HealthProbe(url).start()
     gpu = asyncio.create_task(gpu_peak(stop))
     processes = max(1, min(args.client_processes, concurrency))  # no process without a worker
     results, t0, end, cpu = await run_clients(
-        url, model, concurrency, list(range(offset, offset + n_requests)), args, processes
+        url, model, concurrency, list(range(offset, offset + n_requests)), args, processes, variant
     )
     wall = end - t0
     client_cpu = cpu / wall if wall else 0.0
@@ -409,12 +417,14 @@ async def discover_model(url: str) -> str:
 async def bench_server(url: str, label: str, model: str | None, args) -> dict:
     model = model or await discover_model(url)
     levels = []
-    for number in range(1, args.passes + 1):  # every pass sends the same requests
+    for number in range(1, args.passes + 1):  # the same requests, or the same shapes with new content
         offset = 0
+        variant = number if args.new_content_from and number >= args.new_content_from else 0
         for c in args.concurrency:
             n = args.requests_per_level or 2 * c
-            level = await run_level(url, model, c, n, args, offset)
+            level = await run_level(url, model, c, n, args, offset, variant)
             level["pass"] = number
+            level["new_content"] = bool(variant)
             offset += n
             levels.append(level)
             _report(label, number, args.passes, level)
@@ -423,7 +433,7 @@ async def bench_server(url: str, label: str, model: str | None, args) -> dict:
 
 def _report(label: str, number: int, passes: int, level: dict) -> None:
     c, n = level["concurrency"], level["requests"]
-    tag = f" pass {number}" if passes > 1 else ""
+    tag = (f" pass {number}" if passes > 1 else "") + (", new content" if level.get("new_content") else "")
     print(
         f"[{label}{tag}] c={c:<3} ok={level['ok']}/{n} out={level['output_tok_s']:.1f} tok/s "
         f"req/s={level['req_s']:.2f} TTFT p50={fmt(level['ttft_p50_s'])} p99={fmt(level['ttft_p99_s'])} "
@@ -485,6 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--passes", type=int, default=1, help="send each level's requests this many times, reported per pass"
     )
+    p.add_argument(
+        "--new-content-from",
+        type=int,
+        default=0,
+        help="passes from this number on send the same sizes, lengths and max_tokens with other pixels "
+        "and words (nothing cached serves them: a pass that meets no new shape and no cache hit)",
+    )
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--prompt-words", type=int, default=40, help="text words (W1: ~330 prompt tokens with the image)")
     p.add_argument("--image-first", action="store_true", default=True)
@@ -528,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                 "concurrency",
                 "requests_per_level",
                 "passes",
+                "new_content_from",
             )
         },
         "runs": runs,

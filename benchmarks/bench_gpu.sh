@@ -2,7 +2,9 @@
 # Reproduce the benchmarks on the lent H100: for each model format (bf16, and 4-bit with bf16
 # scales made by mlx-vlm's convert), vlmserve, then `python -m mlx_vlm.server`, one server on the
 # GPU at a time; each server runs W1 at every level in LEVELS, then the mixed workload at
-# MIXED_LEVELS twice (its first pass meets every shape for the first time; both are reported).
+# MIXED_LEVELS three times: the first pass meets every shape for the first time, the second sends
+# the very same requests (vlmserve's caches serve much of it), the third the same shapes with new
+# pixels and words (no new shape, no cache hit); each is reported.
 # On this machine:   GPU_EXTRA_WHEELS="mlx-audio cryptography cffi pycparser websockets opentelemetry-api importlib-metadata" bash ../shared/gpu/stage.sh
 # GPU command 1:     bash .gpu-a/device-setup.sh a
 # GPU command 2:     bash .gpu-b/device-setup.sh b && bash benchmarks/bench_gpu.sh
@@ -50,9 +52,9 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
       continue
     fi
     local levels=$LEVELS passes=1 plot=(--plot "$OUT/$format-$workload.png")
-    if [ "$workload" = mixed ]; then levels=$MIXED_LEVELS passes=2; fi
+    if [ "$workload" = mixed ]; then levels=$MIXED_LEVELS passes=3; fi
     python3 benchmarks/bench.py --url "${ready%/*}" --label "$label" --model "$model_id" --workload "$workload" \
-      --passes "$passes" --concurrency "$levels" --client-processes "$CLIENTS" \
+      --passes "$passes" --new-content-from 3 --concurrency "$levels" --client-processes "$CLIENTS" \
       --out "$OUT/$format-$workload.json" "${plot[@]}" --append || true
   done
   kill -INT -- -"$pid" 2>/dev/null || true  # SIGINT: a profiler in WRAP writes its output on the way out

@@ -79,21 +79,39 @@ def test_new_shape_probe_records_each_long_prompt_and_the_streams_gaps(qwen_serv
     assert all(r["worst_gap_ms"] >= r["median_worst_gap_ms"] >= 0 for r in records)
 
 
-def test_mixed_workload_is_the_same_requests_each_pass_and_reported_per_pass(qwen_server, bench, tmp_path):
+def test_mixed_workload_repeats_its_requests_or_their_shapes_and_reports_each_pass(qwen_server, bench, tmp_path):
     settings = {"workload": "mixed", "image_size": 0, "prompt_words": 0, "max_tokens": 0}
     specs = [bench.request_spec(i, settings) for i in range(200)]
     assert specs[:20] == [bench.request_spec(i, settings) for i in range(20)]  # a second pass sends the same
+    fresh = [bench.request_spec(i, settings | {"variant": 3}) for i in range(20)]  # same shapes, new content
+    for old, new in zip(specs[:20], fresh):
+        assert new["max_tokens"] == old["max_tokens"] and len(new["prompt"].split()) == len(old["prompt"].split())
+        assert new["prompt"] != old["prompt"]
+        assert (new["image"] is None) == (old["image"] is None) and (
+            new["image"] is None or new["image"] != old["image"]
+        )
+        if new["image"] is not None:
+            assert _png_size(new["image"]) == _png_size(old["image"])
     text_only = sum(s["image"] is None for s in specs) / len(specs)
     assert 0.05 < text_only < 0.3
     assert {s["max_tokens"] for s in specs} <= set(range(32, 257)) and len({s["prompt"] for s in specs}) > 50
 
     wait_ready(qwen_server)
     out = tmp_path / "mixed.json"
-    args = ["--url", qwen_server.base_url, "--workload", "mixed", "--passes", "2", "--concurrency", "3"]
-    assert bench.main([*args, "--requests-per-level", "4", "--out", str(out)]) == 0
+    args = ["--url", qwen_server.base_url, "--workload", "mixed", "--passes", "3", "--concurrency", "3"]
+    assert bench.main([*args, "--new-content-from", "3", "--requests-per-level", "4", "--out", str(out)]) == 0
     levels = json.loads(out.read_text())["runs"][0]["levels"]
-    assert [lv["pass"] for lv in levels] == [1, 2]
+    assert [(lv["pass"], lv["new_content"]) for lv in levels] == [(1, False), (2, False), (3, True)]
     assert all(lv["ok"] == lv["requests"] == 4 for lv in levels)
+
+
+def _png_size(uri: str) -> tuple[int, int]:
+    import base64
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).size
 
 
 def test_multiturn_reports_reuse_across_turns_and_one_tower_run_per_image(qwen_server, bench, tmp_path):

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
 
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
+SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
+
+
+def _pixel_shapes(prepared: PreparedRequest) -> list[tuple[int, ...]]:
+    """The shapes of a request's pixel inputs (what sizes its images reached the vision tower at)."""
+    return [tuple(v.shape) for k, v in prepared.model_inputs.items() if k.startswith("pixel_values")]
 
 
 class EngineCore:
@@ -180,6 +186,7 @@ class EngineCore:
         return self.sched.has_requests() or self.runner.inflight is not None
 
     def step(self) -> None:
+        started = time.perf_counter()
         self.stats.steps += 1
         self.sched.take_inbox()
         self._drop_cancelled()
@@ -191,17 +198,31 @@ class EngineCore:
             # admitted one step earlier would otherwise wait for this step's group).
             self.runner.read_inflight()
             self.runner.flush_events()
-        embedded, plan = self._prefill()
+        embedded, plan, prefill_spans = self._prefill()
+        prefilled_at = time.perf_counter()
         self.runner.stage(self.sched.to_stage())
         self.runner.decode()
         self._idle_since = None if self.has_work() else time.monotonic()
-        self._note_peak(
-            lambda: (
+
+        def what() -> str:
+            return (
                 f"a step that embedded {len(embedded)} requests "
                 f"({sum(seq.req.prepared.num_images for seq in embedded)} images), prefilled {len(plan.singles)} alone "
                 f"and {len(plan.group)} together, and decoded {len(self.sched.running)} rows"
             )
-        )
+
+        self._note_peak(what)
+        took = time.perf_counter() - started
+        if took >= SLOW_STEP_S:  # a step this long stalls every stream: say what it ran
+            log.warning(
+                "slow step: %.2f s (embedding and prefill %.2f s; prefill spans [from, tokens]: %s; "
+                "pixel inputs embedded: %s), %s",
+                took,
+                prefilled_at - started,
+                prefill_spans,
+                [_pixel_shapes(seq.req.prepared) for seq in embedded if seq.req.prepared.has_pixels],
+                what(),
+            )
         self._read_memory()
 
     def _note_peak(self, where: Callable[[], str]) -> None:
@@ -247,8 +268,9 @@ class EngineCore:
             for seq in admitted:
                 self.hooks.on_admit(seq.req)
 
-    def _prefill(self) -> tuple[list[Sequence], PrefillPlan]:
-        """This step's prefill; returns the requests it embedded and its plan (for _note_peak)."""
+    def _prefill(self) -> tuple[list[Sequence], PrefillPlan, list[tuple[int, int]]]:
+        """This step's prefill; returns the requests it embedded, its plan and the prompt spans it
+        prefilled as (first position, most tokens), for the step's log lines."""
         # The new requests this step's budget reaches are embedded in one call, so their images
         # go through the vision tower together.
         todo, _ = self.sched.unembedded_in_budget()
@@ -257,6 +279,8 @@ class EngineCore:
         plan = self.sched.plan_prefill(self.runner.embed)
         for seq, exc in plan.failed:
             self.runner.fail_prefill(seq, exc)
+        spans = [(seq.prefilled, budget) for seq, budget in plan.singles]
+        spans += [(seq.prefilled, seq.num_prompt - seq.prefilled) for seq in plan.group]
         for seq, budget in plan.singles:
             try:
                 self.runner.prefill_single(seq, budget)
@@ -268,7 +292,7 @@ class EngineCore:
             except Exception as exc:  # the batched forward failed: those requests end, others go on
                 for seq in plan.group:
                     self.runner.fail_prefill(seq, exc)
-        return todo, plan
+        return todo, plan, spans
 
     def release_idle_memory(self) -> None:
         """Hand MLX's cached buffers back once idle for `idle_release_s` (other processes share the device).
@@ -316,7 +340,8 @@ class EngineCore:
 
         `prompts` were prepared by the serving side through a client's path (a text prompt
         first, then one per warm-up image size). Each is generated alone, then one prompt per
-        prefill-length bucket up to a chunk; then the vision tower at every image count one
+        prefill-length bucket up to a chunk, and one per power-of-two row count of the piece that
+        follows a full chunk; then the vision tower at every image count one
         step can batch, and the compiled decode step at every slot bucket up to max_num_seqs and
         every KV capacity that prompts up to two prefill chunks use (longer ones trace once,
         when they come)."""
@@ -327,6 +352,17 @@ class EngineCore:
             longest = min(self.sched.prefill_chunk, self.info.context_length - 2)  # the prompt, one more, a token
             for length in range(bucket, longest + 1, bucket):
                 jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=np.full(length + 1, filler, np.int32))))
+            # A prompt longer than a chunk, or one continuing a cached prefix, is prefilled in pieces
+            # of any row count, and kernels are picked by row class (MLX's quantized matmul on CUDA
+            # builds one per power of two from 16 to 64 rows, ~30 s each with an empty kernel
+            # cache): one prompt per class for the piece after a full chunk.
+            chunk = self.sched.prefill_chunk
+            rows = 2
+            while rows <= bucket and chunk + rows + 2 <= self.info.context_length:
+                jobs.append(
+                    (f"warmup-tail-{rows}", PreparedRequest(prompt_ids=np.full(chunk + rows + 1, filler, np.int32)))
+                )
+                rows *= 2
         t0 = time.perf_counter()
         for i, (name, prepared) in enumerate(jobs, 1):  # one at a time: each must be its own shape
             # The length buckets share a prefix; a prefix-cache hit would skip the very prefill

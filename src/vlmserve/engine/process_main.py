@@ -174,10 +174,12 @@ def main(conn, config: ServerConfig) -> None:
     # needs this process meanwhile; it stops it itself (or, gone, closes the pipe).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    started = time.perf_counter()
     from vlmserve.engine.inprocess import Engine
     from vlmserve.logging import start_logging
 
     logs = start_logging(config.log_level)
+    log.info("engine process: MLX and the model libraries imported in %.1f s", time.perf_counter() - started)
     if config.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     engine = Engine(config, hooks=ForwardedHooks())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,11 @@ class GenericModel:
 
     def __init__(self, model_path: Path, fallback_eos: tuple[int, ...] = ()):
         self.path = model_path
+        started = time.perf_counter()
         self.model = load_model(model_path, lazy=False)
         # load_model(lazy=False) evaluates parameters; evaluate again to be sure any buffer too.
         mx.eval(self.model.parameters())
+        read = time.perf_counter()
         newline = getattr(self.model, "image_newline", None)
         if isinstance(newline, mx.array) and newline.dtype == mx.bfloat16:
             # mlx-vlm's LLaVA-NeXT merge reads it through NumPy, which has no bfloat16; float32
@@ -159,8 +162,15 @@ class GenericModel:
         # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
         self.can_batch = all(_mergeable(c) for c in vlm_cache.make_prompt_cache(self.language_model))
         self.install_fast_paths()
+        swapped = time.perf_counter()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self.prompt_path_differs = self._prompt_path_differs()
+        log.info(
+            "model built: weights read in %.1f s, kernel swaps %.1f s, probes %.1f s",
+            read - started,
+            swapped - read,
+            time.perf_counter() - swapped,
+        )
         self.feature_cache = None  # a FeatureCache where the engine reuses vision features
         self._kv_layout = None
         eos = _eos_ids(model_path, self.config) or fallback_eos

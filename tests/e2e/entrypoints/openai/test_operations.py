@@ -452,6 +452,28 @@ def test_warmup_prefills_every_length_bucket_in_full(monkeypatch):
         server.stop()
 
 
+def test_warmup_prefills_a_piece_of_every_power_of_two_row_count_after_a_full_chunk(monkeypatch):
+    """A prompt longer than a chunk ends in a piece of any size, and kernels are built per row
+    class (MLX's quantized matmul on CUDA: one per power of two from 16 to 64 rows): warm-up
+    runs each class behind a full chunk, as a long or prefix-continuing prompt reaches it."""
+    from vlmserve.models.generic import GenericModel
+
+    pieces = []
+    real = GenericModel.prefill
+
+    def recording(self, state, start, end):
+        pieces.append((start, end - start))
+        return real(self, state, start, end)
+
+    monkeypatch.setattr(GenericModel, "prefill", recording)
+    server = start_server("qwen2_vl", prefill_chunk=128, prefill_bucket=32, warmup_image_sizes=())
+    try:
+        assert {(128, rows) for rows in (2, 4, 8, 16, 32)} <= set(pieces)
+        assert server.engine.core.prefix_cache.size_tokens == 0  # warm-up leaves nothing behind
+    finally:
+        server.stop()
+
+
 _FIRST_REQUEST_IMPORTS = """
 import sys
 from conftest import IMAGES, chat_body, data_uri, start_server
