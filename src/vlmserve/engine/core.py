@@ -36,6 +36,7 @@ WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
 
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
+KERNEL_GRACE_S = 30.0  # kernels left for idle time are built between busy steps after this
 
 
 def _pixel_shapes(prepared: PreparedRequest) -> list[tuple[int, ...]]:
@@ -88,6 +89,8 @@ class EngineCore:
         self._memory: dict[str, int] = {}  # MLX's memory figures, read on the worker (step_memory)
         self._memory_read = 0.0
         self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
+        self._kernels_due: float | None = None  # when pending kernels are built under load (_kernels_overdue)
+        self._kernel_seconds = 0.0
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes compiled while idle (idle_work)
 
     @classmethod
@@ -212,6 +215,8 @@ class EngineCore:
             )
 
         self._note_peak(what)
+        if self._kernels_overdue():
+            self._build_kernel()
         took = time.perf_counter() - started
         if took >= SLOW_STEP_S:  # a step this long stalls every stream: say what it ran
             log.warning(
@@ -380,6 +385,11 @@ class EngineCore:
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
         self._note_peak(lambda: "warm-up")
+        if self.model.kernels_pending():
+            log.info(
+                "%d decode kernels to build while idle (until then, MLX's ops serve)", self.model.kernels_pending()
+            )
+            self._kernels_due = time.monotonic() + KERNEL_GRACE_S
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
         # Bounded whatever --max-num-seqs is: bigger batches and longer rows are traced when they
         # come, on their second step (DecodeSteps). These are traced after /ready, while idle.
@@ -391,12 +401,15 @@ class EngineCore:
             )
 
     def has_idle_work(self) -> bool:
-        """Warm-up left for idle time (decode shapes not compiled yet)."""
-        return bool(self._shapes_to_warm)
+        """Warm-up left for idle time: kernels not built yet, decode shapes not compiled yet."""
+        return bool(self._shapes_to_warm) or self.model.kernels_pending() > 0
 
     def idle_work(self) -> None:
-        """One piece of the warm-up left for idle time: compile one decode shape (a second or two
-        on CUDA with an empty kernel cache; a request that arrives meanwhile waits for it)."""
+        """One piece of the warm-up left for idle time: build one kernel, else compile one decode
+        shape (a second or so each on CUDA; a request that arrives meanwhile waits for it)."""
+        if self.model.kernels_pending():
+            self._build_kernel()
+            return
         rows, width = self._shapes_to_warm.pop(0)
         t0 = time.perf_counter()
         try:
@@ -414,6 +427,27 @@ class EngineCore:
                 len(self._shapes_to_warm),
             )
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")
+
+    def _build_kernel(self) -> None:
+        """Build and check one of the model's pending kernels; after the last, decode steps traced
+        meanwhile trace again, now with them."""
+        t0 = time.perf_counter()
+        try:
+            self.model.build_next_kernel()
+        except Exception:  # the op it would replace keeps serving
+            log.warning("building a kernel failed; the op it replaces serves instead", exc_info=True)
+        self._kernel_seconds += time.perf_counter() - t0
+        if not self.model.kernels_pending():
+            self.runner.batches.retrace()
+            self._kernels_due = None
+            log.info("decode kernels built and checked in %.1f s", self._kernel_seconds)
+
+    def _kernels_overdue(self) -> bool:
+        """Kernels still unbuilt KERNEL_GRACE_S after warm-up: a server busy since then gets no
+        idle turn, so steps build them one at a time (a pause of a second or so each, once)."""
+        return (
+            self._kernels_due is not None and time.monotonic() >= self._kernels_due and self.model.kernels_pending() > 0
+        )
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken

@@ -93,6 +93,14 @@ class ModelAdapter(Protocol):
     def decode(self, tokens: Any, batch_cache: list[Any], positions: Any) -> Any:
         """One step for every running row; returns logits (B, V)."""
 
+    def kernels_pending(self) -> int:
+        """Kernel builds left for the engine's idle time (0: none)."""
+        ...
+
+    def build_next_kernel(self) -> None:
+        """Build (and check) one of them; the op it replaces serves until then."""
+        ...
+
     def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
         """Build the vision tower's shapes for this request's image sizes at up to `max_images`
         images per call; returns the tower runs made (0 where nothing needs building)."""

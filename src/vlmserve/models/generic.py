@@ -161,6 +161,9 @@ class GenericModel:
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
         self.can_batch = all(_mergeable(c) for c in vlm_cache.make_prompt_cache(self.language_model))
+        # Kernels the decode step would use, each built and checked before it is served; left
+        # for the engine's idle time (each build is ~1 s of JIT that no disk cache keeps).
+        self.kernel_checks: list[tuple] = []
         self.install_fast_paths()
         swapped = time.perf_counter()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
@@ -191,9 +194,14 @@ class GenericModel:
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
-        passed, refused = few_row_quantized.verify(self.language_model)
-        if passed or refused:
-            log.info("quantized few-row kernel: %d layer settings checked, %d refused", passed + refused, refused)
+
+    def kernels_pending(self) -> int:
+        """Kernel builds left for the engine's idle time (`build_next_kernel`)."""
+        return len(self.kernel_checks)
+
+    def build_next_kernel(self) -> None:
+        """Build and check one kernel the decode step may use; until it passes, MLX's op serves."""
+        few_row_quantized.check(*self.kernel_checks.pop(0))
 
     def _prompt_path_differs(self) -> bool:
         """Whether the language model reads a text token differently from its id than from the

@@ -175,26 +175,51 @@ def verify(module: nn.Module) -> tuple[int, int]:
     """Check the kernel once per quantized layer setting under `module`, at both tile counts,
     against x @ dequantize(W).T in float32 (activations in the scales' dtype, as a quantized
     model runs); only settings that pass are served. On the MLX thread, before any decode step
-    is compiled. Returns (settings passed, settings refused)."""
+    is compiled. Returns (layers' settings passed, refused), counted per layer."""
+    for layer, dtype, rows in pending(module):
+        check(layer, dtype, rows)
     passed = refused = 0
+    for layer, dtype, rows in _candidates(module):
+        passed += _CHECKED[_setting(layer, dtype, rows)]
+        refused += not _CHECKED[_setting(layer, dtype, rows)]
+    return passed, refused
+
+
+def pending(module: nn.Module) -> list[tuple[nn.Module, mx.Dtype, int]]:
+    """The settings under `module` not checked yet, one (layer, activation dtype, rows) each: a
+    build (~1 s of JIT on CUDA, never cached on disk by MLX) and a check apiece (`check`)."""
+    todo, seen = [], set()
+    for layer, dtype, rows in _candidates(module):
+        setting = _setting(layer, dtype, rows)
+        if setting not in _CHECKED and setting not in seen:
+            seen.add(setting)
+            todo.append((layer, dtype, rows))
+    return todo
+
+
+def check(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
+    """Build and check this layer's setting at `rows` (once); until then MLX's matmul serves it."""
+    setting = _setting(layer, dtype, rows)
+    if setting not in _CHECKED:
+        _CHECKED[setting] = _agrees(layer, dtype, rows)
+        if not _CHECKED[setting]:
+            log.warning("the quantized few-row kernel disagrees for %s: MLX's matmul serves it", setting)
+    return _CHECKED[setting]
+
+
+def _candidates(module: nn.Module):
+    """(layer, activation dtype, rows) for every quantized layer under `module` the kernel fits,
+    at both tile counts."""
     if not dense.enabled():
-        return passed, refused
+        return
     for name, layer in module.named_modules():
         # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
         if type(layer) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "_alone" in name.split("."):
             continue
         dtype = layer["scales"].dtype
-        if not _fits(layer, dtype):
-            continue
-        for rows in (dense.MIN_ROWS, dense.MAX_ROWS):
-            setting = _setting(layer, dtype, rows)
-            if setting not in _CHECKED:
-                _CHECKED[setting] = _agrees(layer, dtype, rows)
-                if not _CHECKED[setting]:
-                    log.warning("the quantized few-row kernel disagrees for %s: MLX's matmul serves it", setting)
-            passed += _CHECKED[setting]
-            refused += not _CHECKED[setting]
-    return passed, refused
+        if _fits(layer, dtype):
+            for rows in (dense.MIN_ROWS, dense.MAX_ROWS):
+                yield layer, dtype, rows
 
 
 def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:

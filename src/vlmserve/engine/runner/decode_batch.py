@@ -327,6 +327,13 @@ class DecodeSteps:
         log.info("compiled the decode step for %d rows x %d blocks in %.2f s", shape[0], shape[1], seconds)
         return out
 
+    def retrace(self) -> None:
+        """The model's kernels changed (a faster one now serves): every shape traces again on its
+        next step, since a trace keeps the ops it was traced with."""
+        if self.compiled is not None:
+            self.compiled = make_decode_step(self.model.decode, self.block_size, True)
+            self.traced.clear()
+
     def trace(self, pool: BlockPool, rows: int, width: int) -> bool:
         """Trace (and on CUDA build) the compiled step at this shape (warm-up) unless it already
         is; its writes go to block 0. Returns whether it traced."""
@@ -406,6 +413,11 @@ class DecodeBatches:
             }
         )
         return [(n, w) for n in buckets_up_to(max_rows, ROW_BUCKETS) for w in widths]
+
+    def retrace(self) -> None:
+        """See DecodeSteps.retrace."""
+        if self.step is not None:
+            self.step.retrace()
 
     def warm_shape(self, rows: int, width: int) -> bool:
         """Trace the compiled step at this shape on the model dtype's pool, unless it already is."""

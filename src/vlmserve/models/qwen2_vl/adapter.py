@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
-from vlmserve.engine.ops import cuda_kernels
+from vlmserve.engine.ops import cuda_kernels, few_row_quantized
 from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
@@ -36,6 +36,8 @@ class QwenVLModel(GenericModel):
         vision_attention.install(self.model.vision_tower)
         super().install_fast_paths()
         self.fast_decode = qwen_decode.supports(self.language_model)
+        if self.fast_decode:  # its decode sends quantized layers to the few-row kernel
+            self.kernel_checks = few_row_quantized.pending(self.language_model)
 
     def pixel_dtype(self) -> str | None:
         # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast

@@ -208,6 +208,48 @@ def test_a_quantized_setting_is_served_only_after_it_passed_its_check(monkeypatc
     assert after is agrees
 
 
+def test_pending_lists_each_unchecked_setting_once_and_check_serves_it(monkeypatch):
+    """Layers of one setting share one build and check: pending() names each setting and tile
+    count once; a setting is served only once check() passed it. The kernel is stood in for."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import few_row_matmul, few_row_quantized
+
+        monkeypatch.setattr(few_row_matmul, "enabled", lambda: True)
+        monkeypatch.setattr(few_row_quantized, "_CHECKED", {})
+
+        def stand_in(layer, x, shape=None):
+            w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+            return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
+
+        monkeypatch.setattr(few_row_quantized, "matmul", stand_in)
+
+        def quantized(n):
+            dense = nn.Linear(64, n, bias=False)
+            dense.set_dtype(mx.bfloat16)
+            return nn.QuantizedLinear.from_linear(dense, group_size=32, bits=4)
+
+        model = nn.Sequential(quantized(48), quantized(48), quantized(32))  # two settings
+        todo = few_row_quantized.pending(model)
+        x = mx.zeros((4, 1, 64), dtype=mx.bfloat16)
+        served_before = few_row_quantized.serves_layer(model.layers[0], x)
+        for item in todo:
+            few_row_quantized.check(*item)
+        return (
+            len(todo),
+            served_before,
+            few_row_quantized.serves_layer(model.layers[1], x),
+            few_row_quantized.pending(model),
+        )
+
+    count, before, after, left = on_own_thread(work)
+    assert count == 2 * 2  # two settings, two tile counts each
+    assert before is False and after is True and left == []
+
+
 @pytest.mark.parametrize("rows", [33, 48, 64, 128])
 def test_a_quantized_layer_past_one_launch_runs_in_even_slices(monkeypatch, rows):
     """Past MAX_ROWS rows, a checked quantized setting runs the kernel on even slices of at most

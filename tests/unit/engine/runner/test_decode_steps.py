@@ -100,3 +100,20 @@ def test_without_compilation_every_step_runs_eagerly():
         assert steps.eager.calls == 3 and steps.traced == set()
 
     on_own_thread(work)
+
+
+def test_retrace_drops_every_trace_so_shapes_trace_again_with_the_current_kernels():
+    def work():
+        steps = DecodeSteps(_Model(), BLOCK, compiled=True)
+        pool = _pool()
+        steps.trace(pool, 4, 3)
+        old = steps.compiled
+        steps.retrace()
+        assert steps.traced == set() and steps.compiled is not old
+        steps.eager, steps.compiled = _Counting(steps.eager), _Counting(steps.compiled)
+        tokens, lengths, write, table, kv = _inputs(4, 3, pool)
+        steps(tokens, None, lengths, write, table, *kv)
+        steps(tokens, None, lengths, write, table, *kv)
+        assert (steps.eager.calls, steps.compiled.calls) == (1, 1) and len(steps.traced) == 1
+
+    on_own_thread(work)
