@@ -46,6 +46,12 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
     sleep 0.5
   done
   echo "$format $name ready after $(( $(date +%s) - t0 )) s"
+  for _ in $(seq 1 600); do  # vlmserve: until the warm-up it leaves for idle time is done (kernels, decode shapes)
+    pending=$(curl -sf "${ready%/*}/metrics" | awk '/^vlmserve:warmup_pending/ {print $2}')
+    [ -z "$pending" ] || [ "${pending%.*}" = 0 ] && break
+    sleep 0.5
+  done
+  [ -n "$pending" ] && echo "$format $name fully warm after $(( $(date +%s) - t0 )) s"
   for workload in $WORKLOADS; do
     if [ "$workload" = multiturn ]; then  # 3-turn image chats and 8 questions about one image (TTFT, reuse)
       python3 benchmarks/multiturn.py --url "${ready%/*}" --model "$model_id" --out "$OUT/$format-$name-multiturn.json" || true

@@ -61,6 +61,10 @@ class Metrics:
             m + ["kind"],
             registry=r,
         )
+        self.warmup_pending = gauge(
+            "warmup_pending",
+            "Warm-up left for idle time after /ready: kernels to build, decode shapes to compile (0: fully warm)",
+        )
         self.preemptions = gauge(
             "num_preemptions", "Requests put aside (KV to host memory) when KV blocks ran out, since start"
         )

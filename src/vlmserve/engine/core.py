@@ -336,6 +336,7 @@ class EngineCore:
             memory=dict(self._memory),
             feature_queries=features.queries if features is not None else 0,
             feature_hits=features.hits if features is not None else 0,
+            warmup_pending=len(self._shapes_to_warm) + self.model.kernels_pending(),
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------

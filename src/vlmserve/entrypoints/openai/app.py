@@ -486,6 +486,7 @@ class ServerState:
         m.kv_blocks_used.set(gauges.kv_blocks_used)
         m.kv_blocks_free.set(gauges.kv_blocks_total - gauges.kv_blocks_used)
         m.preemptions.set(gauges.preemptions)
+        m.warmup_pending.set(gauges.warmup_pending)
         # The engine counts feature-cache lookups since its start; the counters take what is new.
         m.feature_queries.inc(max(0, gauges.feature_queries - self._feature_seen[0]))
         m.feature_hits.inc(max(0, gauges.feature_hits - self._feature_seen[1]))

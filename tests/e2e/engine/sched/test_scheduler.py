@@ -462,6 +462,11 @@ def test_rows_preempted_for_kv_blocks_resume_with_the_same_tokens(compile_decode
         assert _metric(metrics, "kv_blocks_used") == 0 and _metric(metrics, "kv_blocks_free") == 12
         pool = next(x for x in metrics.splitlines() if x.startswith("vlmserve:device_memory_bytes") and "kv_pool" in x)
         assert float(pool.rsplit(" ", 1)[1]) > 0  # kept until idle for --release-cache-after-idle
+        deadline = time.monotonic() + 60  # the warm-up left for idle time ends, and says so
+        while _metric(httpx.get(f"{server.base_url}/metrics").text, "warmup_pending") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _metric(httpx.get(f"{server.base_url}/metrics").text, "warmup_pending") == 0
+        assert not server.engine.core.has_idle_work()
     finally:
         server.stop()
 
