@@ -179,3 +179,20 @@ def test_questions_about_one_new_image_at_once_run_the_tower_once(servers, monke
     assert sum(images_seen) == 1
     alone = _run(strict, [dict(b, model=strict.model_id) for b in bodies])
     assert [_text(r) for r in replies] == [_text(r) for r in alone]
+
+
+def test_new_image_requests_do_not_take_a_hit_of_only_the_templates_opening(servers):
+    """Every chat prompt opens alike, so a new image request always finds that much cached; such a
+    short hit is not taken (it would make the row prefill alone, a forward of its own, instead of
+    joining the batched prefill of new prompts), and the tokens are the strict server's."""
+    reuse, strict = servers
+    _run(reuse, [_chat(reuse, [_turn("Warm the cache with this picture.", RED)])])  # the opening is cached now
+    text = "Describe the colours, the stripe and the layout of this picture in a few careful words."
+    bodies = [
+        _chat(reuse, [_turn(f"{text} Take {i}.", image)]) for i, image in enumerate((BLUE, _image((20, 160, 20))))
+    ]
+    replies = _run(reuse, bodies, concurrent=True)
+    assert [_cached(r) for r in replies] == [0, 0]
+    assert [_text(r) for r in replies] == [
+        _text(r) for r in _run(strict, [_chat(strict, b["messages"]) for b in bodies])
+    ]

@@ -30,6 +30,8 @@ from vlmserve.protocol import FinishReason, SamplingParams, TokenEvent, TokenLog
 
 log = logging.getLogger(__name__)
 
+# A prefix hit this short is not taken by a row that could join a batched prefill (ModelRunner._embedded).
+MIN_PREFIX_HIT = 64
 _EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
 
 
@@ -132,7 +134,11 @@ class ModelRunner:
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         cache, key = self._prefix_cache(seq)
         if cache is not None:
-            seq.prefilled = seq.cached_tokens = cache.lookup(key, prompt.cache)
+            # A hit makes the row prefill alone: one that could join a batched prefill takes only
+            # a hit long enough to pay for that, or half its prompt (not the chat template's
+            # opening tokens that every request shares: a forward of its own costs more).
+            least = min(MIN_PREFIX_HIT, len(key) // 2) if seq.batchable else 1
+            seq.prefilled = seq.cached_tokens = cache.lookup(key, prompt.cache, least)
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0, prepared.has_pixels)
         mx.async_eval(prompt.embeds)

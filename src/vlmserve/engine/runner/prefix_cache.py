@@ -59,8 +59,9 @@ class PrefixCache:
     def supports(cache: list[Any]) -> bool:
         return all(type(c) is KVCache for c in cache)
 
-    def lookup(self, tokens: np.ndarray, fresh_cache: list[Any]) -> int:
-        """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run); return its length."""
+    def lookup(self, tokens: np.ndarray, fresh_cache: list[Any], least: int = 1) -> int:
+        """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run) if it holds
+        at least `least` tokens; return its length (0: nothing reused)."""
         if not self._entries or not self.supports(fresh_cache):
             return 0
         best_key, best_n = None, 0
@@ -71,7 +72,7 @@ class PrefixCache:
             n = len(stored) if same.all() else int(np.argmin(same))
             if n > best_n:
                 best_key, best_n = key, n
-        if best_key is None:
+        if best_key is None or best_n < least:
             return 0
         self._entries.move_to_end(best_key)
         for layer, (k, v) in zip(fresh_cache, self._entries[best_key][0]):
