@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from vlmserve.config import ServerConfig
+from vlmserve.engine import kernel_prebuild
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
 from vlmserve.engine.ops import cuda_kernels
@@ -35,6 +36,8 @@ from vlmserve.protocol import (
 
 log = logging.getLogger(__name__)
 
+PREBUILD_TIMEOUT_S = 240.0  # the kernel build processes past this are stopped; warm-up builds the rest
+
 
 def _worker_unavailable() -> EngineError:
     return EngineError("the inference worker is not running", code="worker_unavailable", status=503)
@@ -53,6 +56,7 @@ class Engine:
         self.model_type: str | None = None
         self.core: EngineCore | None = None
         self.tokenizer = None
+        self._prebuild: list = []  # kernel build processes still running (kernel_prebuild)
 
     async def start(self) -> None:
         """Resolve and load the model on the worker; raises with the reason if that fails."""
@@ -69,6 +73,10 @@ class Engine:
         self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
         # An unknown model fails here, named, before the tokenizer or weights load.
         self.model_type = await loop.run_in_executor(None, model_type_of, self.model_path)
+        if cuda_kernels.on_cuda():  # MLX's quantized matmul kernels, built beside the load (kernel_prebuild)
+            self._prebuild = kernel_prebuild.start(self.model_path)
+            if self._prebuild:
+                log.info("building %d quantized matmul kernels in parallel processes", len(self._prebuild))
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await self.run_on_worker(self._load_on_worker)
 
@@ -145,6 +153,8 @@ class Engine:
 
     # ---- what the server asks of any engine (engine/client.py) ----------------------------
     async def warm_up(self, prompts: list[PreparedRequest]) -> None:
+        builds, self._prebuild = self._prebuild, []
+        await asyncio.to_thread(kernel_prebuild.wait, builds, PREBUILD_TIMEOUT_S)
         await self.run_on_worker(self.core.warm_up, prompts)
 
     def abandon(self, message: str) -> int:
