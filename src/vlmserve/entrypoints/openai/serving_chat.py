@@ -85,7 +85,7 @@ async def start(request: Request, parse, prefix: str = "chatcmpl") -> Started | 
 
 def event_stream(events, request_id: str) -> StreamingResponse:
     return StreamingResponse(
-        events,
+        sse.ending_in_one_error(events),
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no", "x-request-id": request_id},
     )
@@ -184,43 +184,35 @@ async def _sse(request_id, model, created, chat, streams, parser):
     for i in range(chat.n):
         yield lines.choice(i, {"role": "assistant", "content": ""})
     prompt = cached = completion = 0
-    try:
-        async for i, event in merge(streams):
-            text = tools[i].feed(event.text) if tools is not None and event.text else event.text
-            if event.finish_reason is None and not event.logprobs:
-                if text:  # the common chunk: pre-rendered, see sse.py
+    async for i, event in merge(streams):
+        text = tools[i].feed(event.text) if tools is not None and event.text else event.text
+        if event.finish_reason is None and not event.logprobs:
+            if text:  # the common chunk: pre-rendered, see sse.py
+                yield lines.content(i, text)
+            continue
+        if event.finish_reason is not None and event.finish_reason.failed:
+            failed = failure(event)
+            yield sse.line(error_body(failed.status, failed.message, failed.code))
+            return
+        finish = chat_response.finish_reason_str(event.finish_reason)
+        if tools is not None and event.finish_reason is not None:
+            rest, calls = tools[i].finish()
+            text += rest
+            if calls:
+                if text:
                     yield lines.content(i, text)
-                continue
-            if event.finish_reason is not None and event.finish_reason.failed:
-                failed = failure(event)
-                yield sse.line(error_body(failed.status, failed.message, failed.code))
-                return
-            finish = chat_response.finish_reason_str(event.finish_reason)
-            if tools is not None and event.finish_reason is not None:
-                rest, calls = tools[i].finish()
-                text += rest
-                if calls:
-                    if text:
-                        yield lines.content(i, text)
-                        text = ""
-                    yield lines.choice(i, {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]})
-                    finish = "tool_calls"
-            yield lines.choice(
-                i,
-                {"content": text} if text else {},
-                chat_response.logprobs_dict(event.logprobs) if event.logprobs else None,
-                finish,
-            )
-            if event.finish_reason is not None:
-                prompt, cached = event.prompt_tokens, event.cached_tokens
-                completion += event.completion_tokens
-    except EngineError as exc:
-        yield sse.line(error_body(exc.status, exc.message, exc.code, exc.param))
-        return
-    except Exception:  # noqa: BLE001 - the headers are gone: report it as the stream's one error event
-        log.exception("stream failed")
-        yield sse.line(error_body(500, "internal server error", "internal_error"))
-        return
+                    text = ""
+                yield lines.choice(i, {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]})
+                finish = "tool_calls"
+        yield lines.choice(
+            i,
+            {"content": text} if text else {},
+            chat_response.logprobs_dict(event.logprobs) if event.logprobs else None,
+            finish,
+        )
+        if event.finish_reason is not None:
+            prompt, cached = event.prompt_tokens, event.cached_tokens
+            completion += event.completion_tokens
     if chat.include_usage:
         yield lines.chunk([], chat_response.usage_dict(prompt, completion, cached))
     yield "data: [DONE]\n\n"

@@ -13,7 +13,7 @@ from vlmserve.entrypoints.openai.chat_request import parse_chat_request
 from vlmserve.entrypoints.openai.errors import APIError, error_body
 from vlmserve.entrypoints.openai.serving_chat import answers_in_openai_shape, collect, event_stream, failure, start
 from vlmserve.entrypoints.openai.streams import merge
-from vlmserve.protocol import ChatRequest, EngineError
+from vlmserve.protocol import ChatRequest
 
 _SAMPLING_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
@@ -113,29 +113,25 @@ async def _stream(rid, model, created, chat, streams):
         for i in range(chat.n):
             choice = {"index": i, "text": chat.echo, "logprobs": None, "finish_reason": None}
             yield sse.line(_body(rid, model, created, [choice]))
-    try:
-        async for i, event in merge(streams):
-            if event.finish_reason is not None and event.finish_reason.failed:
-                f = failure(event)
-                yield sse.line(error_body(f.status, f.message, f.code))
-                return
-            if not event.text and event.finish_reason is None:
-                continue
-            lp = chat_response.logprobs_dict(event.logprobs) if event.logprobs else None
-            choice = {
-                "index": i,
-                "text": event.text,
-                "logprobs": _legacy_logprobs(lp, offsets[i]),
-                "finish_reason": chat_response.finish_reason_str(event.finish_reason),
-            }
-            offsets[i] += len(event.text)
-            yield sse.line(_body(rid, model, created, [choice]))
-            if event.finish_reason is not None:
-                prompt, cached = event.prompt_tokens, event.cached_tokens
-                completion += event.completion_tokens
-    except EngineError as exc:
-        yield sse.line(error_body(exc.status, exc.message, exc.code, exc.param))
-        return
+    async for i, event in merge(streams):
+        if event.finish_reason is not None and event.finish_reason.failed:
+            f = failure(event)
+            yield sse.line(error_body(f.status, f.message, f.code))
+            return
+        if not event.text and event.finish_reason is None:
+            continue
+        lp = chat_response.logprobs_dict(event.logprobs) if event.logprobs else None
+        choice = {
+            "index": i,
+            "text": event.text,
+            "logprobs": _legacy_logprobs(lp, offsets[i]),
+            "finish_reason": chat_response.finish_reason_str(event.finish_reason),
+        }
+        offsets[i] += len(event.text)
+        yield sse.line(_body(rid, model, created, [choice]))
+        if event.finish_reason is not None:
+            prompt, cached = event.prompt_tokens, event.cached_tokens
+            completion += event.completion_tokens
     if chat.include_usage:
         yield sse.line(_body(rid, model, created, [], chat_response.usage_dict(prompt, completion, cached)))
     yield "data: [DONE]\n\n"

@@ -10,14 +10,33 @@ the full chunk dict (a test compares them).
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import AsyncIterator
 
 from vlmserve.entrypoints.openai import chat_response
+from vlmserve.entrypoints.openai.errors import error_body
+from vlmserve.protocol import EngineError
+
+log = logging.getLogger("vlmserve.request")
 
 _PLACEHOLDER = "\x00vlmserve-content\x00"  # rendered as "\u0000vlmserve-content\u0000": no id or name has it
 
 
 def line(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def ending_in_one_error(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's lines; an error raised once its headers are sent ends it with one error event
+    (an engine error as itself, anything else as a logged 500), never with a cut connection."""
+    try:
+        async for item in lines:
+            yield item
+    except EngineError as exc:
+        yield line(error_body(exc.status, exc.message, exc.code, exc.param))
+    except Exception:  # noqa: BLE001 - the headers are gone: the error event is all a client can get
+        log.exception("stream failed")
+        yield line(error_body(500, "internal server error", "internal_error"))
 
 
 class ChunkLines:

@@ -152,3 +152,31 @@ def test_request_id_header(qwen_server):
         model=qwen_server.model_id, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=2
     )
     assert raw.headers["x-request-id"] == raw.parse().id
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_failure_after_the_headers_ends_the_stream_with_one_error_event(qwen_server, monkeypatch, route):
+    """Once a stream's headers are sent, an unexpected error becomes its one error event (and a
+    logged 500), never a cut connection; chat completions and completions alike."""
+    import httpx
+
+    from vlmserve.entrypoints.openai import sse
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("renderer broke")
+
+    if route == "chat":
+        monkeypatch.setattr(sse.ChunkLines, "content", broken)
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}]}
+    else:
+        from vlmserve.entrypoints.openai import serving_completions
+
+        monkeypatch.setattr(serving_completions, "_legacy_logprobs", broken)
+        path, body = "/v1/completions", {"prompt": "Count to ten:"}
+    body |= {"model": qwen_server.model_id, "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=qwen_server.base_url, timeout=60) as c, c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    errors = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {") and '"error"' in line]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "internal_error"
+    assert lines[-1] != "data: [DONE]" and json.loads(lines[-1][len("data: ") :]) == errors[0]
