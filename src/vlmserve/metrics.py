@@ -52,6 +52,10 @@ class Metrics:
         self.running = gauge("num_requests_running", "Requests prefilling or decoding")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for admission")
         self.prefix_cache_usage = gauge("prefix_cache_usage_perc", "Fraction of the prefix cache token budget in use")
+        self.mm_prefix_cache_usage = gauge(
+            "mm_prefix_cache_usage_perc",
+            "Fraction of the multimodal prefix cache's token budget in use (image requests)",
+        )
         self.kv_cache_tokens = gauge("kv_cache_usage_tokens", "Tokens held in the running batch's KV cache")
         self.kv_blocks_used = gauge("kv_blocks_used", "KV budget blocks held by admitted requests")
         self.kv_blocks_free = gauge("kv_blocks_free", "KV budget blocks free")

@@ -130,6 +130,7 @@ class CacheGauges:
     """The engine's cache figures, for /metrics."""
 
     prefix_usage: float | None = None  # share of the prefix cache's token budget in use (None: no cache)
+    mm_prefix_usage: float | None = None  # the same for the multimodal prefix cache (None: --no-mm-cache)
     kv_tokens: int = 0  # tokens in the running rows' KV
     kv_blocks_used: int = 0  # KV budget blocks held by admitted rows
     kv_blocks_total: int = 0

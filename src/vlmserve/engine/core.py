@@ -329,6 +329,7 @@ class EngineCore:
         pc, budget, features = self.prefix_cache, self.sched.kv_budget, self.model.feature_cache
         return CacheGauges(
             prefix_usage=pc.size_tokens / max(1, pc.max_tokens) if pc is not None else None,
+            mm_prefix_usage=mm.size_tokens / max(1, mm.max_tokens) if (mm := self.runner.mm_prefix_cache) else None,
             kv_tokens=sum(s.cache_len for s in list(self.sched.running)),
             kv_blocks_used=budget.used,
             kv_blocks_total=budget.total,

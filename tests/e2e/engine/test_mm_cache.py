@@ -105,6 +105,8 @@ def test_later_turns_reuse_the_image_and_answer_as_without_reuse(servers):
         if x.startswith(("vlmserve:mm_prefix_cache_hits_total", "vlmserve:mm_feature_cache_hits_total"))
     ]
     assert len(hits) == 2 and all(float(x.rsplit(" ", 1)[1]) >= 2 for x in hits)
+    usage = next(x for x in metrics.splitlines() if x.startswith("vlmserve:mm_prefix_cache_usage_perc{"))
+    assert 0 < float(usage.rsplit(" ", 1)[1]) <= 1  # the turns' entries fill part of its budget
 
 
 def test_another_image_behind_the_same_text_reuses_only_the_text_before_it(servers):

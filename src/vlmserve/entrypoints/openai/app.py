@@ -482,6 +482,8 @@ class ServerState:
         gauges = self.engine.cache_gauges()
         if gauges.prefix_usage is not None:
             m.prefix_cache_usage.set(gauges.prefix_usage)
+        if gauges.mm_prefix_usage is not None:
+            m.mm_prefix_cache_usage.set(gauges.mm_prefix_usage)
         m.kv_cache_tokens.set(gauges.kv_tokens)
         m.kv_blocks_used.set(gauges.kv_blocks_used)
         m.kv_blocks_free.set(gauges.kv_blocks_total - gauges.kv_blocks_used)
