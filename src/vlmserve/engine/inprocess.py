@@ -182,6 +182,9 @@ class Engine:
         return self.core.cache_gauges() if self.core is not None else CacheGauges()
 
     async def stop(self) -> None:
+        for proc in self._prebuild:  # kernel builds never waited for (no warm-up): they end with the engine
+            proc.kill()
+        self._prebuild = []
         if self.core is not None and self.worker.is_alive():
             try:  # a hung worker never answers: end what waits on it here instead
                 await asyncio.wait_for(self.run_on_worker(self.core.fail_all, "the server is shutting down"), 5.0)
