@@ -93,7 +93,9 @@ class PrefixCache:
             if not self.budget.take(units):
                 return
         layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
-        mx.eval(layers)
+        # Queued, not waited for: the host goes on to launch the row's first decode step while the
+        # device finishes the prefill these views read.
+        mx.async_eval(layers)
         self._entries[key] = (layers, units, np.array(tokens, dtype=np.int64))
         self._tokens += n
         while self._tokens > self.max_tokens:
