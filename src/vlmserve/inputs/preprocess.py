@@ -28,7 +28,7 @@ from vlmserve.inputs.limits import check_context, check_text_length
 from vlmserve.inputs.media import FetchCancel, ImageCache, MediaError, MediaPolicy, load_image_bytes
 from vlmserve.inputs.media.hosts import HostSlots, remote_host
 from vlmserve.models.base import ProcessorAdapter
-from vlmserve.models.pixels import cast_pixels
+from vlmserve.models.pixels import cast_pixels, image_bytes
 from vlmserve.models.processor import plain_prompt
 from vlmserve.models.registry import processor_adapter
 from vlmserve.object_memo import ObjectMemo
@@ -81,10 +81,6 @@ def _arguments(call: dict) -> Any:
         return json.loads(call["arguments"])
     except ValueError:
         return call["arguments"]
-
-
-def image_bytes(image: Image.Image) -> int:
-    return image.width * image.height * len(image.getbands())
 
 
 # Shared decoded images come back every turn of an image chat: hash each once.

@@ -8,6 +8,12 @@ bfloat16, so bfloat16 travels as its bit patterns in uint16 (PreparedRequest.bfl
 from __future__ import annotations
 
 import numpy as np
+from PIL import Image
+
+
+def image_bytes(image: Image.Image) -> int:
+    """What a decoded image holds in memory: width x height x bands."""
+    return image.width * image.height * len(image.getbands())
 
 
 def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:

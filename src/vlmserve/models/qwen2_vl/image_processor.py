@@ -31,7 +31,7 @@ import logging
 import numpy as np
 from PIL import Image
 
-from vlmserve.models.pixels import cast_pixels
+from vlmserve.models.pixels import cast_pixels, image_bytes
 from vlmserve.object_memo import ObjectMemo
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _rgb_frame(image: Image.Image, h: int, w: int) -> np.ndarray:
 _FRAMES = ObjectMemo(
     max_entries=64,
     max_bytes=512 << 20,
-    size=lambda image, frame: image.width * image.height * len(image.getbands()) + frame.nbytes,  # both stay alive
+    size=lambda image, frame: image_bytes(image) + frame.nbytes,  # both stay alive
 )
 
 
