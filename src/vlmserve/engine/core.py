@@ -447,9 +447,7 @@ class EngineCore:
     def _kernels_overdue(self) -> bool:
         """Kernels still unbuilt KERNEL_GRACE_S after warm-up: a server busy since then gets no
         idle turn, so steps build them one at a time (a pause of a second or so each, once)."""
-        return (
-            self._kernels_due is not None and time.monotonic() >= self._kernels_due and self.model.kernels_pending() > 0
-        )
+        return self._kernels_due is not None and time.monotonic() >= self._kernels_due  # cleared after the last
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken

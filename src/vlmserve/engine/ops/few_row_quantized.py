@@ -178,11 +178,8 @@ def verify(module: nn.Module) -> tuple[int, int]:
     is compiled. Returns (layers' settings passed, refused), counted per layer."""
     for layer, dtype, rows in pending(module):
         check(layer, dtype, rows)
-    passed = refused = 0
-    for layer, dtype, rows in _candidates(module):
-        passed += _CHECKED[_setting(layer, dtype, rows)]
-        refused += not _CHECKED[_setting(layer, dtype, rows)]
-    return passed, refused
+    outcomes = [_CHECKED[_setting(layer, dtype, rows)] for layer, dtype, rows in _candidates(module)]
+    return sum(outcomes), len(outcomes) - sum(outcomes)
 
 
 def pending(module: nn.Module) -> list[tuple[nn.Module, mx.Dtype, int]]:

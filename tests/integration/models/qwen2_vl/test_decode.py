@@ -112,7 +112,7 @@ def test_step_equals_mlx_vlm(name, fused, tied, dtype):
         lm = _language_model(name, tied, dtype)
         if fused:
             assert fused_projections.install(lm) == 2 * len(lm.model.layers)
-        few_row_quantized.verify(lm)  # as the server does at load (on CUDA the kernel then takes quantized layers)
+        few_row_quantized.verify(lm)  # the server checks these while idle; on CUDA the kernel then serves
 
         def reference(tokens, caches, pos):
             return lm(tokens[:, None], cache=caches, position_ids=pos).logits[:, -1, :]
