@@ -65,11 +65,11 @@ def start(model_path: Path) -> list[subprocess.Popen]:
     """Start a build process per kernel this model's config calls for and no earlier run built;
     returns them (an empty list: nothing to build, or not possible here)."""
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
+    if not cache:
+        return []
     try:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
-        return []
-    if not cache:
         return []
     dtype, procs = activation_dtype(config), []
     for bits, group, mode in settings(config):
