@@ -210,8 +210,9 @@ class EngineCore:
         def what() -> str:
             return (
                 f"a step that embedded {len(embedded)} requests "
-                f"({sum(seq.req.prepared.num_images for seq in embedded)} images), prefilled {len(plan.singles)} alone "
-                f"and {len(plan.group)} together, and decoded {len(self.sched.running)} rows"
+                f"({sum(seq.req.prepared.num_images for seq in embedded)} images), prefilled "
+                f"{len(plan.singles)} alone, {len(plan.group)} together and pieces of {len(plan.pieces)}, "
+                f"and decoded {len(self.sched.running)} rows"
             )
 
         self._note_peak(what)
@@ -284,13 +285,12 @@ class EngineCore:
         plan = self.sched.plan_prefill(self.runner.embed)
         for seq, exc in plan.failed:
             self.runner.fail_prefill(seq, exc)
-        spans = [(seq.prefilled, budget) for seq, budget in plan.singles]
+        spans = [(seq.prefilled, budget) for seq, budget in plan.singles + plan.pieces]
         spans += [(seq.prefilled, seq.num_prompt - seq.prefilled) for seq in plan.group]
         for seq, budget in plan.singles:
-            try:
-                self.runner.prefill_single(seq, budget)
-            except Exception as exc:  # one bad request ends only itself
-                self.runner.fail_prefill(seq, exc)
+            self.runner.prefill_alone(seq, budget)
+        if plan.pieces:
+            self.runner.prefill_pieces(plan.pieces, self.sched.prefill_bucket)
         if plan.group:
             try:
                 self.runner.prefill_group(plan.group, self.sched.prefill_bucket)

@@ -81,6 +81,12 @@ class ModelAdapter(Protocol):
     def prefill_batch(self, states: list[Any], lengths: list[int], bucket: int = 1) -> list[Any]:
         """Prefill several prompts in one left-padded forward; returns their batch cache."""
 
+    # Whether `prefill_pieces` serves (plain KV caches, causal attention, a forward that takes it).
+    prefills_pieces: bool
+
+    def prefill_pieces(self, states: list[Any], spans: list[tuple[int, int]], bucket: int = 1) -> None:
+        """Prefill positions [start, end) of several prompts in one forward, each into its own cache."""
+
     def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
         """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache."""
 

@@ -23,6 +23,7 @@ from mlx_vlm.utils import load_model
 
 from vlmserve.engine.ops import decode_attention, few_row_quantized, fused_projections, rope_rotation
 from vlmserve.models.image_rows import ImageRows
+from vlmserve.models.ragged_cache import RaggedLayerCache
 from vlmserve.protocol import ModelInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,9 @@ class GenericModel:
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
         self.can_batch = all(_mergeable(c) for c in vlm_cache.make_prompt_cache(self.language_model))
+        # Pieces of several prompts share a forward over plain KV caches (ragged_cache.py); turned
+        # off if this model's forward turns out not to take that.
+        self._pieces_work = all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(self.language_model))
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's idle time (each build is ~1 s of JIT that no disk cache keeps).
         self.kernel_checks: list[tuple] = []
@@ -410,20 +414,65 @@ class GenericModel:
             lengths = [n + 1 for n in lengths]  # whole prompts (see prefill), trimmed below
         longest = -(-max(lengths) // bucket) * bucket
         pads = [longest - n for n in lengths]
+        ids, embeds, kwargs = self._stacked_inputs(states, [(0, n) for n in lengths], longest, left=True)
+        if self.prefix_lm:  # bidirectional, but never onto a row's left padding
+            kwargs["mask"] = (mx.arange(longest)[None] >= mx.array(pads)[:, None])[:, None, None, :]
+        cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
+        self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
+        if self.prefix_lm:
+            for c in cache:
+                c.trim(1)
+        return cache
 
-        def stack(arrays, axis):
+    @property
+    def prefills_pieces(self) -> bool:
+        """Whether `prefill_pieces` serves this model: rows with plain KV caches, attended causally."""
+        return self.can_batch and not self.prefix_lm and self._pieces_work
+
+    def prefill_pieces(self, states: list[PromptState], spans: list[tuple[int, int]], bucket: int = 1) -> None:
+        """Prefill prompt positions [start, end) of several requests in one right-padded forward,
+        each into its own cache, whatever each cache holds already (earlier pieces, a cached
+        prefix). The padded length is rounded up to a multiple of `bucket`.
+
+        A model whose forward cannot take it (a language model that needs its cache offset as a
+        number) raises; its caches are left as they were and later steps prefill row by row."""
+        longest = -(-max(e - s for s, e in spans) // bucket) * bucket
+        ids, embeds, kwargs = self._stacked_inputs(states, spans, longest, left=False)
+        lengths = [e - s for s, e in spans]
+        cache = [RaggedLayerCache(list(rows), lengths) for rows in zip(*(st.cache for st in states))]
+        try:
+            self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
+        except Exception:
+            for layer in cache:
+                layer.rollback()
+            self._pieces_work = False
+            log.warning(
+                "%s: prefilling several prompts' pieces in one forward failed; pieces go one at a time",
+                self.info.model_type,
+                exc_info=True,
+            )
+            raise
+
+    def _stacked_inputs(
+        self, states: list[PromptState], spans: list[tuple[int, int]], width: int, left: bool
+    ) -> tuple[mx.array, mx.array, dict]:
+        """Prompt positions [start, end) of each row, padded to `width` on the left (a batch that
+        ends together) or the right (pieces that start where each row is): ids, embeddings, and
+        the language model's other per-position inputs."""
+
+        def rows_of(arrays, axis):
             # Always a fresh row-contiguous array: kernels are compiled per memory layout too, and a
             # lone broadcast or sliced view would miss the ones warm-up compiled.
-            return mx.contiguous(mx.concatenate(arrays, axis=axis))
+            out = []
+            for x, (s, e) in zip(arrays, spans):
+                x = x[..., s:e] if axis == x.ndim - 1 else x[:, s:e]
+                widths = [(0, 0)] * x.ndim
+                widths[axis] = (width - (e - s), 0) if left else (0, width - (e - s))
+                out.append(mx.pad(x, widths) if e - s < width else x)
+            return mx.contiguous(mx.concatenate(out, axis=axis - 1 if axis == 2 else 0))
 
-        def left_pad(x, n, pad, axis):
-            x = x[..., :n] if axis == x.ndim - 1 else x[:, :n]
-            widths = [(0, 0)] * x.ndim
-            widths[axis] = (pad, 0)
-            return mx.pad(x, widths) if pad else x
-
-        ids = stack([left_pad(st.input_ids, n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
-        embeds = stack([left_pad(st.embeds, n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
+        ids = rows_of([st.input_ids for st in states], 1)
+        embeds = rows_of([st.embeds for st in states], 1)
         kwargs = {}
         if states[0].position_ids is not None:
             # Text-only rows carry (1, L) positions, image rows (3, 1, L) M-RoPE ones.
@@ -433,29 +482,22 @@ class GenericModel:
                 else mx.broadcast_to(st.position_ids[None], (3, *st.position_ids.shape))
                 for st in states
             ]
-            kwargs["position_ids"] = stack([left_pad(p_, n, p, 2) for p_, n, p in zip(pos, lengths, pads)], 1)
-        rows = [self._mask_rows(st, 0, n) for st, n in zip(states, lengths)]
+            kwargs["position_ids"] = rows_of(pos, 2)
+        rows = [self._mask_rows(st, s, e) for st, (s, e) in zip(states, spans)]
         if any(r is not None for r in rows):
             masks = [
                 st.extra[_TOKEN_MASK] if r is not None else mx.zeros(st.input_ids.shape, dtype=mx.bool_)
                 for st, r in zip(states, rows)
             ]
-            kwargs[_TOKEN_MASK] = stack([left_pad(m, n, p, 1) for m, n, p in zip(masks, lengths, pads)], 0)
+            kwargs[_TOKEN_MASK] = rows_of(masks, 1)
             # Batch-major, as the model's deepstack step takes them row by row.
             kwargs[_MASK_ROWS] = [
                 mx.concatenate([r[layer] for r in rows if r is not None], axis=0)
                 for layer in range(len(next(r for r in rows if r is not None)))
             ]
         for k in _PER_POSITION & states[0].extra.keys():
-            kwargs[k] = stack([left_pad(st.extra[k], n, p, 1) for st, n, p in zip(states, lengths, pads)], 0)
-        if self.prefix_lm:  # bidirectional, but never onto a row's left padding
-            kwargs["mask"] = (mx.arange(longest)[None] >= mx.array(pads)[:, None])[:, None, None, :]
-        cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
-        self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
-        if self.prefix_lm:
-            for c in cache:
-                c.trim(1)
-        return cache
+            kwargs[k] = rows_of([st.extra[k] for st in states], 1)
+        return ids, embeds, kwargs
 
     # ---- batched decode ------------------------------------------------------
     def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:

@@ -190,6 +190,49 @@ class ModelRunner:
                 return
         self._join([seq], self.model.merge_caches([seq.prompt.cache]))
 
+    def prefill_pieces(self, pieces: list[tuple[Sequence, int]], bucket: int) -> None:
+        """The next piece (up to its budget) of several rows' prompts, in one forward per embedding
+        dtype whatever each row holds already; rows whose prompts are then in join the batch.
+        A lone row, or a model that cannot take such a forward, goes through `prefill_single`."""
+        by_dtype: dict = {}
+        for seq, budget in pieces:
+            by_dtype.setdefault(seq.prompt.embeds.dtype, []).append((seq, budget))
+        for rows in by_dtype.values():
+            if len(rows) == 1 or not self.model.prefills_pieces:
+                for seq, budget in rows:
+                    self.prefill_alone(seq, budget)
+                continue
+            try:
+                self._prefill_pieces_together(rows, max(1, bucket))
+            except Exception:  # noqa: BLE001 - the model said why (prefill_pieces); nothing was written
+                for seq, budget in rows:
+                    self.prefill_alone(seq, budget)
+
+    def prefill_alone(self, seq: Sequence, budget: int) -> None:
+        """`prefill_single`; a failure ends only that request."""
+        try:
+            self.prefill_single(seq, budget)
+        except Exception as exc:  # one bad request ends only itself
+            self.fail_prefill(seq, exc)
+
+    def _prefill_pieces_together(self, rows: list[tuple[Sequence, int]], bucket: int) -> None:
+        t0 = time.perf_counter()
+        spans = [(seq.prefilled, min(seq.prefill_end, seq.prefilled + budget)) for seq, budget in rows]
+        seqs = [seq for seq, _ in rows]
+        self.model.prefill_pieces([s.prompt for s in seqs], spans, bucket)
+        self.stats.batched_prefills += 1
+        mx.async_eval([c.state for s in seqs for c in s.prompt.cache])
+        if self.hooks:
+            self.hooks.on_prefill(time.perf_counter() - t0)
+        done = []
+        for seq, (_, end) in zip(seqs, spans):
+            seq.prefilled = end
+            if end == seq.prefill_end:
+                self._store_prefix(seq, seq.prompt.cache)
+                done.append(seq)
+        if done:
+            self._join(done, self.model.merge_caches([s.prompt.cache for s in done]))
+
     def _first_token_from_prefill(self, seq: Sequence, logits: mx.array) -> None:
         """Sample a row's first token from the logits of its prompt's last position."""
         token = int(sample_batch(logits, [seq.sampler]).item())

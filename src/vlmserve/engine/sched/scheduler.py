@@ -27,6 +27,9 @@ class PrefillPlan:
     """How one step spends its prefill budget, oldest request first."""
 
     singles: list[tuple[Sequence, int]] = field(default_factory=list)  # (row, most tokens to prefill), in order
+    # (row, most tokens) of rows any forward may take the next piece of (prompts of plain causal
+    # rows past the first chunk or continuing a cached prefix): prefilled together.
+    pieces: list[tuple[Sequence, int]] = field(default_factory=list)
     group: list[Sequence] = field(default_factory=list)  # whole prompts prefilled in one left-padded forward
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # rows whose embedding failed
 
@@ -182,7 +185,7 @@ class Scheduler:
                 budget -= remaining
             else:
                 share = remaining if seq.whole_prompt else min(budget, self.prefill_chunk)
-                plan.singles.append((seq, share))
+                (plan.pieces if seq.batchable and not seq.whole_prompt else plan.singles).append((seq, share))
                 budget -= min(remaining, share)
         if len(plan.group) == 1 and self.prefill_bucket <= 1:
             plan.singles.append((plan.group.pop(), self.prefill_chunk))

@@ -72,9 +72,9 @@ def test_short_new_prompts_share_one_forward_within_the_budget():
     admitted(sched, request("a", 41), request("b", 41), request("c", 41))
     calls = []
     plan = sched.plan_prefill(embedder(calls))
-    # a and b fit whole (40 tokens each); c's 40 no longer fit the 20 left: it takes those 20 alone.
+    # a and b fit whole (40 tokens each); c's 40 no longer fit the 20 left: it takes those 20 as a piece.
     assert [s.req.request_id for s in plan.group] == ["a", "b"]
-    assert [(s.req.request_id, n) for s, n in plan.singles] == [("c", 20)]
+    assert [(s.req.request_id, n) for s, n in plan.pieces] == [("c", 20)] and plan.singles == []
     assert calls == ["a", "b", "c"]
 
 
@@ -82,7 +82,16 @@ def test_a_long_prompt_goes_one_chunk_per_step():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000)
     admitted(sched, request("long", 300))
     plan = sched.plan_prefill(embedder([]))
-    assert plan.group == [] and [(s.req.request_id, n) for s, n in plan.singles] == [("long", 64)]
+    assert plan.group == [] and [(s.req.request_id, n) for s, n in plan.pieces] == [("long", 64)]
+
+
+def test_pieces_of_several_long_prompts_share_a_step_within_the_budget():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=150)
+    admitted(sched, request("x", 300), request("y", 300), request("z", 300))
+    plan = sched.plan_prefill(embedder([], cached={"y": 280}))  # y: 19 left before its last token
+    assert [(s.req.request_id, n) for s, n in plan.pieces] == [("x", 64), ("y", 64), ("z", 64)]
+    assert plan.singles == [] and plan.group == []
+    assert sched.unembedded_in_budget()[1] == 150 - 64 - 19 - 64
 
 
 def test_a_lone_prompt_without_buckets_keeps_its_exact_shape():
@@ -104,12 +113,12 @@ def test_the_budget_ends_the_step_before_later_prompts_are_embedded():
     assert [s.req.request_id for s in plan.group] == ["a"] and plan.singles == []
 
 
-def test_a_prefix_cache_hit_is_prefilled_alone_and_counts_only_what_is_left():
+def test_a_prefix_cache_hit_is_prefilled_as_a_piece_and_counts_only_what_is_left():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100, prefill_bucket=16)
     admitted(sched, request("hit", 50), request("a", 41), request("b", 41))
     plan = sched.plan_prefill(embedder([], cached={"hit": 45}))
-    # 4 tokens left for the hit (alone: its cache holds a prefix), then a and b fit whole (40 each).
-    assert [(s.req.request_id, n) for s, n in plan.singles] == [("hit", 64)]
+    # 4 tokens left for the hit (a piece: its cache holds a prefix), then a and b fit whole (40 each).
+    assert [(s.req.request_id, n) for s, n in plan.pieces] == [("hit", 64)]
     assert [s.req.request_id for s in plan.group] == ["a", "b"]
 
 

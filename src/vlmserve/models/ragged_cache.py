@@ -1,0 +1,65 @@
+"""One layer's KV for a forward that prefills the next piece of several prompts at once.
+
+Each row keeps its own mlx_vlm KVCache (the request's prompt cache); the rows may already
+hold different numbers of positions (earlier chunks, a prefix-cache hit) and take pieces of
+different lengths. The forward's inputs are right-padded to the longest piece; this view writes
+each row's real positions into that row's own cache and hands attention every row's keys
+side by side, padded to one width, with a mask that keeps each query to its own row's past.
+Padded query positions compute values nobody reads; nothing of them reaches a cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+# Key widths are rounded up to this (mlx_vlm's KVCache grows its buffers in the same steps), so
+# forwards of similar rows share kernel shapes.
+WIDTH_STEP = 256
+
+
+class RaggedLayerCache:
+    """What a prompt forward's attention needs of a cache: `offset` (each row's RoPE start, an
+    array), `make_mask` and `update_and_fetch`, over several rows' own caches."""
+
+    def __init__(self, rows: list[Any], lengths: list[int]):
+        if any(n < 1 for n in lengths):
+            raise ValueError("every row takes at least one position")
+        self.rows = rows  # each row's KVCache, written in place
+        self.lengths = lengths  # real positions of each row's piece
+        self.starts = [int(c.offset) for c in rows]
+        self.offset = mx.array(self.starts, dtype=mx.int32)
+        self._offset = 0  # mlx_vlm's cache_position_offset reads this instead of syncing on `offset`
+        ends = max(s + n for s, n in zip(self.starts, lengths))
+        self.width = -(-ends // WIDTH_STEP) * WIDTH_STEP
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
+        """(rows, 1, n, width): query i of row r sees keys up to starts[r] + i."""
+        if window_size:
+            raise NotImplementedError("a sliding window is not prefilled in ragged pieces")
+        keys = mx.arange(self.width)[None, None, None, :]
+        last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
+        return keys <= last
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """keys, values (rows, kv_heads, n, dim), right-padded: each row's real positions go into its
+        cache; returns every row's keys and values, (rows, kv_heads, width, dim)."""
+        all_keys, all_values = [], []
+        for i, (cache, n) in enumerate(zip(self.rows, self.lengths)):
+            k, v = cache.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+            all_keys.append(_to_width(k, self.width))
+            all_values.append(_to_width(v, self.width))
+        return mx.concatenate(all_keys), mx.concatenate(all_values)
+
+    def rollback(self) -> None:
+        """Forget what a failed forward wrote: each row's cache ends where it started."""
+        for cache, start in zip(self.rows, self.starts):
+            if int(cache.offset) > start:
+                cache.offset = start
+
+
+def _to_width(x: mx.array, width: int) -> mx.array:
+    """(1, heads, L, dim) -> (1, heads, width, dim), zeros after L (masked off)."""
+    pad = width - x.shape[2]
+    return mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad > 0 else x

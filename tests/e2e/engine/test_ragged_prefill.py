@@ -1,0 +1,126 @@
+"""Pieces of several long prompts share one forward (models/ragged_cache.py): with a small prefill
+chunk, concurrent image and text requests are prefilled piece by piece together, and each gives
+the tokens it gives alone (where its prompt is prefilled one forward at a time)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from support.families import checkpoint
+from support.helpers import chat_body, data_uri, images
+from support.server import start_server
+from vlmserve.models.ragged_cache import RaggedLayerCache
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 8
+LONG = " ".join(f"word{i}" for i in range(60))
+
+
+def _bodies(model: str) -> list[dict]:
+    imgs = images()
+    cases = [
+        ("Describe the picture in detail. " + LONG[:120], [imgs[1]]),
+        ("What is in this image?", [imgs[2]]),
+        ("Summarise: " + LONG, []),
+        ("Count the words: " + LONG[:200], []),
+        ("Compare the two pictures.", [imgs[0], imgs[2]]),
+    ]
+    return [
+        chat_body(model, text, [data_uri(p) for p in paths], max_tokens=MAX_TOKENS, temperature=0)
+        for text, paths in cases
+    ]
+
+
+async def _outputs(server, bodies, concurrent: bool) -> list[str]:
+    async def post(c, body):
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as c:
+        if concurrent:
+            return list(await asyncio.gather(*(post(c, b) for b in bodies)))
+        return [await post(c, b) for b in bodies]
+
+
+def _server(family: str, tmp_path_factory):
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    return start_server(
+        str(checkpoint(family, "float32", cache_dir)), max_num_seqs=8, prefill_chunk=32, prefix_cache_tokens=0
+    )
+
+
+def _count_calls(model) -> list[int]:
+    """Rows in each `prefill_pieces` call the model gets from now on."""
+    calls: list[int] = []
+    prefill_pieces = model.prefill_pieces
+
+    def spy(states, spans, bucket=1):
+        calls.append(len(states))
+        return prefill_pieces(states, spans, bucket)
+
+    model.prefill_pieces = spy
+    return calls
+
+
+# M-RoPE (qwen2_vl, glm4v), deepstack rows (qwen3_vl), plain RoPE offsets (llava, mistral3,
+# idefics3, internvl_chat), multi-head latent attention (kimi_vl); gemma3's sliding windows cannot.
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "glm4v", "qwen3_vl", "llava", "mistral3", "idefics3", "internvl_chat", "kimi_vl", "gemma3"]
+)
+def test_pieces_prefilled_together_give_each_prompts_own_tokens(family, tmp_path_factory):
+    server = _server(family, tmp_path_factory)
+    try:
+        model = server.engine.core.model
+        calls = _count_calls(model)
+        bodies = _bodies(server.model_id)
+        alone = asyncio.run(_outputs(server, bodies, concurrent=False))
+        assert calls == []  # one request at a time: its pieces go one forward each
+        together = asyncio.run(_outputs(server, bodies, concurrent=True))
+        assert together == alone
+        if family == "gemma3":
+            assert not model.prefills_pieces and calls == []
+        else:
+            assert calls and max(calls) >= 2  # several rows' pieces shared forwards
+            assert model.prefills_pieces  # and the model still takes such forwards
+    finally:
+        server.stop()
+
+
+class _NoRaggedForward:
+    """A language model whose forward refuses ragged caches (as one that needs its offset as a number)."""
+
+    def __init__(self, inner, kv_layout):
+        self._inner = inner
+        self._kv = kv_layout
+
+    def __call__(self, *args, cache=None, **kwargs):
+        if cache and isinstance(cache[0], RaggedLayerCache):
+            _, (heads, dim, _), dtype = self._kv
+            written = mx.zeros((len(cache[0].rows), heads, max(cache[0].lengths), dim), dtype=dtype)
+            cache[0].update_and_fetch(written, written)  # the first layer writes, then the forward fails
+            raise TypeError("offset must be an int")
+        return self._inner(*args, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_model_that_cannot_take_pieces_together_prefills_them_one_at_a_time(tmp_path_factory):
+    server = _server("qwen2_vl", tmp_path_factory)
+    try:
+        model = server.engine.core.model
+        bodies = _bodies(server.model_id)
+        alone = asyncio.run(_outputs(server, bodies, concurrent=False))
+        model.language_model = _NoRaggedForward(model.language_model, model.kv_layout())
+        together = asyncio.run(_outputs(server, bodies, concurrent=True))
+        assert together == alone  # what the failed forward wrote was taken back
+        assert not model.prefills_pieces
+    finally:
+        server.stop()
