@@ -49,6 +49,29 @@ def _time(fn, repeat: int) -> tuple[float, float]:
     return float(np.median(hosts)) * 1e3, float(np.median(totals)) * 1e3
 
 
+def _ways(model, states, start: int, end: int) -> dict:
+    """The two ways to prefill positions [start, end) of every state, each from the same caches."""
+    snapshot = [[c.offset for c in st.cache] for st in states]
+
+    def rewind():
+        for st, offsets in zip(states, snapshot):
+            for c, off in zip(st.cache, offsets):
+                c.offset = off
+
+    def alone():
+        rewind()
+        for st in states:
+            model.prefill(st, start, end)
+        return [c.state for st in states for c in st.cache]
+
+    def together():
+        rewind()
+        model.prefill_pieces(states, [(start, end)] * len(states), 64)
+        return [c.state for st in states for c in st.cache]
+
+    return {"alone": alone, "together": together}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", type=Path)
@@ -59,33 +82,12 @@ def main() -> None:
     args = ap.parse_args()
     config = json.loads((args.model / "config.json").read_text())
     model = load_model_adapter(args.model, config["model_type"], ())
-    results = []
     for rows in args.rows:
         states = _states(model, rows, args.before, args.piece)
-        start, end = args.before, args.before + args.piece
-        snapshot = [[c.offset for c in st.cache] for st in states]
-
-        def rewind():
-            for st, offsets in zip(states, snapshot):
-                for c, off in zip(st.cache, offsets):
-                    c.offset = off
-
-        def alone():
-            rewind()
-            for st in states:
-                model.prefill(st, start, end)
-            return [c.state for st in states for c in st.cache]
-
-        def together():
-            rewind()
-            model.prefill_pieces(states, [(start, end)] * rows, 64)
-            return [c.state for st in states for c in st.cache]
-
-        for name, fn in (("alone", alone), ("together", together)):
+        for name, fn in _ways(model, states, args.before, args.before + args.piece).items():
             _time(fn, 2)  # first runs build kernels
             host, total = _time(fn, args.repeat)
-            results.append({"rows": rows, "way": name, "host_ms": round(host, 2), "total_ms": round(total, 2)})
-            print(json.dumps(results[-1]), flush=True)
+            print(json.dumps({"rows": rows, "way": name, "host_ms": round(host, 2), "total_ms": round(total, 2)}))
 
 
 if __name__ == "__main__":

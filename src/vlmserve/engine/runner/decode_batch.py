@@ -158,6 +158,13 @@ class PagedDecodeBatch:
         self.pool.from_host(owner.blocks, host_kv, owner.cache_len)
         self._place(owner)
 
+    def read(self, owner: Any) -> list[tuple[mx.array, mx.array]]:
+        """A row's KV on the device, (1, kv_heads, cache_len, dim) per layer (lazy: a gather)."""
+        return [
+            (k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
+            for k, v in self.pool.read(owner.blocks, owner.cache_len)
+        ]
+
     def evict(self, owner: Any) -> list:
         """Copy a row's KV to the host and take it out of the batch (preemption)."""
         host_kv = self.pool.to_host(owner.blocks, owner.cache_len)
@@ -251,6 +258,9 @@ class DtypeGroupedBatch:
 
     def resume(self, owner: Any, host_kv: list) -> None:
         self._group(owner.kv_dtype).resume(owner, host_kv)
+
+    def read(self, owner: Any) -> list[tuple[mx.array, mx.array]]:
+        return self.groups[owner.kv_dtype].read(owner)
 
     def evict(self, owner: Any) -> list:
         host_kv = self.groups[owner.kv_dtype].evict(owner)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
 from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed
@@ -283,6 +284,21 @@ class ModelRunner:
         store, key = self._prefix_cache(seq)
         if store is not None:
             store.store(key[: seq.num_prompt - 1], cache)
+
+    def _store_sequence(self, seq: Sequence) -> None:
+        """A finished row's prompt and output KV goes into its prefix cache: a chat's next turn
+        sends this very answer back, and finds it computed (as far as its tokens match)."""
+        if self.batch is None or not self.batch.paged or seq not in self.sched.running:
+            return
+        store, key = self._prefix_cache(seq)
+        if store is None or seq.cache_len <= seq.num_prompt:
+            return
+        ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
+        batch = self.batch
+        try:
+            store.store_layers(ids, lambda: batch.read(seq))
+        except Exception:  # noqa: BLE001 - a cache entry is never worth a request
+            log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
         """Prefilled rows enter the running batch; their last prompt token is the next input."""
@@ -551,6 +567,7 @@ class ModelRunner:
     # ---- per-token bookkeeping ---------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
         seq.generated += 1
+        seq.output_ids.append(token)
         seq.sampler.observe(token)
         if seq.sampler.logits_mask is not None:
             seq.sampler.logits_mask.consume(token)
@@ -589,6 +606,7 @@ class ModelRunner:
         event = event or TokenEvent()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             event.text += seq.text.finish()
+            self._store_sequence(seq)
         event.finish_reason = reason
         event.error = error
         event.prompt_tokens = seq.num_prompt

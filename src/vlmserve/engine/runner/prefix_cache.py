@@ -80,30 +80,45 @@ class PrefixCache:
         return best_n
 
     def store(self, tokens: np.ndarray, cache: list[Any]) -> None:
+        """Keep the KV of `tokens` from a prompt's own cache (per layer, at least that long)."""
+        if self.supports(cache):
+            n = len(tokens)
+            self.store_layers(tokens, lambda: [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache])
+
+    def store_layers(self, tokens: np.ndarray, layers: Callable[[], list[tuple[mx.array, mx.array]]]) -> None:
+        """Keep `layers()`, the KV of `tokens`, (1, kv_heads, len(tokens), dim) per layer (called
+        only if the entry is kept). Entries whose keys it extends go: it serves their lookups."""
         n = len(tokens)
-        if n > self.max_tokens or not self.supports(cache):
+        if n > self.max_tokens:
             return
         key = tuple(int(t) for t in tokens)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        units = self.units(n, cache[0].keys.dtype)
+        tokens = np.array(tokens, dtype=np.int64)
+        for old, (_, _, stored) in list(self._entries.items()):
+            if len(stored) < n and np.array_equal(stored, tokens[: len(stored)]):
+                self._remove(old)
+        kv = layers()
+        units = self.units(n, kv[0][0].dtype)
         if self.budget is not None:
             self.reclaim(units)  # older entries make way for this one, never a running row
             if not self.budget.take(units):
                 return
-        layers = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
-        # Queued, not waited for: the host goes on to launch the row's first decode step while the
-        # device finishes the prefill these views read.
-        mx.async_eval(layers)
-        self._entries[key] = (layers, units, np.array(tokens, dtype=np.int64))
+        # Queued, not waited for: the host goes on to launch the next decode step while the
+        # device finishes the work these arrays read.
+        mx.async_eval(kv)
+        self._entries[key] = (kv, units, tokens)
         self._tokens += n
         while self._tokens > self.max_tokens:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        old, (_, units, _) = self._entries.popitem(last=False)
-        self._tokens -= len(old)
+        self._remove(next(iter(self._entries)))
+
+    def _remove(self, key: tuple[int, ...]) -> None:
+        _, units, _ = self._entries.pop(key)
+        self._tokens -= len(key)
         if self.budget is not None:
             self.budget.give(units)
 

@@ -37,6 +37,7 @@ class Sequence:
     cache_len: int = 0
     last_token: int = -1
     generated: int = 0
+    output_ids: list[int] = field(default_factory=list)  # the tokens it generated, in order
     finished: bool = False
     batchable: bool = True  # its prompt cache can join a batched prefill (the runner says, when embedding)
     whole_prompt: bool = False  # its prompt is prefilled in one piece, never in chunks (the runner says)
