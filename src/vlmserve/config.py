@@ -23,7 +23,7 @@ class ServerConfig:
     prefill_token_budget: int | None = 8192  # prompt tokens per step over all requests (None: one chunk)
     prefill_bucket: int = 64  # pad prompt lengths to multiples of this; 0 keeps exact shapes
     max_model_len: int | None = None  # None: from the model config
-    prefix_cache_tokens: int = 65536
+    prefix_cache_tokens: int = 131072
     # Reuse for image requests, keyed by image content: vision features and prompt KV (off: the
     # strict rule, no reuse at all for requests with pixels).
     mm_cache: bool = True

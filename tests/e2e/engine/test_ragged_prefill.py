@@ -48,21 +48,24 @@ async def _outputs(server, bodies, concurrent: bool) -> list[str]:
         return [await post(c, b) for b in bodies]
 
 
-def _server(family: str, tmp_path_factory):
+def _server(family: str, tmp_path_factory, prefix_cache_tokens: int = 0):
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     return start_server(
-        str(checkpoint(family, "float32", cache_dir)), max_num_seqs=8, prefill_chunk=32, prefix_cache_tokens=0
+        str(checkpoint(family, "float32", cache_dir)),
+        max_num_seqs=8,
+        prefill_chunk=32,
+        prefix_cache_tokens=prefix_cache_tokens,
     )
 
 
-def _count_calls(model) -> list[int]:
-    """Rows in each `prefill_pieces` call the model gets from now on."""
-    calls: list[int] = []
+def _count_calls(model) -> list[list[int]]:
+    """The piece lengths of each `prefill_pieces` call the model gets from now on."""
+    calls: list[list[int]] = []
     prefill_pieces = model.prefill_pieces
 
     def spy(states, spans, bucket=1):
-        calls.append(len(states))
+        calls.append([end - start for start, end in spans])
         return prefill_pieces(states, spans, bucket)
 
     model.prefill_pieces = spy
@@ -87,7 +90,8 @@ def test_pieces_prefilled_together_give_each_prompts_own_tokens(family, tmp_path
         if family == "gemma3":
             assert not model.prefills_pieces and calls == []
         else:
-            assert calls and max(calls) >= 2  # several rows' pieces shared forwards
+            assert calls and max(map(len, calls)) >= 2  # several rows' pieces shared forwards
+            assert min(map(min, calls)) > 0  # rows with nothing left never reach a forward
             assert model.prefills_pieces  # and the model still takes such forwards
     finally:
         server.stop()
@@ -122,5 +126,19 @@ def test_a_model_that_cannot_take_pieces_together_prefills_them_one_at_a_time(tm
         together = asyncio.run(_outputs(server, bodies, concurrent=True))
         assert together == alone  # what the failed forward wrote was taken back
         assert not model.prefills_pieces
+    finally:
+        server.stop()
+
+
+def test_rows_whose_cached_prefix_leaves_nothing_to_prefill_join_without_a_forward(tmp_path_factory):
+    server = _server("qwen2_vl", tmp_path_factory, prefix_cache_tokens=65536)
+    try:
+        model = server.engine.core.model
+        bodies = _bodies(server.model_id)
+        alone = asyncio.run(_outputs(server, bodies, concurrent=False))
+        calls = _count_calls(model)
+        again = asyncio.run(_outputs(server, bodies, concurrent=True))  # every prompt is cached but its last token
+        assert again == alone
+        assert model.prefills_pieces and calls == []
     finally:
         server.stop()

@@ -220,13 +220,20 @@ class ModelRunner:
         t0 = time.perf_counter()
         spans = [(seq.prefilled, min(seq.prefill_end, seq.prefilled + budget)) for seq, budget in rows]
         seqs = [seq for seq, _ in rows]
-        self.model.prefill_pieces([s.prompt for s in seqs], spans, bucket)
-        self.stats.batched_prefills += 1
-        mx.async_eval([c.state for s in seqs for c in s.prompt.cache])
-        if self.hooks:
-            self.hooks.on_prefill(time.perf_counter() - t0)
+        # A prefix hit may leave nothing before the last token: such a row only joins.
+        todo = [(seq, span) for seq, span in zip(seqs, spans) if span[1] > span[0]]
+        if len(todo) == 1:
+            self.prefill_alone(todo[0][0], todo[0][1][1] - todo[0][1][0])
+        elif todo:
+            self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], bucket)
+            self.stats.batched_prefills += 1
+            mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
+            if self.hooks:
+                self.hooks.on_prefill(time.perf_counter() - t0)
         done = []
         for seq, (_, end) in zip(seqs, spans):
+            if seq.finished or seq not in self.sched.prefilling:  # prefill_alone took it
+                continue
             seq.prefilled = end
             if end == seq.prefill_end:
                 self._store_prefix(seq, seq.prompt.cache)
