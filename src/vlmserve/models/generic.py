@@ -21,7 +21,14 @@ import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.utils import load_model
 
-from vlmserve.engine.ops import decode_attention, few_row_quantized, fused_projections, rope_rotation
+from vlmserve.engine.ops import (
+    cuda_kernels,
+    decode_attention,
+    few_row_quantized,
+    fused_projections,
+    many_row_dequantized,
+    rope_rotation,
+)
 from vlmserve.models.image_rows import ImageRows
 from vlmserve.models.ragged_cache import RaggedLayerCache
 from vlmserve.protocol import ModelInfo, PreparedRequest
@@ -198,6 +205,8 @@ class GenericModel:
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
+        if cuda_kernels.enabled():  # elsewhere MLX's quantized matmul stays (and mlx_vlm's outputs, bit for bit)
+            many_row_dequantized.install(self.model)
 
     def kernels_pending(self) -> int:
         """Kernel builds left for the engine's idle time (`build_next_kernel`)."""

@@ -11,6 +11,7 @@ import pytest
 from support.helpers import chat_body, data_uri, images
 from support.reference import mlx_vlm_text
 from support.server import start_server
+from vlmserve.models.qwen2_vl import adapter as qwen_adapter
 
 MAX_TOKENS = 12
 
@@ -57,9 +58,10 @@ def test_family_matches_mlx_vlm_alone_and_batched(family_server):
         assert got == mlx_vlm_text(family_server, text, paths, MAX_TOKENS)
 
 
-def test_images_of_several_requests_share_one_vision_call(family_server):
+def test_images_of_several_requests_share_one_vision_call(family_server, monkeypatch):
     """embed_prompts (the scheduler's path for requests admitted together) gives each request the
-    embeddings and M-RoPE positions it gets alone; grid towers encode all images in one call."""
+    embeddings and M-RoPE positions it gets alone; grid towers encode all images in one call, or in
+    one call per request when TOWER_PATCHES bounds each call to less than any two images."""
     import numpy as np
 
     from vlmserve.entrypoints.openai.chat_request import parse_chat_request
@@ -88,11 +90,15 @@ def test_images_of_several_requests_share_one_vision_call(family_server):
             together = vlm.embed_prompts(prepared)
             n_together = len(calls)
             alone = [vlm.embed_prompt(p) for p in prepared]
+            n_alone = len(calls) - n_together
+            monkeypatch.setattr(qwen_adapter, "TOWER_PATCHES", 1)  # every image past the bound: a call each
+            split = vlm.embed_prompts(prepared)
+            n_split = len(calls) - n_together - n_alone
         finally:
             tower_cls.__call__ = original
             vlm.feature_cache = features
         rows = []
-        for a, b in zip(together, alone):
+        for a, b in [*zip(together, alone), *zip(split, alone)]:
             pos = (None, None) if a.position_ids is None else (np.array(a.position_ids), np.array(b.position_ids))
             rows.append(
                 (
@@ -103,12 +109,12 @@ def test_images_of_several_requests_share_one_vision_call(family_server):
                     *pos,
                 )
             )
-        return n_together, len(calls) - n_together, rows
+        return n_together, n_alone, n_split, rows
 
-    n_together, n_alone, rows = family_server.on_worker(compare)
+    n_together, n_alone, n_split, rows = family_server.on_worker(compare)
     assert n_alone == 3  # three of the four requests carry images
     if family_server.state.engine.info.model_type in ("qwen2_vl", "qwen2_5_vl"):
-        assert n_together == 1
+        assert n_together == 1 and n_split == 3
     for emb_t, emb_a, delta_t, delta_a, pos_t, pos_a in rows:
         np.testing.assert_allclose(emb_t, emb_a, rtol=1e-5, atol=1e-5)
         assert delta_t == delta_a

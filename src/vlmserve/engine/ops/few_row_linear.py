@@ -24,7 +24,7 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
         bias = layer.get("bias", None)
         if few_row_matmul.serves(x, layer["weight"], bias):
             return few_row_matmul.matmul(x, layer["weight"], bias)
-    elif type(layer) is nn.QuantizedLinear:
+    elif isinstance(layer, nn.QuantizedLinear):  # many_row_dequantized's subclass too
         return _quantized(layer, x, layer)
     return layer(x)
 

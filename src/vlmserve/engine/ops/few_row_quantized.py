@@ -211,7 +211,7 @@ def _candidates(module: nn.Module):
         return
     for name, layer in module.named_modules():
         # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
-        if type(layer) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "_alone" in name.split("."):
+        if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "_alone" in name.split("."):
             continue
         dtype = layer["scales"].dtype
         if _fits(layer, dtype):

@@ -24,6 +24,26 @@ from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
 from vlmserve.protocol import PreparedRequest
 
+# Patches one vision-tower call takes (a larger image alone). The tower's activations grow with
+# its input: MLX's peak above the weights for a 2B model's tower was 5.5 GB at 8 images of 448x448
+# (8,192 patches), 12.3 GB at 16 and 14.6 GB at 33 (H200, benchmarks/vision_memory.py), for
+# 4.4 against 3.6 ms per image.
+TOWER_PATCHES = 8192
+
+
+def _tower_calls(requests: list[PreparedRequest], grids: dict) -> list[list[PreparedRequest]]:
+    """The requests in order, grouped into tower calls of at most TOWER_PATCHES patches."""
+    calls: list[list[PreparedRequest]] = []
+    patches = 0
+    for p in requests:
+        n = int(np.prod(grids[id(p)], axis=1).sum())
+        if not calls or patches + n > TOWER_PATCHES:
+            calls.append([])
+            patches = 0
+        calls[-1].append(p)
+        patches += n
+    return calls
+
 
 def image_grids(prepared: PreparedRequest) -> np.ndarray:
     """The (t, h, w) patch grid of each of a request's images, (N, 3)."""
@@ -57,8 +77,9 @@ class QwenVLModel(GenericModel):
     def embed_prompts(
         self, prepared: list[PreparedRequest], staged: list[dict[str, mx.array] | None] | None = None
     ) -> list[PromptState]:
-        """All images of these prompts go through one vision-tower call (one launch sequence
-        instead of one per image); image prompts are embedded from host-side indices."""
+        """The images of these prompts go through the vision tower together, as few calls as
+        TOWER_PATCHES allows (one launch sequence instead of one per image); image prompts are
+        embedded from host-side indices."""
         staged = staged or [None] * len(prepared)
         inputs = {id(p): s for p, s in zip(prepared, staged) if s is not None}
         with_images = [p for p in prepared if p.has_pixels]
@@ -78,13 +99,15 @@ class QwenVLModel(GenericModel):
             for p in todo:  # one host->device copy per request not staged already
                 if id(p) not in inputs:
                     inputs[id(p)] = self.stage_inputs(p)
-            pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in todo]).astype(dtype)
-            features = self._tower(pixels, np.concatenate([grids[id(p)] for p in todo]))
-            # Start the tower now: the per-request embedding below is host work (M-RoPE positions),
-            # done while the device runs the tower's last command buffers instead of before them.
-            mx.async_eval(features)
-            rows = np.cumsum([int(np.prod(grids[id(p)], axis=1).sum()) // merge for p in todo])[:-1]
-            computed = dict(zip((id(p) for p in todo), mx.split(features, rows.tolist())))
+            computed = {}
+            for call in _tower_calls(todo, grids):
+                pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in call]).astype(dtype)
+                features = self._tower(pixels, np.concatenate([grids[id(p)] for p in call]))
+                # Start the tower now: the next call and the per-request embedding below are host
+                # work, done while the device runs this one (which also frees its activations first).
+                mx.async_eval(features)
+                rows = np.cumsum([int(np.prod(grids[id(p)], axis=1).sum()) // merge for p in call])[:-1]
+                computed.update(zip((id(p) for p in call), mx.split(features, rows.tolist())))
             self._store_features(todo, grids, computed, merge)
             for group in same.values():
                 for p in group:
@@ -137,6 +160,7 @@ class QwenVLModel(GenericModel):
         vc = self.model.config.vision_config
         width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        max_images = min(max_images, max(1, TOWER_PATCHES // int(np.prod(grid_thw))))  # what one call takes
         counts = [1 << i for i in range(max(1, max_images).bit_length())]
         for n in counts:
             pixels = mx.zeros((n * int(np.prod(grid_thw)), width), dtype=dtype)
