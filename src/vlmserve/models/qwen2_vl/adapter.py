@@ -100,12 +100,17 @@ class QwenVLModel(GenericModel):
                 if id(p) not in inputs:
                     inputs[id(p)] = self.stage_inputs(p)
             computed = {}
-            for call in _tower_calls(todo, grids):
+            calls = _tower_calls(todo, grids)
+            for i, call in enumerate(calls):
                 pixels = mx.concatenate([inputs[id(p)]["pixel_values"] for p in call]).astype(dtype)
                 features = self._tower(pixels, np.concatenate([grids[id(p)] for p in call]))
-                # Start the tower now: the next call and the per-request embedding below are host
-                # work, done while the device runs this one (which also frees its activations first).
-                mx.async_eval(features)
+                if i < len(calls) - 1:
+                    # Done before the next call is queued: queued calls hold their activations at once.
+                    mx.eval(features)
+                else:
+                    # Started now: the per-request embedding below is host work (M-RoPE positions),
+                    # done while the device runs the tower's last command buffers.
+                    mx.async_eval(features)
                 rows = np.cumsum([int(np.prod(grids[id(p)], axis=1).sum()) // merge for p in call])[:-1]
                 computed.update(zip((id(p) for p in call), mx.split(features, rows.tolist())))
             self._store_features(todo, grids, computed, merge)
