@@ -83,10 +83,15 @@ def test_pieces_prefilled_together_give_each_prompts_own_tokens(family, tmp_path
         model = server.engine.core.model
         calls = _count_calls(model)
         bodies = _bodies(server.model_id)
+        takes_pieces = model.prefills_pieces
+        model._pieces_work = False  # the reference: every piece through the single-prompt path
+        reference = asyncio.run(_outputs(server, bodies, concurrent=False))
+        model._pieces_work = takes_pieces
+        assert calls == []
         alone = asyncio.run(_outputs(server, bodies, concurrent=False))
-        assert calls == []  # one request at a time: its pieces go one forward each
+        assert all(len(c) == 1 for c in calls)  # alone, a prompt's later pieces still take that forward
         together = asyncio.run(_outputs(server, bodies, concurrent=True))
-        assert together == alone
+        assert together == alone == reference
         if family == "gemma3":
             assert not model.prefills_pieces and calls == []
         else:

@@ -194,12 +194,16 @@ class ModelRunner:
     def prefill_pieces(self, pieces: list[tuple[Sequence, int]], bucket: int) -> None:
         """The next piece (up to its budget) of several rows' prompts, in one forward per embedding
         dtype whatever each row holds already; rows whose prompts are then in join the batch.
-        A lone row, or a model that cannot take such a forward, goes through `prefill_single`."""
+
+        A row continuing its own cache takes that forward even alone: the single path's attention
+        over a cache (cuDNN's on CUDA) builds a plan for every new context length, ~90 ms each on
+        an H100, where this one's has no plan. A lone first piece, or a model that cannot take such
+        a forward, goes through `prefill_single` (mlx_vlm.generate's shapes)."""
         by_dtype: dict = {}
         for seq, budget in pieces:
             by_dtype.setdefault(seq.prompt.embeds.dtype, []).append((seq, budget))
         for rows in by_dtype.values():
-            if len(rows) == 1 or not self.model.prefills_pieces:
+            if not self.model.prefills_pieces or (len(rows) == 1 and rows[0][0].prefilled == 0):
                 for seq, budget in rows:
                     self.prefill_alone(seq, budget)
                 continue
@@ -222,8 +226,8 @@ class ModelRunner:
         seqs = [seq for seq, _ in rows]
         # A prefix hit may leave nothing before the last token: such a row only joins.
         todo = [(seq, span) for seq, span in zip(seqs, spans) if span[1] > span[0]]
-        if len(todo) == 1:
-            self.prefill_alone(todo[0][0], todo[0][1][1] - todo[0][1][0])
+        if len(todo) == 1 and todo[0][1][0] == 0:
+            self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
             self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], bucket)
             self.stats.batched_prefills += 1
