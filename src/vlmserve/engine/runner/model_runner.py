@@ -135,9 +135,10 @@ class ModelRunner:
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         cache, key = self._prefix_cache(seq)
         if cache is not None:
-            # A hit makes the row prefill alone: one that could join a batched prefill takes only
-            # a hit long enough to pay for that, or half its prompt (not the chat template's
-            # opening tokens that every request shares: a forward of its own costs more).
+            # A hit takes the row out of the new prompts' forward into the one of prompts continuing
+            # a cache (a second forward, ragged): a row that could join the first takes only a hit
+            # long enough to pay for that, or half its prompt (not the chat template's opening
+            # tokens that every request shares).
             least = min(MIN_PREFIX_HIT, len(key) // 2) if seq.batchable else 1
             seq.prefilled = seq.cached_tokens = cache.lookup(key, prompt.cache, least)
             if self.hooks:
