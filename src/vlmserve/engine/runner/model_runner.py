@@ -210,9 +210,10 @@ class ModelRunner:
                 continue
             try:
                 self._prefill_pieces_together(rows, max(1, bucket))
-            except Exception:  # noqa: BLE001 - the model said why (prefill_pieces); nothing was written
-                for seq, budget in rows:
-                    self.prefill_alone(seq, budget)
+            except Exception as exc:  # e.g. joining the batch failed: these requests end, others go on
+                for seq, _ in rows:
+                    if not seq.finished and seq in self.sched.prefilling:
+                        self.fail_prefill(seq, exc)
 
     def prefill_alone(self, seq: Sequence, budget: int) -> None:
         """`prefill_single`; a failure ends only that request."""
@@ -230,11 +231,16 @@ class ModelRunner:
         if len(todo) == 1 and todo[0][1][0] == 0:
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
-            self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], bucket)
-            self.stats.batched_prefills += 1
-            mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
-            if self.hooks:
-                self.hooks.on_prefill(time.perf_counter() - t0)
+            try:
+                self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], bucket)
+            except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
+                for seq, (start, end) in todo:
+                    self.prefill_alone(seq, end - start)
+            else:
+                self.stats.batched_prefills += 1
+                mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
+                if self.hooks:
+                    self.hooks.on_prefill(time.perf_counter() - t0)
         done = []
         for seq, (_, end) in zip(seqs, spans):
             if seq.finished or seq not in self.sched.prefilling:  # prefill_alone took it
