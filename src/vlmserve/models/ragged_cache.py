@@ -44,12 +44,21 @@ class RaggedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys, values (rows, kv_heads, n, dim), right-padded: each row's real positions go into its
-        cache; returns every row's keys and values, (rows, kv_heads, width, dim)."""
+        cache; returns every row's keys and values, (rows, kv_heads, width, dim).
+
+        Few operations a row, as each is a kernel launch: one split per layer, the cache's two
+        writes, and a view of (or, if shorter, a pad to) its whole buffer, whose positions past
+        the row's end the mask keeps out (zeros, or what a rolled-back forward wrote)."""
+        rows = len(self.rows)
+        row_keys = mx.split(keys, rows) if rows > 1 else [keys]
+        row_values = mx.split(values, rows) if rows > 1 else [values]
         all_keys, all_values = [], []
-        for i, (cache, n) in enumerate(zip(self.rows, self.lengths)):
-            k, v = cache.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
-            all_keys.append(_to_width(k, self.width))
-            all_values.append(_to_width(v, self.width))
+        for cache, n, k, v in zip(self.rows, self.lengths, row_keys, row_values):
+            if n < k.shape[2]:
+                k, v = k[:, :, :n], v[:, :, :n]
+            cache.update_and_fetch(k, v)
+            all_keys.append(_to_width(cache.keys, self.width))
+            all_values.append(_to_width(cache.values, self.width))
         return mx.concatenate(all_keys), mx.concatenate(all_values)
 
     def rollback(self) -> None:
@@ -60,6 +69,7 @@ class RaggedLayerCache:
 
 
 def _to_width(x: mx.array, width: int) -> mx.array:
-    """(1, heads, L, dim) -> (1, heads, width, dim), zeros after L (masked off)."""
-    pad = width - x.shape[2]
-    return mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad > 0 else x
+    """(1, heads, L, dim) -> (1, heads, width, dim): its first `width` positions, zeros past L."""
+    if x.shape[2] >= width:
+        return x[:, :, :width] if x.shape[2] > width else x
+    return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])

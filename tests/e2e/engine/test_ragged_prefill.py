@@ -59,13 +59,13 @@ def _server(family: str, tmp_path_factory, prefix_cache_tokens: int = 0):
     )
 
 
-def _count_calls(model) -> list[list[int]]:
-    """The piece lengths of each `prefill_pieces` call the model gets from now on."""
-    calls: list[list[int]] = []
+def _count_calls(model) -> list[list[tuple[int, int]]]:
+    """The spans (start, end) of each `prefill_pieces` call the model gets from now on."""
+    calls: list[list[tuple[int, int]]] = []
     prefill_pieces = model.prefill_pieces
 
     def spy(states, spans, bucket=1):
-        calls.append([end - start for start, end in spans])
+        calls.append(list(spans))
         return prefill_pieces(states, spans, bucket)
 
     model.prefill_pieces = spy
@@ -96,7 +96,7 @@ def test_pieces_prefilled_together_give_each_prompts_own_tokens(family, tmp_path
             assert not model.prefills_pieces and calls == []
         else:
             assert calls and max(map(len, calls)) >= 2  # several rows' pieces shared forwards
-            assert min(map(min, calls)) > 0  # rows with nothing left never reach a forward
+            assert all(end > start for call in calls for start, end in call)  # rows with nothing left never do
             assert model.prefills_pieces  # and the model still takes such forwards
     finally:
         server.stop()
@@ -145,5 +145,24 @@ def test_rows_whose_cached_prefix_leaves_nothing_to_prefill_join_without_a_forwa
         again = asyncio.run(_outputs(server, bodies, concurrent=True))  # every prompt is cached but its last token
         assert again == alone
         assert model.prefills_pieces and calls == []
+    finally:
+        server.stop()
+
+
+def test_forwards_of_pieces_stay_within_their_attention_bound(tmp_path_factory, monkeypatch):
+    from vlmserve.engine.runner import model_runner
+
+    server = _server("qwen2_vl", tmp_path_factory)
+    try:
+        model = server.engine.core.model
+        bodies = _bodies(server.model_id)
+        reference = asyncio.run(_outputs(server, bodies, concurrent=True))
+        calls = _count_calls(model)
+        bound = 2 * 32 * 100  # two pieces of 32 over 100 positions; a piece ending past 200 goes alone
+        monkeypatch.setattr(model_runner, "PIECES_MAX_PAIRS", bound)
+        bounded = asyncio.run(_outputs(server, bodies, concurrent=True))
+        assert bounded == reference
+        pairs = [len(c) * max(e - s for s, e in c) * max(e for _, e in c) for c in calls]
+        assert calls and max(pairs) <= bound and max(map(len, calls)) >= 2
     finally:
         server.stop()

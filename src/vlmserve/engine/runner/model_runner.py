@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # A prefix hit this short is not taken by a row that could join a batched prefill (ModelRunner._embedded).
 MIN_PREFIX_HIT = 64
+# Query-key pairs one forward of prompt pieces may attend over (its attention is not fused: the
+# scores are materialized, ~1 GB in bf16 at this bound for a model with 16 heads): 16 pieces of 512
+# tokens over 4k tokens of context. Longer contexts split into more forwards.
+PIECES_MAX_PAIRS = 1 << 25
 _EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
 
 
@@ -203,17 +207,42 @@ class ModelRunner:
         by_dtype: dict = {}
         for seq, budget in pieces:
             by_dtype.setdefault(seq.prompt.embeds.dtype, []).append((seq, budget))
-        for rows in by_dtype.values():
-            if not self.model.prefills_pieces or (len(rows) == 1 and rows[0][0].prefilled == 0):
-                for seq, budget in rows:
-                    self.prefill_alone(seq, budget)
+        for same_dtype in by_dtype.values():
+            forwards = self._pieces_forwards(same_dtype) if self.model.prefills_pieces else [(same_dtype, False)]
+            for rows, together in forwards:
+                if not together or (len(rows) == 1 and rows[0][0].prefilled == 0):
+                    for seq, budget in rows:
+                        self.prefill_alone(seq, budget)
+                    continue
+                try:
+                    self._prefill_pieces_together(rows, max(1, bucket))
+                except Exception as exc:  # e.g. joining the batch failed: these requests end, others go on
+                    for seq, _ in rows:
+                        if not seq.finished and seq in self.sched.prefilling:
+                            self.fail_prefill(seq, exc)
+
+    @staticmethod
+    def _pieces_forwards(rows: list[tuple[Sequence, int]]) -> list[tuple[list[tuple[Sequence, int]], bool]]:
+        """The rows, as (rows, together) forwards: together, their attention scores (rows x longest
+        piece x widest context: that attention is not fused) stay within PIECES_MAX_PAIRS; a row
+        past it on its own goes alone, through the single-prompt path's fused attention."""
+        forwards: list[tuple[list[tuple[Sequence, int]], bool]] = []
+        current: list[tuple[Sequence, int]] = []
+        longest = width = 0
+        for seq, budget in rows:
+            n = max(1, min(seq.prefill_end - seq.prefilled, budget))
+            end = seq.prefilled + n
+            if n * end > PIECES_MAX_PAIRS:
+                forwards.append(([(seq, budget)], False))
                 continue
-            try:
-                self._prefill_pieces_together(rows, max(1, bucket))
-            except Exception as exc:  # e.g. joining the batch failed: these requests end, others go on
-                for seq, _ in rows:
-                    if not seq.finished and seq in self.sched.prefilling:
-                        self.fail_prefill(seq, exc)
+            if current and (len(current) + 1) * max(longest, n) * max(width, end) > PIECES_MAX_PAIRS:
+                forwards.append((current, True))
+                current, longest, width = [], 0, 0
+            current.append((seq, budget))
+            longest, width = max(longest, n), max(width, end)
+        if current:
+            forwards.append((current, True))
+        return forwards
 
     def prefill_alone(self, seq: Sequence, budget: int) -> None:
         """`prefill_single`; a failure ends only that request."""

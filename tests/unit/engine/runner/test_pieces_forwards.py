@@ -1,0 +1,31 @@
+"""ModelRunner._pieces_forwards: prompt pieces go together in order while rows x longest piece x
+widest context stays within PIECES_MAX_PAIRS; a row past it alone goes through the single path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vlmserve.engine.runner import model_runner
+from vlmserve.engine.runner.model_runner import ModelRunner
+
+
+def _row(name: str, prefilled: int, end: int):
+    return SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end)
+
+
+def test_rows_split_at_the_bound_and_a_wide_row_goes_alone(monkeypatch):
+    monkeypatch.setattr(model_runner, "PIECES_MAX_PAIRS", 3 * 100 * 1000)
+    rows = [
+        (_row("a", 500, 5000), 100),  # 100 x 600
+        (_row("b", 800, 5000), 100),  # 100 x 900
+        (_row("wide", 3500, 5000), 100),  # 100 x 3600 > the bound alone
+        (_row("c", 900, 5000), 100),  # 3 rows x 100 x 1000 = the bound
+        (_row("d", 950, 5000), 100),  # a fourth would pass it
+        (_row("short", 0, 20), 100),  # only 20 left
+    ]
+    forwards = ModelRunner._pieces_forwards(rows)
+    assert [([r.name for r, _ in f], together) for f, together in forwards] == [
+        (["wide"], False),
+        (["a", "b", "c"], True),
+        (["d", "short"], True),
+    ]
