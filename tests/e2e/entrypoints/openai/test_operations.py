@@ -459,13 +459,18 @@ def test_warmup_prefills_a_piece_of_every_power_of_two_row_count_after_a_full_ch
     from vlmserve.models.generic import GenericModel
 
     pieces = []
-    real = GenericModel.prefill
+    real, real_pieces = GenericModel.prefill, GenericModel.prefill_pieces
 
     def recording(self, state, start, end):
         pieces.append((start, end - start))
         return real(self, state, start, end)
 
+    def recording_pieces(self, states, spans, bucket=1):  # where a prompt's later pieces go
+        pieces.extend((start, end - start) for start, end in spans)
+        return real_pieces(self, states, spans, bucket)
+
     monkeypatch.setattr(GenericModel, "prefill", recording)
+    monkeypatch.setattr(GenericModel, "prefill_pieces", recording_pieces)
     server = start_server("qwen2_vl", prefill_chunk=128, prefill_bucket=32, warmup_image_sizes=())
     try:
         assert {(128, rows) for rows in (2, 4, 8, 16, 32)} <= set(pieces)
