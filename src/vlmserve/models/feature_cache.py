@@ -46,6 +46,11 @@ class FeatureCache:
             self._entries.move_to_end(k)
         return [self._entries[k] for k in keys]
 
+    def shared(self) -> None:
+        """A lookup that missed was served by the features computed, at the same time, for another
+        request with the same images: it skipped the vision tower, as a hit does."""
+        self.hits += 1
+
     def store(self, key: str, features: Any) -> None:
         """An array, or a nested tuple/list of arrays (None allowed)."""
         size = _nbytes(features)

@@ -187,8 +187,12 @@ def test_questions_about_one_new_image_at_once_run_the_tower_once(servers, monke
             gate.set()
             return await asyncio.gather(*tasks)
 
+    features = reuse.engine.core.model.feature_cache
+    queries, hits = features.queries, features.hits
     replies = asyncio.run(together())
     assert sum(images_seen) == 1
+    # What the metrics say: 8 lookups, 7 of them skipped the tower (hits, or served by the one run).
+    assert features.queries - queries == 8 and features.hits - hits == 7
     alone = _run(strict, [dict(b, model=strict.model_id) for b in bodies])
     assert [_text(r) for r in replies] == [_text(r) for r in alone]
 
@@ -223,3 +227,20 @@ def test_a_text_chat_reuses_the_answer_it_gave_and_answers_as_mlx_vlm(servers):
     assert _cached(later) >= first["usage"]["prompt_tokens"] + _answer_reused(reuse)
     turns += [ChatMessage("assistant", [("text", _text(first))]), ChatMessage("user", [("text", "And then?")])]
     assert _text(later) == mlx_vlm_chat_text(reuse, turns, [], MAX_TOKENS)
+
+
+def test_requests_sharing_a_tower_run_count_as_feature_cache_hits(servers):
+    """Several requests about one new image embedded in one call: the tower runs once, and the
+    metrics say so (one miss, the others skipped the tower: hits)."""
+    reuse, _ = servers
+    st = reuse.state
+    model = reuse.engine.core.model
+    purple = _image((120, 40, 160))
+    bodies = [_chat(reuse, [_turn(f"Question {i} about it.", purple)]) for i in range(3)]
+    prepared = [
+        asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length))) for b in bodies
+    ]
+    queries, hits = model.feature_cache.queries, model.feature_cache.hits
+    reuse.on_worker(lambda: model.embed_prompts(prepared))
+    assert model.feature_cache.queries - queries == 3
+    assert model.feature_cache.hits - hits == 2

@@ -117,6 +117,9 @@ class QwenVLModel(GenericModel):
             for group in same.values():
                 for p in group:
                     per_request[id(p)] = computed[id(group[0])]
+                    looked_up = len(p.image_hashes) == len(grids[id(p)])  # as _cached_features does
+                    if p is not group[0] and self.feature_cache is not None and looked_up:
+                        self.feature_cache.shared()  # its lookup missed; it skipped the tower all the same
         return [
             self._embed_image_prompt(p, per_request[id(p)], grids[id(p)], inputs.get(id(p)))
             if id(p) in per_request
