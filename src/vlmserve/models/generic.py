@@ -168,10 +168,11 @@ class GenericModel:
         text_config = getattr(self.model.config, "text_config", None)
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
         # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
-        self.can_batch = all(_mergeable(c) for c in vlm_cache.make_prompt_cache(self.language_model))
+        caches = vlm_cache.make_prompt_cache(self.language_model)
+        self.can_batch = all(_mergeable(c) for c in caches)
         # Pieces of several prompts share a forward over plain KV caches (ragged_cache.py); turned
         # off if this model's forward turns out not to take that.
-        self._pieces_work = all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(self.language_model))
+        self._pieces_work = all(type(c) is vlm_cache.KVCache for c in caches)
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's idle time (each build is ~1 s of JIT that no disk cache keeps).
         self.kernel_checks: list[tuple] = []

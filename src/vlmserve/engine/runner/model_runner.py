@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,19 @@ MIN_PREFIX_HIT = 64
 # tokens over 4k tokens of context. Longer contexts split into more forwards.
 PIECES_MAX_PAIRS = 1 << 25
 _EMPTY_SLOT_SAMPLER = RowSampler(params=SamplingParams(temperature=0.0))  # rows nobody owns: cheapest draw
+
+
+def _by_embedding_dtype(items: list, row_of: Callable[[Any], Sequence]) -> list[list]:
+    """`items` in order, grouped by their row's prompt embedding dtype (one forward per dtype)."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(row_of(item).prompt.embeds.dtype, []).append(item)
+    return list(groups.values())
+
+
+def _piece(seq: Sequence, budget: int) -> tuple[int, int]:
+    """The prompt positions [start, end) a row's next piece of at most `budget` tokens covers."""
+    return seq.prefilled, min(seq.prefill_end, seq.prefilled + budget)
 
 
 def _joined(arrays: list[mx.array]) -> mx.array:
@@ -204,13 +218,10 @@ class ModelRunner:
         over a cache (cuDNN's on CUDA) builds a plan for every new context length, ~90 ms each on
         an H100, where this one's has no plan. A lone first piece, or a model that cannot take such
         a forward, goes through `prefill_single` (mlx_vlm.generate's shapes)."""
-        by_dtype: dict = {}
-        for seq, budget in pieces:
-            by_dtype.setdefault(seq.prompt.embeds.dtype, []).append((seq, budget))
-        for same_dtype in by_dtype.values():
+        for same_dtype in _by_embedding_dtype(pieces, lambda piece: piece[0]):
             forwards = self._pieces_forwards(same_dtype) if self.model.prefills_pieces else [(same_dtype, False)]
             for rows, together in forwards:
-                if not together or (len(rows) == 1 and rows[0][0].prefilled == 0):
+                if not together:
                     for seq, budget in rows:
                         self.prefill_alone(seq, budget)
                     continue
@@ -230,8 +241,9 @@ class ModelRunner:
         current: list[tuple[Sequence, int]] = []
         longest = width = 0
         for seq, budget in rows:
-            n = max(1, min(seq.prefill_end - seq.prefilled, budget))
-            end = seq.prefilled + n
+            start, end = _piece(seq, budget)
+            n = max(1, end - start)  # a row with nothing left still counts a position
+            end = start + n
             if n * end > PIECES_MAX_PAIRS:
                 forwards.append(([(seq, budget)], False))
                 continue
@@ -253,11 +265,11 @@ class ModelRunner:
 
     def _prefill_pieces_together(self, rows: list[tuple[Sequence, int]], bucket: int) -> None:
         t0 = time.perf_counter()
-        spans = [(seq.prefilled, min(seq.prefill_end, seq.prefilled + budget)) for seq, budget in rows]
+        spans = [_piece(seq, budget) for seq, budget in rows]
         seqs = [seq for seq, _ in rows]
         # A prefix hit may leave nothing before the last token: such a row only joins.
         todo = [(seq, span) for seq, span in zip(seqs, spans) if span[1] > span[0]]
-        if len(todo) == 1 and todo[0][1][0] == 0:
+        if len(todo) == 1 and todo[0][1][0] == 0:  # a lone first piece: mlx_vlm.generate's shapes
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
             try:
@@ -291,10 +303,7 @@ class ModelRunner:
         """Whole prompts (but their last token) of several new rows in one left-padded forward per
         embedding dtype: one forward would run every row in the promoted dtype, and some prompts
         embed wider than the model (float32 image embeddings in a bfloat16 model)."""
-        by_dtype: dict = {}
-        for seq in group:
-            by_dtype.setdefault(seq.prompt.embeds.dtype, []).append(seq)
-        for rows in by_dtype.values():
+        for rows in _by_embedding_dtype(group, lambda seq: seq):
             self._prefill_together(rows, bucket)
 
     def _prefill_together(self, group: list[Sequence], bucket: int) -> None:

@@ -31,12 +31,17 @@ from vlmserve.protocol import PreparedRequest
 TOWER_PATCHES = 8192
 
 
+def _patches(grid: np.ndarray) -> int:
+    """Patches the tower takes for images of these (t, h, w) grids, (N, 3)."""
+    return int(np.prod(grid, axis=1).sum())
+
+
 def _tower_calls(requests: list[PreparedRequest], grids: dict) -> list[list[PreparedRequest]]:
     """The requests in order, grouped into tower calls of at most TOWER_PATCHES patches."""
     calls: list[list[PreparedRequest]] = []
     patches = 0
     for p in requests:
-        n = int(np.prod(grids[id(p)], axis=1).sum())
+        n = _patches(grids[id(p)])
         if not calls or patches + n > TOWER_PATCHES:
             calls.append([])
             patches = 0
@@ -111,7 +116,7 @@ class QwenVLModel(GenericModel):
                     # Started now: the per-request embedding below is host work (M-RoPE positions),
                     # done while the device runs the tower's last command buffers.
                     mx.async_eval(features)
-                rows = np.cumsum([int(np.prod(grids[id(p)], axis=1).sum()) // merge for p in call])[:-1]
+                rows = np.cumsum([_patches(grids[id(p)]) // merge for p in call])[:-1]
                 computed.update(zip((id(p) for p in call), mx.split(features, rows.tolist())))
             self._store_features(todo, grids, computed, merge)
             for group in same.values():
@@ -168,10 +173,11 @@ class QwenVLModel(GenericModel):
         vc = self.model.config.vision_config
         width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-        max_images = min(max_images, max(1, TOWER_PATCHES // int(np.prod(grid_thw))))  # what one call takes
+        per_image = int(np.prod(grid_thw))
+        max_images = min(max_images, max(1, TOWER_PATCHES // per_image))  # what one call takes
         counts = [1 << i for i in range(max(1, max_images).bit_length())]
         for n in counts:
-            pixels = mx.zeros((n * int(np.prod(grid_thw)), width), dtype=dtype)
+            pixels = mx.zeros((n * per_image, width), dtype=dtype)
             mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
         return counts
 
