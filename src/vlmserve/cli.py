@@ -12,6 +12,7 @@ import sys
 from vlmserve.config import DEFAULT_MODEL_DIR, ServerConfig
 from vlmserve.kernel_cache import use_persistent_kernel_cache
 from vlmserve.logging import start_logging
+from vlmserve.torchless import keep_torch_out
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -56,6 +57,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.prefill_bucket,
         help="pad prompt lengths to multiples of this so new lengths reuse compiled kernels (0: exact)",
+    )
+    p.add_argument(
+        "--working-memory",
+        dest="working_memory_gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory a scheduler step's temporaries may take above the weights, KV and caches in use before "
+        "MLX waits for the GPU to free some (default: 1/32 of the device's memory, 1 to 4 GiB; 0: no bound)",
     )
     p.add_argument(
         "--mlx-cache-limit-gb",
@@ -328,6 +338,7 @@ def set_process_settings(config: ServerConfig) -> None:
     if config.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     use_persistent_kernel_cache()  # before any process of the server imports MLX (which starts CUDA)
+    keep_torch_out()  # before transformers loads (torchless.py)
 
 
 def serve(config: ServerConfig) -> int:

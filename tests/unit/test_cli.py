@@ -16,11 +16,14 @@ def _serve_config(*flags: str):
     return config_from_args(parser.parse_args(list(flags)))
 
 
-def test_serve_sets_the_gil_switch_interval_from_its_flag():
+def test_serve_sets_the_gil_switch_interval_from_its_flag(monkeypatch):
     import sys
 
+    from vlmserve import cli
     from vlmserve.cli import set_process_settings
 
+    kept_out = []
+    monkeypatch.setattr(cli, "keep_torch_out", lambda: kept_out.append(True))
     before = sys.getswitchinterval()
     try:
         set_process_settings(_serve_config())
@@ -29,6 +32,7 @@ def test_serve_sets_the_gil_switch_interval_from_its_flag():
         assert sys.getswitchinterval() == pytest.approx(0.002)
         set_process_settings(_serve_config("--gil-switch-interval-ms", "0"))
         assert sys.getswitchinterval() == pytest.approx(0.002)  # 0 leaves the interpreter's setting
+        assert kept_out  # torch stays out of the serving process (torchless.py)
     finally:
         sys.setswitchinterval(before)
 
@@ -56,3 +60,9 @@ def test_mlx_cache_flags_reach_the_config():
     assert _serve_config("--mlx-cache-limit-gb", "2.5").mlx_cache_limit_gb == 2.5
     assert _serve_config().release_cache_after_idle_s == 60.0
     assert _serve_config("--release-cache-after-idle", "5").release_cache_after_idle_s == 5.0
+
+
+def test_working_memory_flag():
+    assert _serve_config().working_memory_gb is None  # a share of the device (engine/memory.py)
+    assert _serve_config("--working-memory", "1.5").working_memory_gb == 1.5
+    assert _serve_config("--working-memory", "0").working_memory_gb == 0  # MLX's own limit

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from vlmserve.config import ServerConfig
-from vlmserve.engine.memory import kv_budget_bytes
+from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
 from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
 from vlmserve.engine.runner.model_runner import ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -59,9 +59,12 @@ class EngineCore:
         compile_decode: bool = False,
         idle_release_s: float = 60.0,
         kv_budget: KVBudget | None = None,
+        working_memory: int | None = None,
         hooks: Any = None,
     ):
         self.model = model
+        # What a step may hold beyond the memory in use when it starts (None: MLX's own limit).
+        self._step_memory = StepMemoryBound(working_memory) if working_memory else None
         self.tokenizer = tokenizer
         self.hooks = hooks
         self.sched = Scheduler(
@@ -133,6 +136,7 @@ class EngineCore:
             compile_decode=compile_decode,
             idle_release_s=config.release_cache_after_idle_s,
             kv_budget=budget,
+            working_memory=working_memory_bytes(config.working_memory_gb),
             hooks=hooks,
         )
 
@@ -191,6 +195,8 @@ class EngineCore:
     def step(self) -> None:
         started = time.perf_counter()
         self.stats.steps += 1
+        if self._step_memory is not None:
+            self._step_memory.apply()
         self.sched.take_inbox()
         self._drop_cancelled()
         self.runner.resume_preempted()
@@ -381,6 +387,8 @@ class EngineCore:
         self.forget_prefixes()
         log.info("warm-up generations: %d in %.1f s", len(jobs), time.perf_counter() - t0)
         t0, runs = time.perf_counter(), 0
+        if self._step_memory is not None:
+            self._step_memory.apply()
         for prepared in prompts:
             if prepared.has_pixels:
                 runs += self.model.warm_vision(prepared, self._vision_batch_limit(prepared))

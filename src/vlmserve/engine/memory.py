@@ -43,3 +43,30 @@ def kv_budget_bytes(kv_cache_memory_gb: float | None, utilization: float) -> int
             utilization,
         )
     return max(_GIB // 4, budget)
+
+
+def working_memory_bytes(working_memory_gb: float | None) -> int:
+    """What one step may hold beyond the memory in use when it starts (StepMemoryBound): the
+    operator's figure, else a 32nd of the device's memory, within 1 to 4 GiB."""
+    if working_memory_gb is not None:
+        return int(working_memory_gb * _GIB)
+    return min(4 * _GIB, max(_GIB, device_memory_bytes() // 32))
+
+
+class StepMemoryBound:
+    """Keeps a step's temporaries within an allowance above the memory in use when it starts.
+
+    MLX encodes work ahead of the GPU (up to ten command buffers; on an H100 a buffer takes up
+    to 100 ops and ~1 GB of inputs), and an encoded op's temporaries stay allocated until the
+    GPU has run it. So a big forward (a vision-tower call over many images, a prefill of 20
+    prompts) held most of its layers' activations at once: 16 GB on a 2B model, for a few
+    hundred MB that any one layer needs. MLX's memory limit is where its evaluation stops
+    encoding until the GPU has freed buffers, and where its allocator hands cached buffers
+    back; set before each step to the weights, KV and caches in use plus the allowance, it
+    bounds both. A step whose arrays alone exceed it still runs (MLX only waits)."""
+
+    def __init__(self, allowance: int):
+        self.allowance = allowance
+
+    def apply(self) -> None:
+        mx.set_memory_limit(mx.get_active_memory() + self.allowance)

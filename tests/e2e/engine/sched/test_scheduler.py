@@ -606,3 +606,34 @@ def test_cached_prefixes_give_way_to_running_rows():
         assert _metric(metrics, "kv_blocks_used") < cached_blocks + 1  # some gave way, none leaked
     finally:
         server.stop()
+
+
+def test_every_step_bounds_its_working_memory(monkeypatch):
+    # MLX's memory limit is where its evaluation waits for the GPU to free buffers: each step
+    # sets it to the memory in use plus --working-memory (engine/memory.py).
+    import mlx.core as mx
+
+    from vlmserve.engine import memory
+
+    gaps = []
+    apply = memory.StepMemoryBound.apply
+
+    def record(self):
+        apply(self)
+        gaps.append(mx.get_memory_limit() - mx.get_active_memory())
+
+    monkeypatch.setattr(memory.StepMemoryBound, "apply", record)
+    before = mx.get_memory_limit()
+    server = start_server("qwen2_vl", working_memory_gb=0.25, warmup=False)
+    try:
+        steps = server.engine.core.stats.steps
+        body = chat_body(server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=4, temperature=0)
+        with server.client() as c:
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        _wait_idle(server)
+        assert len(gaps) >= server.engine.core.stats.steps - steps >= 4  # embed/prefill, then decode steps
+        # (less what the device freed or allocated meanwhile: a launched step still runs)
+        assert all(abs(gap - (1 << 28)) < (1 << 20) for gap in gaps)
+    finally:
+        server.stop()
+        mx.set_memory_limit(before)
