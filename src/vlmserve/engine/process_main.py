@@ -20,6 +20,7 @@ import time
 from vlmserve.config import ServerConfig
 from vlmserve.engine import messages as msg
 from vlmserve.protocol import FinishReason, PreparedRequest, TokenEvent
+from vlmserve.torchless import keep_torch_out
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ def main(conn, config: ServerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     started = time.perf_counter()
+    keep_torch_out()  # before transformers loads (torchless.py)
     from vlmserve.engine.inprocess import Engine
     from vlmserve.logging import start_logging
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from vlmserve.config import ServerConfig
 from vlmserve.protocol import ChatRequest, EngineError, PreparedRequest
+from vlmserve.torchless import keep_torch_out
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def _start_process(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The server's pid as the server saw it: one that died before this ran is not mistaken for init.
     threading.Thread(target=_exit_with_parent, args=(server_pid,), name="parent-watch", daemon=True).start()
+    keep_torch_out()  # before transformers loads (torchless.py)
     from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
     from vlmserve.models.processor import load_processor  # loads files only; no MLX work
 
