@@ -67,6 +67,27 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, messages: list, m
     return {"ttft": ttft if ttft is not None else time.perf_counter() - start, "text": "".join(text), "usage": usage}
 
 
+# vlmserve's histograms read around each turn (one chat at a time): where a turn's TTFT went.
+PHASES = {
+    "preprocess": "vlmserve:preprocess_seconds",
+    "queue": "vlmserve:request_queue_time_seconds",
+    "vision": "vlmserve:vision_encode_seconds",
+    "prefill": "vlmserve:prefill_seconds",
+    "server_ttft": "vlmserve:time_to_first_token_seconds",  # arrival to first token, as the server saw it
+}
+
+
+def phase_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds spent in each phase, and prefill forwards, between two /metrics reads."""
+    out = {}
+    for name, metric in PHASES.items():
+        out[f"{name}_ms"] = 1e3 * (after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0))
+    out["prefill_forwards"] = after.get("vlmserve:prefill_seconds_count", 0.0) - before.get(
+        "vlmserve:prefill_seconds_count", 0.0
+    )
+    return out
+
+
 async def chat(client, url: str, model: str, index: int, turns: int, max_tokens: int, size: tuple[int, int]) -> list:
     image = {"type": "image_url", "image_url": {"url": make_image(10_000 + index, size)}}
     messages: list = []
@@ -75,7 +96,9 @@ async def chat(client, url: str, model: str, index: int, turns: int, max_tokens:
         question = QUESTIONS[turn % len(QUESTIONS)] + " " + make_prompt(20)
         content = [image, {"type": "text", "text": question}] if turn == 0 else question
         messages.append({"role": "user", "content": content})
+        before = await counters(client, url)
         answer = await ask(client, url, model, messages, max_tokens)
+        phases = phase_deltas(before, await counters(client, url)) if before else {}
         messages.append({"role": "assistant", "content": answer["text"]})
         details = answer["usage"].get("prompt_tokens_details") or {}
         results.append(
@@ -84,6 +107,7 @@ async def chat(client, url: str, model: str, index: int, turns: int, max_tokens:
                 "ttft": answer["ttft"],
                 "prompt_tokens": answer["usage"].get("prompt_tokens"),
                 "cached_tokens": details.get("cached_tokens", 0),
+                **phases,
             }
         )
     return results
@@ -137,6 +161,12 @@ async def run(args) -> dict:
                     "ratio_to_turn_1": ttft / statistics.median(c[0]["ttft"] for c in chats),
                     "prompt_tokens": chats[-1][t]["prompt_tokens"],
                     "cached_tokens": chats[-1][t]["cached_tokens"],
+                    # medians over the chats of the server's phases (vlmserve only)
+                    **{
+                        k: statistics.median(c[t][k] for c in chats)
+                        for k in chats[0][t]
+                        if k.endswith(("_ms", "_forwards"))
+                    },
                 }
             )
         shared = await same_image(client, args.url, model, args.same_image, args.max_tokens, size)
@@ -161,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"turn {t['turn']}: TTFT p50 {t['ttft_p50'] * 1e3:.0f} ms ({t['ratio_to_turn_1']:.2f}x turn 1), "
             f"prompt {t['prompt_tokens']} tokens, cached {t['cached_tokens']}"
+            + "".join(f", {k} {t[k]:.0f}" for k in t if k.endswith(("_ms", "_forwards")))
         )
     s = result["same_image"]
     print(

@@ -131,5 +131,8 @@ def test_multiturn_reports_reuse_across_turns_and_one_tower_run_per_image(qwen_s
     assert turns[0]["cached_tokens"] < turns[0]["prompt_tokens"] // 2
     assert all(t["cached_tokens"] > turns[0]["prompt_tokens"] // 2 for t in turns[1:])
     assert all(t["prompt_tokens"] > prev["prompt_tokens"] for prev, t in zip(turns, turns[1:]))
+    # The server's phases per turn: turn 1 runs the vision tower; every turn prefills.
+    assert turns[0]["vision_ms"] > 0 and all(t["prefill_forwards"] >= 1 and t["prefill_ms"] > 0 for t in turns)
+    assert all(t["preprocess_ms"] > 0 and t["server_ttft_ms"] > 0 for t in turns)
     shared = result["same_image"]
     assert shared["feature_cache_queries"] == 4 and shared["vision_tower_runs"] == 1
