@@ -21,7 +21,7 @@ import numpy as np
 from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
 from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
-from vlmserve.engine.runner.model_runner import ModelRunner
+from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest, Sequence
@@ -73,6 +73,7 @@ class EngineCore:
             prefill_budget=prefill_budget,
             prefill_bucket=prefill_bucket,
             kv_budget=kv_budget,
+            lone_pairs=PIECES_MAX_PAIRS,  # a lone prompt's forward: the runner's bound on prompt attention
         )
         self.runner = ModelRunner(
             model,
@@ -377,13 +378,19 @@ class EngineCore:
                 )
                 rows *= 2
         t0 = time.perf_counter()
-        for i, (name, prepared) in enumerate(jobs, 1):  # one at a time: each must be its own shape
-            # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
-            # shape this job is here to compile.
-            self.forget_prefixes()
-            t1 = time.perf_counter()
-            self._generate_alone(name, prepared)
-            log.info("warm-up %d/%d: %s in %.2f s", i, len(jobs), name, time.perf_counter() - t1)
+        # Each job alone, yet prefilled a chunk a step as under load: the tail jobs are there for
+        # the piece that follows a full chunk.
+        self.sched.lone_takes_budget = False
+        try:
+            for i, (name, prepared) in enumerate(jobs, 1):  # one at a time: each must be its own shape
+                # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
+                # shape this job is here to compile.
+                self.forget_prefixes()
+                t1 = time.perf_counter()
+                self._generate_alone(name, prepared)
+                log.info("warm-up %d/%d: %s in %.2f s", i, len(jobs), name, time.perf_counter() - t1)
+        finally:
+            self.sched.lone_takes_budget = True
         self.forget_prefixes()
         log.info("warm-up generations: %d in %.1f s", len(jobs), time.perf_counter() - t0)
         t0, runs = time.perf_counter(), 0

@@ -637,3 +637,43 @@ def test_every_step_bounds_its_working_memory(monkeypatch):
     finally:
         server.stop()
         mx.set_memory_limit(before)
+
+
+def test_a_lone_long_prompt_is_prefilled_in_one_forward_and_matches_mlx_vlm(monkeypatch):
+    """With no row decoding, a prompt past the chunk takes the step's budget (there is no stream
+    whose pace chunks would keep): one forward, as mlx_vlm.generate runs a prompt of up to 2,048
+    tokens; the same prompt behind a running stream goes a chunk a step."""
+    from vlmserve.models.generic import GenericModel
+
+    spans = []
+    real = GenericModel.prefill
+
+    def recording(self, state, start, end):
+        spans.append((start, end))
+        return real(self, state, start, end)
+
+    monkeypatch.setattr(GenericModel, "prefill", recording)
+    server = start_server("qwen2_vl", prefill_chunk=32, prefix_cache_tokens=0, warmup=False)
+    try:
+        text = "Describe the picture in great detail, every object and colour. " * 6
+        body = chat_body(server.model_id, text, [data_uri(images()[0])], max_tokens=8, temperature=0)
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert prompt_tokens > 3 * 32
+        # One forward over the prompt; its last token rides the first decode step.
+        assert len(spans) == 1 and spans[0][0] == 0 and spans[0][1] >= prompt_tokens - 2
+        assert r.json()["choices"][0]["message"]["content"] == mlx_vlm_text(server, text, [images()[0]], 8)
+
+        spans.clear()
+        with server.client() as c:
+            long_story = chat_body(server.model_id, "Go on.", max_tokens=3000, temperature=0, ignore_eos=True)
+            with c.stream("POST", "/v1/chat/completions", json={**long_story, "stream": True}) as running:
+                lines = running.iter_lines()  # kept: a closed iterator would close the stream
+                next(line for line in lines if '"content"' in line)  # it decodes now
+                spans.clear()
+                assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert spans[0] == (0, 32) and all(end - start <= 32 for start, end in spans)
+    finally:
+        server.stop()

@@ -80,9 +80,33 @@ def test_short_new_prompts_share_one_forward_within_the_budget():
 
 def test_a_long_prompt_goes_one_chunk_per_step():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000)
-    admitted(sched, request("long", 300))
+    decoding, _ = admitted(sched, request("decoding", 5), request("long", 300))
+    sched.started_decoding([decoding])  # a running stream: its pace is what the chunk keeps
     plan = sched.plan_prefill(embedder([]))
     assert plan.group == [] and [(s.req.request_id, n) for s, n in plan.pieces] == [("long", 64)]
+
+
+def test_a_lone_prompt_with_nobody_decoding_takes_the_budget_within_its_attention_bound():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000)
+    admitted(sched, request("long", 300))
+    assert [(s.req.request_id, n) for s, n in sched.plan_prefill(embedder([])).pieces] == [("long", 299)]
+    small = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100)
+    admitted(small, request("long", 300))
+    assert [n for _, n in small.plan_prefill(embedder([])).pieces] == [100]
+    # Piece x context within lone_pairs: 128 x 128 from the start, 81 x (120 + 81) past a cached 120.
+    bounded = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000, lone_pairs=128 * 128)
+    assert bounded.lone_share(0, 299) == 128 and bounded.lone_share(120, 179) == 81
+    assert bounded.lone_share(5000, 299) == 64  # never less than a chunk
+    assert bounded.lone_share(120, 30) == 30
+    admitted(bounded, request("hit", 300))
+    assert [n for _, n in bounded.plan_prefill(embedder([], cached={"hit": 120})).pieces] == [81]
+
+
+def test_warm_up_keeps_a_lone_prompt_to_a_chunk_a_step():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=1000)
+    sched.lone_takes_budget = False
+    admitted(sched, request("long", 300))
+    assert [n for _, n in sched.plan_prefill(embedder([])).pieces] == [64]
 
 
 def test_pieces_of_several_long_prompts_share_a_step_within_the_budget():
