@@ -29,6 +29,7 @@ from vlmserve.engine.ops import (
     many_row_dequantized,
     rope_rotation,
 )
+from vlmserve.models import kv_caches
 from vlmserve.models.image_rows import ImageRows
 from vlmserve.models.ragged_cache import RaggedLayerCache
 from vlmserve.protocol import ModelInfo, PreparedRequest
@@ -172,7 +173,7 @@ class GenericModel:
         self.can_batch = all(_mergeable(c) for c in caches)
         # Pieces of several prompts share a forward over plain KV caches (ragged_cache.py); turned
         # off if this model's forward turns out not to take that.
-        self._pieces_work = all(type(c) is vlm_cache.KVCache for c in caches)
+        self._pieces_work = kv_caches.all_plain(caches)
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's idle time (each build is ~1 s of JIT that no disk cache keeps).
         self.kernel_checks: list[tuple] = []

@@ -24,6 +24,7 @@ from mlx_vlm.models import cache as vlm_cache
 
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 from vlmserve.engine.runner.block_pool import BlockPool
+from vlmserve.models import kv_caches
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
 
 
 def uses_plain_kv_cache(model) -> bool:
-    return all(type(c) is vlm_cache.KVCache for c in vlm_cache.make_prompt_cache(model.language_model))
+    return kv_caches.all_plain(vlm_cache.make_prompt_cache(model.language_model))
 
 
 def make_decode_step(decode: Callable, block_size: int, compiled: bool) -> Callable:

@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_vlm.models.cache import KVCache
 
 from vlmserve.engine.sched.kv_budget import KVBudget
+from vlmserve.models import kv_caches
 
 
 def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, ...]) -> np.ndarray | None:
@@ -57,7 +57,7 @@ class PrefixCache:
 
     @staticmethod
     def supports(cache: list[Any]) -> bool:
-        return all(type(c) is KVCache for c in cache)
+        return kv_caches.all_plain(cache)
 
     def lookup(self, tokens: np.ndarray, fresh_cache: list[Any], least: int = 1) -> int:
         """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run) if it holds
