@@ -26,6 +26,7 @@ from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest, Sequence
 from vlmserve.engine.sched.scheduler import PrefillPlan, Scheduler
+from vlmserve.engine.step_trace import StepTrace
 from vlmserve.models.feature_cache import FeatureCache
 from vlmserve.models.registry import load_model_adapter
 from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, SamplingParams, TokenEvent
@@ -65,6 +66,7 @@ class EngineCore:
         self.model = model
         # What a step may hold beyond the memory in use when it starts (None: MLX's own limit).
         self._step_memory = StepMemoryBound(working_memory) if working_memory else None
+        self._trace = StepTrace.from_env()  # VLMSERVE_STEP_TRACE: a profile of every step (step_trace.py)
         self.tokenizer = tokenizer
         self.hooks = hooks
         self.sched = Scheduler(
@@ -194,6 +196,9 @@ class EngineCore:
         return self.sched.has_requests() or self.runner.inflight is not None
 
     def step(self) -> None:
+        trace = self._trace
+        if trace is not None:
+            trace.start()
         started = time.perf_counter()
         self.stats.steps += 1
         if self._step_memory is not None:
@@ -208,11 +213,26 @@ class EngineCore:
             # admitted one step earlier would otherwise wait for this step's group).
             self.runner.read_inflight()
             self.runner.flush_events()
+        if trace is not None:
+            trace.mark("admit")
         embedded, plan, prefill_spans = self._prefill()
         prefilled_at = time.perf_counter()
         self.runner.stage(self.sched.to_stage())
+        if trace is not None:
+            trace.mark("stage")
         self.runner.decode()
         self._idle_since = None if self.has_work() else time.monotonic()
+        if trace is not None:
+            trace.mark("decode")
+            trace.end(
+                embedded=len(embedded),
+                images=sum(seq.req.prepared.num_images for seq in embedded),
+                prefill_rows=len(prefill_spans),
+                prefill_tokens=sum(n for _, n in prefill_spans),
+                pieces=len(plan.pieces),
+                together=len(plan.group),
+                decode_rows=len(self.sched.running),
+            )
 
         def what() -> str:
             return (
@@ -292,6 +312,8 @@ class EngineCore:
         plan = self.sched.plan_prefill(self.runner.embed)
         for seq, exc in plan.failed:
             self.runner.fail_prefill(seq, exc)
+        if self._trace is not None:
+            self._trace.mark("embed")  # the vision tower and embeddings (and prefix-cache lookups)
         spans = [(seq.prefilled, budget) for seq, budget in plan.singles + plan.pieces]
         spans += [(seq.prefilled, seq.num_prompt - seq.prefilled) for seq in plan.group]
         for seq, budget in plan.singles:
@@ -304,6 +326,8 @@ class EngineCore:
             except Exception as exc:  # the batched forward failed: those requests end, others go on
                 for seq in plan.group:
                     self.runner.fail_prefill(seq, exc)
+        if self._trace is not None:
+            self._trace.mark("prefill")
         return todo, plan, spans
 
     def release_idle_memory(self) -> None:

@@ -677,3 +677,29 @@ def test_a_lone_long_prompt_is_prefilled_in_one_forward_and_matches_mlx_vlm(monk
         assert spans[0] == (0, 32) and all(end - start <= 32 for start, end in spans)
     finally:
         server.stop()
+
+
+def test_a_step_trace_records_every_step_with_its_phases(monkeypatch, tmp_path):
+    """VLMSERVE_STEP_TRACE (engine/step_trace.py): a JSON line per step, its phases timed."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("VLMSERVE_STEP_TRACE", str(path))
+    server = start_server("qwen2_vl", warmup=False)
+    try:
+        body = chat_body(server.model_id, "Describe it.", [data_uri(images()[0])], max_tokens=5, temperature=0)
+        with server.client() as c:
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        _wait_idle(server)
+        deadline = time.monotonic() + 10
+        while len(path.read_text().splitlines()) < server.engine.core.stats.steps:  # the last step ends
+            assert time.monotonic() < deadline, "a step left no trace line"
+            time.sleep(0.01)
+        steps = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(steps) == server.engine.core.stats.steps
+        phases = ("admit_ms", "embed_ms", "prefill_ms", "stage_ms", "decode_ms")
+        assert all(all(s[p] >= 0 for p in phases) and s["step_ms"] >= sum(s[p] for p in phases) for s in steps)
+        first = steps[0]
+        assert first["embedded"] == 1 and first["images"] == 1 and first["prefill_tokens"] > 0
+        assert first["embed_ms"] > 0 and first["prefill_ms"] > 0
+        assert sum(s["decode_rows"] > 0 for s in steps) >= 4  # the first token rides a decode step, then 4 more
+    finally:
+        server.stop()
