@@ -44,7 +44,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="rows decoded together")
     p.add_argument(
-        "--prefill-chunk", type=int, default=d.prefill_chunk, help="longest prompt piece prefilled in one forward"
+        "--prefill-chunk",
+        type=int,
+        default=d.prefill_chunk,
+        help="longest prompt piece prefilled in one forward while other rows decode",
     )
     p.add_argument(
         "--prefill-token-budget",
@@ -71,7 +74,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--mlx-cache-limit-gb",
         type=float,
         default=d.mlx_cache_limit_gb,
-        help="GiB of freed device buffers MLX keeps for reuse",
+        help="GiB of freed device buffers MLX keeps for reuse (while a step runs, within --working-memory)",
     )
     p.add_argument(
         "--release-cache-after-idle",

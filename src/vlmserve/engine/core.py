@@ -314,8 +314,8 @@ class EngineCore:
             self.runner.fail_prefill(seq, exc)
         if self._trace is not None:
             self._trace.mark("embed")  # the vision tower and embeddings (and prefix-cache lookups)
-        spans = [(seq.prefilled, budget) for seq, budget in plan.singles + plan.pieces]
-        spans += [(seq.prefilled, seq.num_prompt - seq.prefilled) for seq in plan.group]
+        spans = [(s.prefilled, min(budget, s.prefill_end - s.prefilled)) for s, budget in plan.singles + plan.pieces]
+        spans += [(seq.prefilled, seq.prefill_end - seq.prefilled) for seq in plan.group]
         for seq, budget in plan.singles:
             self.runner.prefill_alone(seq, budget)
         if plan.pieces:
@@ -404,7 +404,7 @@ class EngineCore:
         t0 = time.perf_counter()
         # Each job alone, yet prefilled a chunk a step as under load: the tail jobs are there for
         # the piece that follows a full chunk.
-        self.sched.lone_takes_budget = False
+        lone_takes_budget, self.sched.lone_takes_budget = self.sched.lone_takes_budget, False
         try:
             for i, (name, prepared) in enumerate(jobs, 1):  # one at a time: each must be its own shape
                 # The length buckets share a prefix; a prefix-cache hit would skip the very prefill
@@ -414,7 +414,7 @@ class EngineCore:
                 self._generate_alone(name, prepared)
                 log.info("warm-up %d/%d: %s in %.2f s", i, len(jobs), name, time.perf_counter() - t1)
         finally:
-            self.sched.lone_takes_budget = True
+            self.sched.lone_takes_budget = lone_takes_budget
         self.forget_prefixes()
         log.info("warm-up generations: %d in %.1f s", len(jobs), time.perf_counter() - t0)
         t0, runs = time.perf_counter(), 0

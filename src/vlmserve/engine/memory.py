@@ -49,6 +49,8 @@ def working_memory_bytes(working_memory_gb: float | None) -> int:
     """What one step may hold beyond the memory in use when it starts (StepMemoryBound): the
     operator's figure, else a 32nd of the device's memory, within 1 to 4 GiB."""
     if working_memory_gb is not None:
+        if working_memory_gb < 0:
+            raise ValueError(f"--working-memory must be 0 (no bound) or more, not {working_memory_gb}")
         return int(working_memory_gb * _GIB)
     return min(4 * _GIB, max(_GIB, device_memory_bytes() // 32))
 

@@ -28,6 +28,8 @@ def test_the_allowance_is_the_operators_or_a_share_of_the_device(monkeypatch):
     assert memory.working_memory_bytes(None) == GIB  # at least 1 GiB
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 512 * GIB)
     assert memory.working_memory_bytes(None) == 4 * GIB  # at most 4 GiB
+    with pytest.raises(ValueError, match="--working-memory"):
+        memory.working_memory_bytes(-1)  # a limit below the memory in use would stall every step
 
 
 def test_the_limit_follows_the_memory_in_use(memory_limit):

@@ -646,13 +646,18 @@ def test_a_lone_long_prompt_is_prefilled_in_one_forward_and_matches_mlx_vlm(monk
     from vlmserve.models.generic import GenericModel
 
     spans = []
-    real = GenericModel.prefill
+    real, real_pieces = GenericModel.prefill, GenericModel.prefill_pieces
 
     def recording(self, state, start, end):
         spans.append((start, end))
         return real(self, state, start, end)
 
+    def recording_pieces(self, states, pieces, bucket=1):  # a prompt's later pieces, under load
+        spans.extend(pieces)
+        return real_pieces(self, states, pieces, bucket)
+
     monkeypatch.setattr(GenericModel, "prefill", recording)
+    monkeypatch.setattr(GenericModel, "prefill_pieces", recording_pieces)
     server = start_server("qwen2_vl", prefill_chunk=32, prefix_cache_tokens=0, warmup=False)
     try:
         text = "Describe the picture in great detail, every object and colour. " * 6
@@ -674,7 +679,7 @@ def test_a_lone_long_prompt_is_prefilled_in_one_forward_and_matches_mlx_vlm(monk
                 next(line for line in lines if '"content"' in line)  # it decodes now
                 spans.clear()
                 assert c.post("/v1/chat/completions", json=body).status_code == 200
-        assert spans[0] == (0, 32) and all(end - start <= 32 for start, end in spans)
+        assert spans[0] == (0, 32) and len(spans) >= 3 and all(end - start <= 32 for start, end in spans)
     finally:
         server.stop()
 
@@ -696,7 +701,8 @@ def test_a_step_trace_records_every_step_with_its_phases(monkeypatch, tmp_path):
         steps = [json.loads(line) for line in path.read_text().splitlines()]
         assert len(steps) == server.engine.core.stats.steps
         phases = ("admit_ms", "embed_ms", "prefill_ms", "stage_ms", "decode_ms")
-        assert all(all(s[p] >= 0 for p in phases) and s["step_ms"] >= sum(s[p] for p in phases) for s in steps)
+        # (each figure rounded to the microsecond)
+        assert all(all(s[p] >= 0 for p in phases) and s["step_ms"] + 0.01 >= sum(s[p] for p in phases) for s in steps)
         first = steps[0]
         assert first["embedded"] == 1 and first["images"] == 1 and first["prefill_tokens"] > 0
         assert first["embed_ms"] > 0 and first["prefill_ms"] > 0

@@ -98,6 +98,8 @@ def test_a_lone_prompt_with_nobody_decoding_takes_the_budget_within_its_attentio
     assert bounded.lone_share(0, 299) == 128 and bounded.lone_share(120, 179) == 81
     assert bounded.lone_share(5000, 299) == 64  # never less than a chunk
     assert bounded.lone_share(120, 30) == 30
+    tight = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=40, lone_pairs=10)
+    assert tight.lone_share(0, 299) == 40  # a budget below the chunk still bounds it
     admitted(bounded, request("hit", 300))
     assert [n for _, n in bounded.plan_prefill(embedder([], cached={"hit": 120})).pieces] == [81]
 
