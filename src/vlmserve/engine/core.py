@@ -314,8 +314,9 @@ class EngineCore:
             self.runner.fail_prefill(seq, exc)
         if self._trace is not None:
             self._trace.mark("embed")  # the vision tower and embeddings (and prefix-cache lookups)
-        spans = [(s.prefilled, min(budget, s.prefill_end - s.prefilled)) for s, budget in plan.singles + plan.pieces]
-        spans += [(seq.prefilled, seq.prefill_end - seq.prefilled) for seq in plan.group]
+        pieces = [seq.next_piece(budget) for seq, budget in plan.singles + plan.pieces]
+        pieces += [seq.next_piece(seq.prefill_end) for seq in plan.group]
+        spans = [(start, end - start) for start, end in pieces]
         for seq, budget in plan.singles:
             self.runner.prefill_alone(seq, budget)
         if plan.pieces:

@@ -49,11 +49,6 @@ def _by_embedding_dtype(items: list, row_of: Callable[[Any], Sequence]) -> list[
     return list(groups.values())
 
 
-def _piece(seq: Sequence, budget: int) -> tuple[int, int]:
-    """The prompt positions [start, end) a row's next piece of at most `budget` tokens covers."""
-    return seq.prefilled, min(seq.prefill_end, seq.prefilled + budget)
-
-
 def _joined(arrays: list[mx.array]) -> mx.array:
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
 
@@ -241,7 +236,7 @@ class ModelRunner:
         current: list[tuple[Sequence, int]] = []
         longest = width = 0
         for seq, budget in rows:
-            start, end = _piece(seq, budget)
+            start, end = seq.next_piece(budget)
             n = max(1, end - start)  # a row with nothing left still counts a position
             end = start + n
             if n * end > PIECES_MAX_PAIRS:
@@ -265,7 +260,7 @@ class ModelRunner:
 
     def _prefill_pieces_together(self, rows: list[tuple[Sequence, int]], bucket: int) -> None:
         t0 = time.perf_counter()
-        spans = [_piece(seq, budget) for seq, budget in rows]
+        spans = [seq.next_piece(budget) for seq, budget in rows]
         seqs = [seq for seq, _ in rows]
         # A prefix hit may leave nothing before the last token: such a row only joins.
         todo = [(seq, span) for seq, span in zip(seqs, spans) if span[1] > span[0]]

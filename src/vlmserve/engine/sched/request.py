@@ -59,6 +59,10 @@ class Sequence:
         step (as mlx_vlm.generate splits a prompt), unless prefill must run that one too."""
         return self.num_prompt if self.last_in_prefill else self.num_prompt - 1
 
+    def next_piece(self, budget: int) -> tuple[int, int]:
+        """The prompt positions [start, end) its next piece of at most `budget` tokens covers."""
+        return self.prefilled, min(self.prefill_end, self.prefilled + budget)
+
     @property
     def embedded(self) -> bool:
         return self.prompt is not None

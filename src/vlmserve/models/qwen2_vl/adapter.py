@@ -50,6 +50,12 @@ def _tower_calls(requests: list[PreparedRequest], grids: dict) -> list[list[Prep
     return calls
 
 
+def _content_keyed(prepared: PreparedRequest, grid: np.ndarray) -> bool:
+    """Whether each of its images (a row of `grid`) has a content hash, the feature cache's key
+    (none has with --no-mm-cache)."""
+    return len(prepared.image_hashes) == len(grid)
+
+
 def image_grids(prepared: PreparedRequest) -> np.ndarray:
     """The (t, h, w) patch grid of each of a request's images, (N, 3)."""
     grids = prepared.model_inputs.get("image_grid_thw")
@@ -122,7 +128,7 @@ class QwenVLModel(GenericModel):
             for group in same.values():
                 for p in group:
                     per_request[id(p)] = computed[id(group[0])]
-                    looked_up = len(p.image_hashes) == len(grids[id(p)])  # as _cached_features does
+                    looked_up = _content_keyed(p, grids[id(p)])  # as in _cached_features
                     if p is not group[0] and self.feature_cache is not None and looked_up:
                         self.feature_cache.shared()  # its lookup missed; it skipped the tower all the same
         return [
@@ -138,7 +144,7 @@ class QwenVLModel(GenericModel):
         if self.feature_cache is None:
             return found
         for p in prepared:
-            if len(p.image_hashes) == len(grids[id(p)]):
+            if _content_keyed(p, grids[id(p)]):
                 hit = self.feature_cache.lookup(p.image_hashes)
                 if hit is not None:
                     found[id(p)] = hit[0] if len(hit) == 1 else mx.concatenate(hit)
@@ -149,7 +155,7 @@ class QwenVLModel(GenericModel):
             return
         for p in prepared:
             grid = grids[id(p)]
-            if len(p.image_hashes) != len(grid):
+            if not _content_keyed(p, grid):
                 continue
             rows = np.cumsum([int(np.prod(g)) // merge for g in grid])[:-1]
             for key, part in zip(p.image_hashes, mx.split(features[id(p)], rows.tolist())):

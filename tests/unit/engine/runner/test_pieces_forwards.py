@@ -3,14 +3,18 @@ widest context stays within PIECES_MAX_PAIRS; a row past it alone goes through t
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 from vlmserve.engine.runner import model_runner
 from vlmserve.engine.runner.model_runner import ModelRunner
+from vlmserve.engine.sched.request import Sequence
 
 
 def _row(name: str, prefilled: int, end: int):
-    return SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end)
+    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end)
+    row.next_piece = partial(Sequence.next_piece, row)  # the real method, over these counts
+    return row
 
 
 def test_rows_split_at_the_bound_and_a_wide_row_goes_alone(monkeypatch):
