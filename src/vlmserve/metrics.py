@@ -59,6 +59,9 @@ class Metrics:
         self.kv_cache_tokens = gauge("kv_cache_usage_tokens", "Tokens held in the running batch's KV cache")
         self.kv_blocks_used = gauge("kv_blocks_used", "KV budget blocks held by admitted requests")
         self.kv_blocks_free = gauge("kv_blocks_free", "KV budget blocks free")
+        self.kv_blocks_cached = gauge(
+            "kv_blocks_cached", "KV pool blocks cached prefixes hold (shared with rows, or free as rows need them)"
+        )
         self.device_memory = Gauge(
             "vlmserve:device_memory_bytes",
             "MLX device memory: active, cache (freed buffers kept), peak (since start), kv_pool (KV block pools)",

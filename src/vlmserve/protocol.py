@@ -134,6 +134,7 @@ class CacheGauges:
     kv_tokens: int = 0  # tokens in the running rows' KV
     kv_blocks_used: int = 0  # KV budget blocks held by admitted rows
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # pool blocks cached prefixes hold (some shared with rows; freed as rows need them)
     preemptions: int = 0  # rows put aside for KV memory since start
     memory: dict[str, int] = field(default_factory=dict)  # MLX's device memory in bytes: active, cache, peak
     feature_queries: int = 0  # vision-feature cache lookups since start (image requests)

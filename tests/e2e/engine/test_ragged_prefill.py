@@ -48,12 +48,12 @@ async def _outputs(server, bodies, concurrent: bool) -> list[str]:
         return [await post(c, b) for b in bodies]
 
 
-def _server(family: str, tmp_path_factory, prefix_cache_tokens: int = 0):
+def _server(family: str, tmp_path_factory, prefix_cache_tokens: int = 0, max_num_seqs: int = 8):
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     return start_server(
         str(checkpoint(family, "float32", cache_dir)),
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
         prefill_chunk=32,
         prefix_cache_tokens=prefix_cache_tokens,
     )
@@ -142,7 +142,9 @@ def test_a_model_that_cannot_take_pieces_together_prefills_them_one_at_a_time(tm
 
 
 def test_rows_whose_cached_prefix_leaves_nothing_to_prefill_join_without_a_forward(tmp_path_factory):
-    server = _server("qwen2_vl", tmp_path_factory, prefix_cache_tokens=65536)
+    # Cached prefixes live in the KV pool's free blocks, and its first size follows max_num_seqs:
+    # room for all five prompts at once.
+    server = _server("qwen2_vl", tmp_path_factory, prefix_cache_tokens=65536, max_num_seqs=32)
     try:
         model = server.engine.core.model
         bodies = _bodies(server.model_id)

@@ -5,15 +5,21 @@ a running row owns a list of block ids (its block table), so a decode step's sha
 depend on how long any row's context is (engine/ops/paged_layer_cache.py). Block 0 is never
 handed out: empty rows of a step write there.
 
+Blocks are reference-counted: a cached prefix (runner/prefix_cache.py) holds the blocks of the
+row it came from, and a row that reuses it holds the same full blocks, so neither copies KV.
+Blocks only cached prefixes hold are the pool's slack: when rows need blocks, `reclaim` evicts
+cached prefixes before the pool grows.
+
 The pool starts with room for every row at a moderate length and doubles when rows need more
 blocks than it has (a copy, a few times over a server's life); the scheduler's KVBudget
-bounds how many blocks are in use, so the pool never outgrows the budget by more than that
-doubling. Dropping the pool (idle) hands its memory back; the next request starts anew.
+bounds how many blocks rows hold, so the pool never outgrows the budget by more than that
+doubling. Idle, the pool shrinks to the blocks cached prefixes hold (`compact`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -32,12 +38,15 @@ class BlockPool:
         self.kv_shape = kv_shape
         self.dtype = dtype
         self.block_size = block_size
-        self.num_blocks = max(2, blocks)
+        self.num_blocks = self.first_size = max(2, blocks)
         heads, dim_k, dim_v = kv_shape
         rows = self.num_blocks * block_size
         self.keys = [mx.zeros((rows, heads, dim_k), dtype) for _ in range(num_layers)]
         self.values = [mx.zeros((rows, heads, dim_v), dtype) for _ in range(num_layers)]
         self.free = list(range(self.num_blocks - 1, 0, -1))  # popped from the end: low ids first
+        self.refs = [0] * self.num_blocks  # holders of each block: rows and cached prefixes
+        # Frees at least n blocks if it can (evicting cached prefixes): asked before the pool grows.
+        self.reclaim: Callable[[BlockPool, int], None] = lambda pool, n: None
 
     @property
     def used(self) -> int:
@@ -52,13 +61,55 @@ class BlockPool:
         self.keys, self.values = list(arrays[:n]), list(arrays[n:])
 
     def allocate(self, n: int) -> list[int]:
-        """n free block ids, growing the pool (doubling) when it has too few."""
+        """n free block ids (held once), evicting cached prefixes and then growing the pool
+        (doubling) when it has too few."""
+        if n > len(self.free):
+            self.reclaim(self, n)
         if n > len(self.free):
             self._grow(self.used + n + 1)
-        return [self.free.pop() for _ in range(n)]
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def retain(self, blocks: list[int]) -> None:
+        """One more holder of each of these (held) blocks."""
+        for b in blocks:
+            self.refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        """One holder fewer; blocks nobody holds any more are free again."""
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    def compact(self) -> dict[int, int]:
+        """Shrink to the first size of the pool's doubling (so the decode step's shapes stay ones
+        traced before) that holds the blocks still held, renumbered from 1: what an idle pool
+        keeps for its cached prefixes. Returns old id -> new id."""
+        held = [b for b in range(1, self.num_blocks) if self.refs[b]]
+        size = self.first_size
+        while size < len(held) + 1:
+            size *= 2
+        size = min(max(size, len(held) + 1), self.num_blocks)
+        if size == self.num_blocks and held == list(range(1, len(held) + 1)):
+            return {b: b for b in held}
+        bs = self.block_size
+        where = mx.array((np.array([0, *held], np.int32)[:, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1))
+        pad = (size - len(held) - 1) * bs
+
+        def shrunk(a: mx.array) -> mx.array:
+            a = a[where]
+            return mx.concatenate([a, mx.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+        self.keys = [shrunk(k) for k in self.keys]
+        self.values = [shrunk(v) for v in self.values]
+        mx.eval(self.arrays())
+        self.refs = [0] + [self.refs[b] for b in held] + [0] * (size - len(held) - 1)
+        self.free = list(range(size - 1, len(held), -1))
+        self.num_blocks = size
+        return {old: new for new, old in enumerate(held, start=1)}
 
     def _grow(self, blocks: int) -> None:
         size = self.num_blocks
@@ -69,6 +120,7 @@ class BlockPool:
         self.keys = [mx.concatenate([k, mx.zeros((extra, *k.shape[1:]), k.dtype)]) for k in self.keys]
         self.values = [mx.concatenate([v, mx.zeros((extra, *v.shape[1:]), v.dtype)]) for v in self.values]
         self.free = list(range(size - 1, self.num_blocks - 1, -1)) + self.free
+        self.refs += [0] * (size - self.num_blocks)
         self.num_blocks = size
         gb = sum(a.nbytes for a in self.arrays()) / 1e9
         log.info("KV pool (%s) grew to %d blocks (%.2f GB)", str(self.dtype).removeprefix("mlx.core."), size, gb)
@@ -79,11 +131,12 @@ class BlockPool:
         ids = np.asarray(blocks, dtype=np.int32)[:, None] * self.block_size + np.arange(self.block_size, dtype=np.int32)
         return mx.array(ids.reshape(-1)[:length])
 
-    def write(self, blocks: list[int], layer_kv: list[tuple[mx.array, mx.array]], length: int) -> None:
-        """Put a row's KV, (length, kv_heads, dim) per layer, at its blocks' first positions."""
-        if not length:
+    def write(self, blocks: list[int], layer_kv: list[tuple[mx.array, mx.array]], length: int, start: int = 0) -> None:
+        """Put a row's KV of positions [start, length), (length - start, kv_heads, dim) per layer,
+        at those positions of its blocks."""
+        if length <= start:
             return
-        where = self.positions(blocks, length)
+        where = self.positions(blocks, length)[start:]
         for i, (k, v) in enumerate(layer_kv):
             self.keys[i][where] = k.astype(self.dtype)
             self.values[i][where] = v.astype(self.dtype)

@@ -132,18 +132,26 @@ class PagedDecodeBatch:
 
     def join(self, owners: list[Any], rows_cache: list[Any], rows: list[int] | None = None) -> None:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending
-        together; `rows`: each owner's row there (default: in order)."""
+        together; `rows`: each owner's row there (default: in order). An owner whose prompt
+        cache began with a cached prefix (`prefix_hit`) takes that prefix's full blocks as its
+        first ones, shared, and writes only what follows."""
         end = rows_cache[0]._idx if rows_cache else 0
         try:
             for i, owner in zip(rows or range(len(owners)), owners):
                 n = owner.cache_len
-                owner.blocks = self.pool.allocate(self.blocks_for(n + 1))
-                if n:
+                hit = getattr(owner, "prefix_hit", None)
+                shared = hit.take(self.pool) if hit is not None else []  # full blocks of positions < n
+                owner.blocks = shared + self.pool.allocate(self.blocks_for(n + 1) - len(shared))
+                start = len(shared) * self.pool.block_size
+                if n > start:
                     layer_kv = [
-                        (c.keys[i, :, end - n : end, :].swapaxes(0, 1), c.values[i, :, end - n : end, :].swapaxes(0, 1))
+                        (
+                            c.keys[i, :, end - n + start : end, :].swapaxes(0, 1),
+                            c.values[i, :, end - n + start : end, :].swapaxes(0, 1),
+                        )
                         for c in rows_cache
                     ]
-                    self.pool.write(owner.blocks, layer_kv, n)
+                    self.pool.write(owner.blocks, layer_kv, n, start)
                 self._place(owner)
         except BaseException:
             # None of them joins: the caller fails them; their blocks go back, placed or not.
@@ -158,13 +166,6 @@ class PagedDecodeBatch:
         owner.blocks = self.pool.allocate(self.blocks_for(owner.cache_len + 1))
         self.pool.from_host(owner.blocks, host_kv, owner.cache_len)
         self._place(owner)
-
-    def read(self, owner: Any) -> list[tuple[mx.array, mx.array]]:
-        """A row's KV on the device, (1, kv_heads, cache_len, dim) per layer (lazy: a gather)."""
-        return [
-            (k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
-            for k, v in self.pool.read(owner.blocks, owner.cache_len)
-        ]
 
     def evict(self, owner: Any) -> list:
         """Copy a row's KV to the host and take it out of the batch (preemption)."""
@@ -260,8 +261,9 @@ class DtypeGroupedBatch:
     def resume(self, owner: Any, host_kv: list) -> None:
         self._group(owner.kv_dtype).resume(owner, host_kv)
 
-    def read(self, owner: Any) -> list[tuple[mx.array, mx.array]]:
-        return self.groups[owner.kv_dtype].read(owner)
+    def pool_of(self, owner: Any) -> BlockPool:
+        """The pool a running row's blocks are in."""
+        return self.groups[owner.kv_dtype].pool
 
     def evict(self, owner: Any) -> list:
         host_kv = self.groups[owner.kv_dtype].evict(owner)
@@ -372,6 +374,7 @@ class DecodeBatches:
         context_length: int,
         initial_blocks: int,
         most_blocks: Callable[[Any], int] = lambda dtype: 1 << 40,
+        reclaim: Callable[[BlockPool, int], None] | None = None,
     ):
         self.model = model
         self.paged = uses_plain_kv_cache(model)
@@ -380,6 +383,7 @@ class DecodeBatches:
         self.context_length = context_length
         self.initial_blocks = initial_blocks
         self.most_blocks = most_blocks  # KV dtype -> the most blocks its pool may hold (the budget)
+        self.reclaim = reclaim  # frees blocks cached prefixes hold in a pool (BlockPool.reclaim)
         self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
 
@@ -389,6 +393,8 @@ class DecodeBatches:
             most = self.most_blocks(dtype)
             blocks = min(self.initial_blocks, most)
             self.pools[dtype] = BlockPool(layers, kv_shape, dtype, self.block_size, blocks, most)
+            if self.reclaim is not None:
+                self.pools[dtype].reclaim = self.reclaim
         return self.pools[dtype]
 
     def new(self):
@@ -400,11 +406,16 @@ class DecodeBatches:
 
         return DtypeGroupedBatch(make, self.model.kv_layout()[2])
 
-    def release(self) -> None:
-        """Drop the pools no row holds blocks of (idle): their memory goes back."""
+    def release(self) -> list[tuple[BlockPool, dict[int, int]]]:
+        """Idle (no row runs): drop the pools nothing holds blocks of, and shrink the others to
+        what cached prefixes hold; returns each shrunk pool with its block ids' renumbering."""
+        shrunk = []
         for dtype, pool in list(self.pools.items()):
             if pool.used == 0:
                 del self.pools[dtype]
+            else:
+                shrunk.append((pool, pool.compact()))
+        return shrunk
 
     def pool_bytes(self) -> int:
         return sum(sum(a.nbytes for a in pool.arrays()) for pool in self.pools.values())

@@ -77,12 +77,10 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.sched = sched
         self.hooks = hooks
-        # Cached prefixes pay for their KV in budget blocks, as running rows do, and give way to them.
         self.budget = sched.kv_budget
-        sched.reclaim = self._reclaim
 
         def cache(on: bool) -> PrefixCache | None:
-            return PrefixCache(prefix_cache_tokens, self.budget, self._cost) if on and prefix_cache_tokens > 0 else None
+            return PrefixCache(prefix_cache_tokens) if on and prefix_cache_tokens > 0 else None
 
         self.prefix_cache = cache(True)
         # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
@@ -97,6 +95,7 @@ class ModelRunner:
             context_length=self.context_length,
             initial_blocks=min(self.budget.total, self.budget.blocks_for(initial_pool_tokens)) + 1,
             most_blocks=lambda dtype: self.budget.total // self._weight(dtype) + 1,  # + block 0
+            reclaim=self._evict_cached,
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -153,10 +152,12 @@ class ModelRunner:
             # long enough to pay for that, or half its prompt (not the chat template's opening
             # tokens that every request shares).
             least = min(MIN_PREFIX_HIT, len(key) // 2) if seq.batchable else 1
-            seq.prefilled = seq.cached_tokens = cache.lookup(key, prompt.cache, least)
+            seq.prefix_hit = cache.lookup(key, prompt.cache, least)
+            seq.prefilled = seq.cached_tokens = seq.prefix_hit.length if seq.prefix_hit else 0
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0, prepared.has_pixels)
-        mx.async_eval(prompt.embeds)
+        # A hit's copy reads the pool's arrays of this moment: queued now, it lets them go.
+        mx.async_eval(prompt.embeds, *([c.state for c in prompt.cache] if seq.cached_tokens else []))
         if self.hooks and prepared.has_pixels:
             self.hooks.on_vision(seconds)
 
@@ -197,7 +198,6 @@ class ModelRunner:
                 self.hooks.on_prefill(time.perf_counter() - t0)
         if end < target:
             return
-        self._store_prefix(seq, seq.prompt.cache)
         if seq.last_in_prefill:
             self._first_token_from_prefill(seq, logits)
             if seq.finished:  # its one token was its last: it never decodes
@@ -283,7 +283,6 @@ class ModelRunner:
                 continue
             seq.prefilled = end
             if end == seq.prefill_end:
-                self._store_prefix(seq, seq.prompt.cache)
                 done.append(seq)
         if done:
             self._join(done, self.model.merge_caches([s.prompt.cache for s in done]))
@@ -308,10 +307,8 @@ class ModelRunner:
         mx.async_eval([c.state for c in cache])
         if self.hooks:
             self.hooks.on_prefill(time.perf_counter() - t0)
-        for i, seq in enumerate(group):
+        for seq in group:
             seq.prefilled = seq.num_prompt - 1
-            if self._prefix_cache(seq)[0] is not None:  # extract() syncs: only when the row will be stored
-                self._store_prefix(seq, [layer.extract(i) for layer in cache])
         self._join(group, cache)
 
     def _prefix_cache(self, seq: Sequence) -> tuple[PrefixCache | None, Any]:
@@ -331,10 +328,11 @@ class ModelRunner:
         key = content_keyed(prepared.prompt_ids, self.model.info.image_token_id, prepared.image_hashes)
         return (self.mm_prefix_cache, key) if key is not None else (None, None)
 
-    def _store_prefix(self, seq: Sequence, cache: list[Any]) -> None:
+    def _store_prompt(self, seq: Sequence) -> None:
+        """A row that joined: its prompt's KV, now in its blocks, goes into its prefix cache."""
         store, key = self._prefix_cache(seq)
-        if store is not None:
-            store.store(key[: seq.num_prompt - 1], cache)
+        if store is not None and seq.blocks:
+            store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks)
 
     def _store_sequence(self, seq: Sequence) -> None:
         """A finished row's prompt and output KV goes into its prefix cache: a chat's next turn
@@ -345,11 +343,15 @@ class ModelRunner:
         if store is None or seq.cache_len <= seq.num_prompt:
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
-        batch = self.batch
-        try:
-            store.store_layers(ids, lambda: batch.read(seq))
-        except Exception:  # noqa: BLE001 - a cache entry is never worth a request
-            log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
+        store.store(ids, self.batch.pool_of(seq), seq.blocks)
+
+    def _caches(self) -> list[PrefixCache]:
+        return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]
+
+    def _evict_cached(self, pool, blocks: int) -> None:
+        """Rows need `blocks` free in `pool`: cached prefixes there give way, image ones first."""
+        for cache in self._caches():
+            cache.reclaim(pool, blocks)
 
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
         """Prefilled rows enter the running batch; their last prompt token is the next input."""
@@ -366,8 +368,17 @@ class ModelRunner:
             if not seqs:
                 return
             rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
-        self.batch.join(seqs, rows_cache, rows)
+        try:
+            self.batch.join(seqs, rows_cache, rows)
+        finally:
+            for seq in seqs:  # what the join did not take of their cached prefixes
+                if seq.prefix_hit is not None:
+                    seq.prefix_hit.release()
+                    seq.prefix_hit = None
         self.sched.started_decoding(seqs)
+        if self.batch.paged:
+            for seq in seqs:
+                self._store_prompt(seq)
         for seq in seqs:
             seq.prompt.cache = None  # the batch owns the KV now
             seq.prompt.embeds = None
@@ -513,16 +524,9 @@ class ModelRunner:
             ok.append(seq)
         return ok
 
-    def _reclaim(self, blocks: int) -> None:
-        """Evict cached prefixes until `blocks` are free, or none is left (before preempting rows)."""
-        for cache in (self.mm_prefix_cache, self.prefix_cache):
-            if cache is not None:
-                cache.reclaim(blocks)
-
     def _make_room(self, blocks: int, keep: Sequence) -> bool:
-        """Free `blocks` for `keep` by evicting cached prefixes, then by preempting running rows that
-        arrived after it, latest first; False (nothing preempted) if all that would not free enough."""
-        self._reclaim(blocks)
+        """Free `blocks` for `keep` by preempting running rows that arrived after it, latest first;
+        False (nothing preempted) if that would not free enough."""
         later = [s for s in self.sched.running if s.req.arrival > keep.req.arrival]
         if self.budget.free + sum(s.kv_units for s in later) < blocks:
             return False
@@ -554,8 +558,6 @@ class ModelRunner:
         previous step is read first (rows may finish) and then the latest rows are preempted; a
         row alone that still cannot grow has reached what the budget holds and ends there."""
         growth = self._growth()
-        if growth > self.budget.free:
-            self._reclaim(growth)
         if growth > self.budget.free:
             if prev is not None:
                 self._resolve(prev)
@@ -591,7 +593,6 @@ class ModelRunner:
             # Room for the running rows' next blocks too: else the row that just came back, the
             # latest arrival, is the first put aside again at the next step's growth.
             headroom = sum(self._weight(s.kv_dtype) for s in self.sched.running)
-            self._reclaim(cost + headroom)
             if cost + headroom > self.budget.free and self.sched.running:
                 return
             if not self.budget.take(cost):
@@ -605,15 +606,20 @@ class ModelRunner:
             log.info("resumed request %s at %d tokens", seq.req.request_id, seq.cache_len)
 
     def _drop_batch(self) -> None:
-        """Forget the running batch and every pool (nothing holds blocks any more)."""
+        """Forget the running batch and every pool, with the prefixes cached there."""
         self.batch = None
+        for pool in self.batches.pools.values():
+            for cache in self._caches():
+                cache.forget(pool)
         self.batches.pools.clear()
 
     def release_memory(self) -> None:
-        """Idle: hand the block pools back (the next request starts a small one)."""
+        """Idle: hand the block pools back, but for the blocks cached prefixes hold."""
         if self.batch is None or not self.batch.layout():
             self.batch = None
-            self.batches.release()
+            for pool, mapping in self.batches.release():
+                for cache in self._caches():
+                    cache.renumber(pool, mapping)
 
     # ---- per-token bookkeeping ---------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
@@ -654,6 +660,9 @@ class ModelRunner:
         if seq.finished:
             return
         seq.finished = True
+        if seq.prefix_hit is not None:  # it ends before joining: its hold on a cached prefix goes
+            seq.prefix_hit.release()
+            seq.prefix_hit = None
         event = event or TokenEvent()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             event.text += seq.text.finish()

@@ -1,4 +1,10 @@
-"""KV prefix caches: LRUs of prompt KV states keyed by token ids.
+"""KV prefix caches: LRUs of KV in the paged pool (runner/block_pool.py), keyed by token ids.
+
+An entry holds the blocks of the row it came from (the row's prompt once prefilled, its prompt
+and answer once finished): no copy. A row that reuses a prefix copies it into its prompt cache
+for its prefill, and at its join takes the prefix's full blocks into its own block table, so
+the two share them. Blocks only entries hold are the pool's slack: rows that need blocks evict
+entries (oldest first) before the pool grows, and before any row is preempted.
 
 The engine keeps two. The text one: requests carrying pixel values never read or write it
 (image placeholder tokens are identical for every image, so a token key says nothing about
@@ -10,14 +16,13 @@ same text matches only the text before it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
-from vlmserve.engine.sched.kv_budget import KVBudget
+from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.models import kv_caches
 
 
@@ -36,80 +41,109 @@ def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, .
     return key
 
 
-class PrefixCache:
-    """An LRU of prompt KV, at most `max_tokens`. With a `budget`, its entries are paid for in KV
-    blocks (`units(tokens, dtype)`), so they count against the same memory as running rows, and
-    give way to them (`reclaim`) before any running row is preempted."""
+@dataclass(eq=False)
+class PooledKV:
+    """The first `length` positions of KV held in `blocks` of `pool` (one hold per block)."""
 
-    def __init__(self, max_tokens: int, budget: KVBudget | None = None, units: Callable[[int, Any], int] | None = None):
+    pool: BlockPool
+    blocks: list[int]
+    length: int
+
+    def release(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks = []
+
+
+@dataclass(eq=False)
+class PrefixHit:
+    """A lookup's reuse: `length` positions copied into the row's prompt cache, and the full
+    blocks among them (held for the row until its join takes them, or `release`)."""
+
+    length: int
+    shared: PooledKV | None = field(default=None)
+
+    def take(self, pool: BlockPool) -> list[int]:
+        """The shared blocks, now the caller's (none if they live in another pool)."""
+        shared, self.shared = self.shared, None
+        if shared is None:
+            return []
+        if shared.pool is not pool:
+            shared.release()
+            return []
+        return shared.blocks
+
+    def release(self) -> None:
+        if self.shared is not None:
+            self.shared.release()
+            self.shared = None
+
+
+class PrefixCache:
+    """An LRU of prompt (and answer) KV in the pool, at most `max_tokens` in all."""
+
+    def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.budget = budget
-        self.units = units or (lambda tokens, dtype: 0)
-        # key -> (per-layer KV, budget units, the key as an array: lookups compare arrays, not tuples)
-        self._entries: OrderedDict[tuple[int, ...], tuple[list[tuple[mx.array, mx.array]], int, np.ndarray]] = (
-            OrderedDict()
-        )
+        # key -> (the KV, the key as an array: lookups compare arrays, not tuples)
+        self._entries: OrderedDict[tuple[int, ...], tuple[PooledKV, np.ndarray]] = OrderedDict()
         self._tokens = 0
+        self._held: Counter = Counter()  # (pool, block) -> entries holding it; read by other threads' gauges
 
     @property
     def size_tokens(self) -> int:
         return self._tokens
 
+    def blocks_held(self) -> int:
+        """Distinct pool blocks the entries hold (some also held by rows)."""
+        return len(self._held)
+
     @staticmethod
     def supports(cache: list[Any]) -> bool:
         return kv_caches.all_plain(cache)
 
-    def lookup(self, tokens: np.ndarray, fresh_cache: list[Any], least: int = 1) -> int:
+    def lookup(self, tokens: np.ndarray, fresh_cache: list[Any], least: int = 1) -> PrefixHit | None:
         """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run) if it holds
-        at least `least` tokens; return its length (0: nothing reused)."""
+        at least `least` tokens; None: nothing reused. The copy is lazy: evaluate the cache's
+        arrays soon (they hold the pool's arrays of this moment)."""
         if not self._entries or not self.supports(fresh_cache):
-            return 0
+            return None
         best_key, best_n = None, 0
         limit = len(tokens) - 1
-        for key, (_, _, stored) in self._entries.items():
+        for key, (_, stored) in self._entries.items():
             stored = stored[:limit]
             same = stored == tokens[: len(stored)]
             n = len(stored) if same.all() else int(np.argmin(same))
             if n > best_n:
                 best_key, best_n = key, n
         if best_key is None or best_n < least:
-            return 0
+            return None
         self._entries.move_to_end(best_key)
-        for layer, (k, v) in zip(fresh_cache, self._entries[best_key][0]):
-            layer.keys, layer.values, layer.offset = k[..., :best_n, :], v[..., :best_n, :], best_n
-        return best_n
+        kv = self._entries[best_key][0]
+        for layer, (k, v) in zip(fresh_cache, kv.pool.read(kv.blocks, best_n)):
+            layer.keys, layer.values = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
+            layer.offset = best_n
+        full = kv.blocks[: best_n // kv.pool.block_size]
+        kv.pool.retain(full)
+        return PrefixHit(best_n, PooledKV(kv.pool, full, len(full) * kv.pool.block_size) if full else None)
 
-    def store(self, tokens: np.ndarray, cache: list[Any]) -> None:
-        """Keep the KV of `tokens` from a prompt's own cache (per layer, at least that long)."""
-        if self.supports(cache):
-            n = len(tokens)
-            self.store_layers(tokens, lambda: [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache])
-
-    def store_layers(self, tokens: np.ndarray, layers: Callable[[], list[tuple[mx.array, mx.array]]]) -> None:
-        """Keep `layers()`, the KV of `tokens`, (1, kv_heads, len(tokens), dim) per layer (called
-        only if the entry is kept). Entries whose keys it extends go: it serves their lookups."""
+    def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int]) -> None:
+        """Keep the KV of `tokens`, the first positions of a row's `blocks` in `pool` (the entry
+        holds them too). Entries whose keys it extends go: it serves their lookups."""
         n = len(tokens)
-        if n > self.max_tokens:
+        if not n or n > self.max_tokens:
             return
         key = tuple(int(t) for t in tokens)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         tokens = np.array(tokens, dtype=np.int64)
-        for old, (_, _, stored) in list(self._entries.items()):
+        for old, (_, stored) in list(self._entries.items()):
             if len(stored) < n and np.array_equal(stored, tokens[: len(stored)]):
                 self._remove(old)
-        kv = layers()
-        units = self.units(n, kv[0][0].dtype)
-        if self.budget is not None:
-            self.reclaim(units)  # older entries make way for this one, never a running row
-            if not self.budget.take(units):
-                return
-        # Queued, not waited for: the host goes on to launch the next decode step while the
-        # device finishes the work these arrays read.
-        mx.async_eval(kv)
-        self._entries[key] = (kv, units, tokens)
+        held = blocks[: -(-n // pool.block_size)]
+        pool.retain(held)
+        self._entries[key] = (PooledKV(pool, held, n), tokens)
         self._tokens += n
+        self._held.update((id(pool), b) for b in held)
         while self._tokens > self.max_tokens:
             self._evict_oldest()
 
@@ -117,15 +151,39 @@ class PrefixCache:
         self._remove(next(iter(self._entries)))
 
     def _remove(self, key: tuple[int, ...]) -> None:
-        _, units, _ = self._entries.pop(key)
+        kv, _ = self._entries.pop(key)
         self._tokens -= len(key)
-        if self.budget is not None:
-            self.budget.give(units)
+        self._unhold(kv)
+        kv.release()
 
-    def reclaim(self, blocks: int) -> None:
-        """Evict the oldest entries until the budget has `blocks` free (or nothing is left)."""
-        while self._entries and self.budget is not None and self.budget.free < blocks:
-            self._evict_oldest()
+    def _unhold(self, kv: PooledKV) -> None:
+        self._held.subtract((id(kv.pool), b) for b in kv.blocks)
+        for b in kv.blocks:
+            if self._held[(id(kv.pool), b)] <= 0:
+                del self._held[(id(kv.pool), b)]
+
+    def reclaim(self, pool: BlockPool, blocks: int) -> None:
+        """Evict the oldest entries in `pool` that free blocks (entries whose blocks rows hold
+        too free none: they stay) until it has `blocks` free, or none is left."""
+        for key, (kv, _) in list(self._entries.items()):
+            if len(pool.free) >= blocks:
+                return
+            if kv.pool is pool and any(pool.refs[b] == 1 for b in kv.blocks):
+                self._remove(key)
+
+    def renumber(self, pool: BlockPool, mapping: dict[int, int]) -> None:
+        """`pool` was compacted: its blocks have new ids."""
+        for kv, _ in self._entries.values():
+            if kv.pool is pool:
+                kv.blocks = [mapping[b] for b in kv.blocks]
+        self._held = Counter((id(kv.pool), b) for kv, _ in self._entries.values() for b in kv.blocks)
+
+    def forget(self, pool: BlockPool) -> None:
+        """`pool` is gone: its entries with it."""
+        for key in [k for k, (kv, _) in self._entries.items() if kv.pool is pool]:
+            kv, _ = self._entries.pop(key)
+            self._tokens -= len(key)
+            self._unhold(kv)
 
     def clear(self) -> None:
         while self._entries:

@@ -47,6 +47,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # its KV blocks in the pool of its dtype (the runner's)
     kv_dtype: Any = None  # the dtype its KV decodes in (the runner's)
     host_kv: Any = None  # its KV while preempted, copied out of the pool
+    prefix_hit: Any = None  # the cached prefix its prompt cache starts with (runner's PrefixHit), until it joins
 
     @property
     def num_prompt(self) -> int:

@@ -73,8 +73,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preempted: list[Sequence] = []  # rows put aside for KV memory, in arrival order
         self.kv_budget = kv_budget or KVBudget(1 << 30, 32)  # none given: unbounded
-        # Frees budget blocks held by cached prefixes (the runner's), before a request waits.
-        self.reclaim: Callable[[int], None] = lambda blocks: None
 
     # ---- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -132,8 +130,6 @@ class Scheduler:
                 too_long = PromptTooLong(f"the prompt needs {need} KV blocks; the budget holds {budget.total}")
                 failed.append((req, too_long))
                 continue
-            if need + reserve > budget.free:
-                self.reclaim(need + reserve)
             if need + reserve > budget.free and self.num_running:
                 break  # first come, first served: it waits for blocks
             if not budget.take(need):

@@ -487,6 +487,7 @@ class ServerState:
         m.kv_cache_tokens.set(gauges.kv_tokens)
         m.kv_blocks_used.set(gauges.kv_blocks_used)
         m.kv_blocks_free.set(gauges.kv_blocks_total - gauges.kv_blocks_used)
+        m.kv_blocks_cached.set(gauges.kv_blocks_cached)
         m.preemptions.set(gauges.preemptions)
         m.warmup_pending.set(gauges.warmup_pending)
         # The engine counts feature-cache lookups since its start; the counters take what is new.

@@ -567,8 +567,9 @@ def test_pool_grows_under_running_rows_with_the_same_tokens(compile_decode):
 
 
 def test_cached_prefixes_give_way_to_running_rows():
-    """Cached prompt prefixes are paid for in KV blocks too, and are evicted (oldest first) when
-    running rows need the blocks: before any row is preempted, and with the same tokens."""
+    """Cached prompt prefixes hold blocks of the KV pool, and are evicted (oldest first) when
+    running rows need the blocks and the pool is as large as the budget lets it grow: no row is
+    preempted, the tokens are the same, and no block is left that nothing holds."""
     server = start_server(
         "qwen2_vl",
         max_num_seqs=4,
@@ -597,13 +598,18 @@ def test_cached_prefixes_give_way_to_running_rows():
         asyncio.run(run(warm))
         pc = server.engine.core.prefix_cache
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        cached_blocks = _metric(metrics, "kv_blocks_used")
+        cached_blocks = _metric(metrics, "kv_blocks_cached")
         assert pc.size_tokens > 0 and cached_blocks >= 5  # the cached prompts hold blocks, nothing runs
+        assert _metric(metrics, "kv_blocks_used") == 0
         together = asyncio.run(run(bodies, concurrent=True))
         assert together == alone
+        _wait_idle(server)
         metrics = httpx.get(f"{server.base_url}/metrics").text
         assert _metric(metrics, "num_preemptions") == 0
-        assert _metric(metrics, "kv_blocks_used") < cached_blocks + 1  # some gave way, none leaked
+        assert _metric(metrics, "kv_blocks_used") == 0
+        left = _metric(metrics, "kv_blocks_cached")
+        pool = next(iter(server.engine.core.runner.batches.pools.values()))
+        assert pool.used == left and pool.num_blocks <= 13  # every held block is a cached one; the budget's size
     finally:
         server.stop()
 

@@ -111,11 +111,11 @@ def test_a_join_that_fails_leaves_no_row_and_no_block_behind():
         writes = []
         original = pool.write
 
-        def failing(blocks, layer_kv, n):
+        def failing(blocks, layer_kv, n, start=0):
             writes.append(n)
             if len(writes) == 2:
                 raise RuntimeError("out of memory")
-            return original(blocks, layer_kv, n)
+            return original(blocks, layer_kv, n, start)
 
         pool.write = failing
         owners = [_Row(5), _Row(3), _Row(4)]
@@ -125,3 +125,26 @@ def test_a_join_that_fails_leaves_no_row_and_no_block_behind():
 
     layout, groups, used, blocks = on_own_thread(work)
     assert layout == [] and groups == {} and used == 0 and blocks == [[], [], []]
+
+
+def test_shared_blocks_free_with_their_last_holder_and_an_idle_pool_keeps_only_held_ones():
+    import mlx.core as mx
+
+    def work():
+        pool = BlockPool(1, (1, 1, 1), mx.float32, block_size=2, blocks=4)
+        row = pool.allocate(3)
+        pool.write(row, [(mx.arange(6, dtype=mx.float32).reshape(6, 1, 1), mx.zeros((6, 1, 1)))], 6)
+        pool.retain(row[:2])  # a cached prefix holds the first two blocks too
+        pool.release(row)  # the row ends
+        after_release = pool.used
+        more = pool.allocate(6)  # grows: 4 -> 8 -> 16 blocks
+        pool.release(more)
+        grown = pool.num_blocks
+        mapping = pool.compact()  # idle: back to the first size, the held blocks renumbered from 1
+        kept = pool.read([mapping[b] for b in row[:2]], 4)[0][0]
+        return after_release, grown, pool.num_blocks, sorted(mapping.values()), kept.reshape(-1).tolist(), pool.used
+
+    after_release, grown, compacted, ids, kept, used = on_own_thread(work)
+    assert after_release == 2 and grown == 16
+    assert compacted == 4 and ids == [1, 2] and used == 2
+    assert kept == [0.0, 1.0, 2.0, 3.0]

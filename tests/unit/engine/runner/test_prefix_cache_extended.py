@@ -1,5 +1,6 @@
 """PrefixCache: an entry whose key extends a cached one (a prompt, then that prompt with the answer
-the request gave) replaces it, gives its budget blocks back, and serves its lookups."""
+the request gave) replaces it, lets its blocks go, and serves its lookups; entries give way (oldest
+first) to rows that need blocks, but only those whose eviction frees some."""
 
 from __future__ import annotations
 
@@ -8,32 +9,63 @@ import numpy as np
 from support.helpers import on_own_thread
 
 
+def _pool_with_rows(mx, lengths):
+    from vlmserve.engine.runner.block_pool import BlockPool
+
+    pool = BlockPool(1, (1, 1, 1), mx.float32, block_size=8, blocks=16)
+    rows = []
+    for n in lengths:
+        blocks = pool.allocate(-(-n // 8))
+        values = mx.arange(n, dtype=mx.float32).reshape(n, 1, 1)
+        pool.write(blocks, [(values, values + 1)], n)
+        rows.append(blocks)
+    return pool, rows
+
+
 def test_an_entry_that_extends_a_cached_key_replaces_it():
     def work():
         import mlx.core as mx
         from mlx_vlm.models.cache import KVCache
 
         from vlmserve.engine.runner.prefix_cache import PrefixCache
-        from vlmserve.engine.sched.kv_budget import KVBudget
 
-        def layers(n):
-            values = mx.arange(n, dtype=mx.float32).reshape(1, 1, n, 1) * mx.ones((1, 1, 1, 4))
-            return [(values, values + 1)]
-
-        budget = KVBudget(100, 8)
-        pc = PrefixCache(1000, budget, lambda tokens, dtype: budget.blocks_for(tokens))
+        pool, (row, other_row) = _pool_with_rows(mx, [32, 10])
+        pc = PrefixCache(1000)
         prompt = np.arange(20, dtype=np.int64)
-        pc.store_layers(prompt, lambda: layers(20))
-        used_by_prompt = budget.used
+        pc.store(prompt, pool, row)  # the prompt's entry: 3 of the row's 4 blocks
         other = np.arange(50, 60, dtype=np.int64)  # shares nothing: stays
-        pc.store_layers(other, lambda: layers(10))
+        pc.store(other, pool, other_row)
         whole = np.concatenate([prompt, np.arange(200, 212)])
-        pc.store_layers(whole, lambda: layers(32))
+        pc.store(whole, pool, row)
+        pool.release(row)  # the row ends: the entry holds its blocks alone
+        pool.release(other_row)
         fresh = [KVCache()]
         hit = pc.lookup(np.concatenate([whole, [7, 8]]), fresh)
-        return used_by_prompt, budget.used, pc.size_tokens, hit, np.array(fresh[0].keys[0, 0, :, 0])
+        return pc.size_tokens, pc.blocks_held(), pool.used, hit.length, np.array(fresh[0].keys[0, 0, :, 0])
 
-    used_by_prompt, used, size, hit, keys = on_own_thread(work)
-    assert used_by_prompt == 3
-    assert size == 32 + 10 and used == 4 + 2  # the prompt's entry is gone, its blocks given back
+    size, held, used, hit, keys = on_own_thread(work)
+    assert size == 32 + 10 and held == 4 + 2 and used == 6  # the prompt's entry is gone, no block twice
     assert hit == 32 and keys.tolist() == list(range(32))  # the longer entry serves the lookup
+
+
+def test_rows_needing_blocks_evict_only_entries_that_free_some():
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.runner.prefix_cache import PrefixCache
+
+        pool, (running, done_a, done_b) = _pool_with_rows(mx, [16, 16, 16])  # 6 of 15 blocks
+        pc = PrefixCache(1000)
+        pool.reclaim = pc.reclaim
+        pc.store(np.arange(16), pool, running)  # oldest, but its row still holds its blocks
+        pc.store(np.arange(100, 116), pool, done_a)
+        pc.store(np.arange(200, 216), pool, done_b)
+        pool.release(done_a)
+        pool.release(done_b)
+        before = pool.num_blocks
+        new = pool.allocate(11)  # 9 free: done_a's entry (the oldest that frees blocks) goes
+        return before, pool.num_blocks, sorted(new), done_a, pc.size_tokens
+
+    before, after, new, done_a, size = on_own_thread(work)
+    assert before == after == 16  # no growth: evicting made room
+    assert set(done_a) <= set(new) and size == 32  # the running row's entry and done_b's stay

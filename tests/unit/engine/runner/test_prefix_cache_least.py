@@ -1,5 +1,5 @@
-"""PrefixCache.lookup(least=n): a match shorter than n is not taken (nothing filled, 0 returned);
-one at least that long fills the fresh cache as any hit does."""
+"""PrefixCache.lookup(least=n): a match shorter than n is not taken (nothing filled, None
+returned); one at least that long fills the fresh cache with the pool's KV of those positions."""
 
 from __future__ import annotations
 
@@ -13,21 +13,32 @@ def test_a_match_shorter_than_least_is_not_taken():
         import mlx.core as mx
         from mlx_vlm.models.cache import KVCache
 
+        from vlmserve.engine.runner.block_pool import BlockPool
         from vlmserve.engine.runner.prefix_cache import PrefixCache
 
-        def filled(n):
-            cache = KVCache()
-            cache.update_and_fetch(mx.ones((1, 1, n, 4)), mx.ones((1, 1, n, 4)))
-            return [cache]
-
+        pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=8)
+        blocks = pool.allocate(5)
+        kv = mx.arange(40 * 4, dtype=mx.float32).reshape(40, 1, 4)
+        pool.write(blocks, [(kv, -kv)], 40)
         pc = PrefixCache(max_tokens=1000)
         stored = np.arange(40, dtype=np.int64)
-        pc.store(stored, filled(40))
+        pc.store(stored, pool, blocks)
         query = np.concatenate([stored[:20], np.arange(100, 130)])  # shares 20 tokens
         short, fresh = pc.lookup(query, [KVCache()], least=21), [KVCache()]
         taken = pc.lookup(query, fresh, least=20)
-        return short, taken, fresh[0].offset
+        same = mx.array_equal(fresh[0].keys[0].transpose(1, 0, 2), kv[:20]).item()
+        return (
+            short,
+            taken.length,
+            fresh[0].offset,
+            same,
+            taken.shared.blocks,
+            pool.refs[blocks[0]],
+            pool.refs[blocks[2]],
+        )
 
-    short, taken, offset = on_own_thread(work)
-    assert short == 0
-    assert taken == 20 and offset == 20
+    short, length, offset, same, shared, refs_full, refs_partial = on_own_thread(work)
+    assert short is None
+    assert length == 20 and offset == 20 and same
+    # The hit holds the two full blocks among its 20 positions for the row (row + entry + hit).
+    assert len(shared) == 2 and refs_full == 3 and refs_partial == 2
