@@ -10,6 +10,7 @@ import os
 import sys
 
 from vlmserve.config import DEFAULT_MODEL_DIR, ServerConfig
+from vlmserve.cuda_graphs import choose_cuda_graphs
 from vlmserve.kernel_cache import use_persistent_kernel_cache
 from vlmserve.logging import start_logging
 from vlmserve.torchless import keep_torch_out
@@ -238,6 +239,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="CPython GIL switch interval for this process (CPython's default is 5)",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=d.cuda_graphs,
+        help="let MLX record GPU work into CUDA graphs (CUDA only; off by default: every new prompt "
+        "length then costs tens of ms to instantiate graphs; MLX_USE_CUDA_GRAPHS in the environment "
+        "is kept when this is not given)",
+    )
+    p.add_argument(
         "--event-loop",
         default=d.event_loop,
         choices=["asyncio", "uvloop"],
@@ -341,6 +350,7 @@ def set_process_settings(config: ServerConfig) -> None:
     if config.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     use_persistent_kernel_cache()  # before any process of the server imports MLX (which starts CUDA)
+    choose_cuda_graphs(config.cuda_graphs)  # before any process of the server runs GPU work
     keep_torch_out()  # before transformers loads (torchless.py)
 
 

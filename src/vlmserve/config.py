@@ -79,6 +79,9 @@ class ServerConfig:
     # thread waits for the GIL; with CPython's 5 ms default a busy preprocessing or event-loop
     # thread can hold every decode step up by that much (docs/deployment.md).
     gil_switch_interval_ms: float = 0.5
+    # MLX's CUDA graphs (cuda_graphs.py): off, since instantiating a graph for every new prompt
+    # length costs tens of ms on the request path.
+    cuda_graphs: bool = False
     # uvicorn's event loop. asyncio's, not uvloop: uvloop writes to sockets while holding the
     # GIL, and at 32-64 streams that held each decode step's Python back (on an H100:
     # +4-8% tok/s at 32 streams, +16% at 64).

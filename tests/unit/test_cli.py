@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -35,6 +37,26 @@ def test_serve_sets_the_gil_switch_interval_from_its_flag(monkeypatch):
         assert kept_out  # torch stays out of the serving process (torchless.py)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_serve_turns_cuda_graphs_off_unless_asked_or_the_environment_chose(monkeypatch):
+    from vlmserve import cli
+    from vlmserve.cli import set_process_settings
+    from vlmserve.cuda_graphs import ENV
+
+    monkeypatch.setattr(cli, "keep_torch_out", lambda: None)
+    monkeypatch.setattr(cli, "use_persistent_kernel_cache", lambda: None)
+    monkeypatch.setattr(cli.sys, "setswitchinterval", lambda seconds: None)
+    monkeypatch.setenv(ENV, "")  # recorded first: undone last, the environment is as it was
+    seen = []
+    for flags, env in (((), None), (("--cuda-graphs",), None), ((), "1"), (("--cuda-graphs",), "0")):
+        if env is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, env)
+        set_process_settings(_serve_config(*flags))
+        seen.append(os.environ[ENV])
+    assert seen == ["0", "1", "1", "1"]
 
 
 def test_serve_runs_the_event_loop_its_flag_names():

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from vlmserve.config import ServerConfig
+from vlmserve.cuda_graphs import choose_cuda_graphs
 from vlmserve.engine import kernel_prebuild
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
@@ -64,6 +65,7 @@ class Engine:
         # `vlmserve serve` named the caches before MLX started CUDA; here (MLX imported) only MLX's
         # own PTX directory still takes effect, for an engine embedded some other way.
         ptx = use_persistent_kernel_cache()
+        choose_cuda_graphs(self.config.cuda_graphs)  # takes effect unless this process already ran GPU work
         if cuda_kernels.on_cuda():
             entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
             log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
