@@ -140,9 +140,10 @@ class PagedDecodeBatch:
             for i, owner in zip(rows or range(len(owners)), owners):
                 n = owner.cache_len
                 hit = getattr(owner, "prefix_hit", None)
-                shared = hit.take(self.pool) if hit is not None else []  # full blocks of positions < n
-                owner.blocks = shared + self.pool.allocate(self.blocks_for(n + 1) - len(shared))
-                start = len(shared) * self.pool.block_size
+                # Full blocks of positions < n, the owner's now (released with its others on a failure).
+                owner.blocks = hit.take(self.pool) if hit is not None else []
+                start = len(owner.blocks) * self.pool.block_size
+                owner.blocks = owner.blocks + self.pool.allocate(self.blocks_for(n + 1) - len(owner.blocks))
                 if n > start:
                     layer_kv = [
                         (

@@ -148,3 +148,46 @@ def test_shared_blocks_free_with_their_last_holder_and_an_idle_pool_keeps_only_h
     assert after_release == 2 and grown == 16
     assert compacted == 4 and ids == [1, 2] and used == 2
     assert kept == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_row_reusing_a_cached_prefix_shares_its_full_blocks_and_writes_the_rest():
+    """The join takes a prefix hit's full blocks as the row's first ones (held twice, written
+    once) and writes only the positions after them; the row reads back its whole prompt."""
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
+    from vlmserve.engine.runner.prefix_cache import PrefixCache
+
+    def work():
+        pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=2, blocks=16)
+        first = pool.allocate(3)  # a finished row's 6 positions
+        kv = mx.arange(6 * 4, dtype=mx.float32).reshape(6, 1, 4)
+        pool.write(first, [(kv, -kv)], 6)
+        cache = PrefixCache(1000)
+        cache.store(np.arange(6), pool, first)
+        pool.release(first)  # the row ends; the entry holds its blocks
+        row = _Row(6)
+        from mlx_vlm.models.cache import KVCache
+
+        fresh = [KVCache()]
+        # 5 positions match (the sixth differs): 2 full blocks shared, positions 4 and 5 written
+        row.prefix_hit = cache.lookup(np.array([0, 1, 2, 3, 4, 99, 98]), fresh)
+        writes = []
+        original = pool.write
+
+        def counting(blocks, layer_kv, n, start=0):
+            writes.append((n, start))
+            return original(blocks, layer_kv, n, start)
+
+        pool.write = counting
+        prefill = _PrefillLayer(1)
+        prefill.keys = mx.concatenate([mx.zeros((1, 1, 0, 4)), kv.transpose(1, 0, 2)[None]], axis=2)
+        prefill.values, prefill._idx = -prefill.keys, 6
+        PagedDecodeBatch(None, None, pool, context_length=64).join([row], [prefill])
+        back = pool.read(row.blocks, 6)[0][0]
+        return row.blocks[:2] == first[:2], [pool.refs[b] for b in row.blocks], writes, mx.array_equal(back, kv).item()
+
+    shared, refs, writes, same = on_own_thread(work)
+    assert shared and refs[:2] == [2, 2] and refs[2:] == [1] * (len(refs) - 2)
+    assert writes == [(6, 4)]
+    assert same
