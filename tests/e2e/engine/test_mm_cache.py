@@ -244,3 +244,39 @@ def test_requests_sharing_a_tower_run_count_as_feature_cache_hits(servers):
     reuse.on_worker(lambda: model.embed_prompts(prepared))
     assert model.feature_cache.queries - queries == 3
     assert model.feature_cache.hits - hits == 2
+
+
+def test_reuse_after_an_idle_pool_shrinks_answers_as_without_and_no_block_is_left_held(servers):
+    """Cached prefixes are blocks of the KV pool that rows share: after batched follow-ups, an
+    idle pool's compaction (block ids renumbered) and more follow-ups, every answer equals the
+    one without reuse, the pool holds exactly the blocks the caches hold, and none once they
+    forget."""
+    reuse, strict = servers
+    core = reuse.engine.core
+    first = [_turn("Describe the picture.", image) for image in (RED, BLUE)] + [_turn("Count to five in words.")]
+    answers = _run(strict, [_chat(strict, [m]) for m in first])
+    follow = [
+        [m, {"role": "assistant", "content": _text(a)}, _turn(f"Tell me more, part {i}.")]
+        for m, a in zip(first, answers)
+        for i in range(2)
+    ]
+    expected = [_text(r) for r in _run(strict, [_chat(strict, f) for f in follow])]
+    _run(reuse, [_chat(reuse, [m]) for m in first])
+    together = _run(reuse, [_chat(reuse, f) for f in follow], concurrent=True)
+
+    def held():
+        pools = list(core.runner.batches.pools.values())
+        cached = sum(c.blocks_held() for c in (core.prefix_cache, core.runner.mm_prefix_cache) if c is not None)
+        return sum(p.used for p in pools), cached, core.sched.kv_budget.used
+
+    reuse.engine.worker.submit(core.runner.release_memory).result(30)  # idle: the pool shrinks
+    after_idle = _run(reuse, [_chat(reuse, f) for f in follow])
+    counts = reuse.engine.worker.submit(held).result(30)
+    reuse.engine.worker.submit(core.forget_prefixes).result(30)
+    forgotten = reuse.engine.worker.submit(held).result(30)
+    assert [_text(r) for r in together] == expected
+    assert [_text(r) for r in after_idle] == expected
+    assert any(_cached(r) > 0 for r in after_idle)
+    used, cached, budget_used = counts
+    assert used == cached > 0 and budget_used == 0
+    assert forgotten == (0, 0, 0)
