@@ -38,7 +38,8 @@ class BlockPool:
         self.kv_shape = kv_shape
         self.dtype = dtype
         self.block_size = block_size
-        self.num_blocks = self.first_size = max(2, blocks)
+        self.num_blocks = max(2, blocks)
+        self.sizes = {self.num_blocks}  # every size it has had: the decode step's traced shapes
         heads, dim_k, dim_v = kv_shape
         rows = self.num_blocks * block_size
         self.keys = [mx.zeros((rows, heads, dim_k), dtype) for _ in range(num_layers)]
@@ -85,14 +86,11 @@ class BlockPool:
                 self.free.append(b)
 
     def compact(self) -> dict[int, int]:
-        """Shrink to the first size of the pool's doubling (so the decode step's shapes stay ones
-        traced before) that holds the blocks still held, renumbered from 1: what an idle pool
-        keeps for its cached prefixes. Returns old id -> new id."""
+        """Shrink to the smallest size the pool has had (so the decode step meets shapes it has
+        run) that holds the blocks still held, renumbered from 1: what an idle pool keeps for its
+        cached prefixes. Returns old id -> new id."""
         held = [b for b in range(1, self.num_blocks) if self.refs[b]]
-        size = self.first_size
-        while size < len(held) + 1:
-            size *= 2
-        size = min(max(size, len(held) + 1), self.num_blocks)
+        size = min(s for s in self.sizes if s >= len(held) + 1)
         if size == self.num_blocks and held == list(range(1, len(held) + 1)):
             return {b: b for b in held}
         bs = self.block_size
@@ -122,6 +120,7 @@ class BlockPool:
         self.free = list(range(size - 1, self.num_blocks - 1, -1)) + self.free
         self.refs += [0] * (size - self.num_blocks)
         self.num_blocks = size
+        self.sizes.add(size)
         gb = sum(a.nbytes for a in self.arrays()) / 1e9
         log.info("KV pool (%s) grew to %d blocks (%.2f GB)", str(self.dtype).removeprefix("mlx.core."), size, gb)
 

@@ -332,7 +332,7 @@ class ModelRunner:
         """A row that joined: its prompt's KV, now in its blocks, goes into its prefix cache."""
         store, key = self._prefix_cache(seq)
         if store is not None and seq.blocks:
-            store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks)
+            self._keep(seq, lambda: store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks))
 
     def _store_sequence(self, seq: Sequence) -> None:
         """A finished row's prompt and output KV goes into its prefix cache: a chat's next turn
@@ -343,7 +343,14 @@ class ModelRunner:
         if store is None or seq.cache_len <= seq.num_prompt:
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
-        store.store(ids, self.batch.pool_of(seq), seq.blocks)
+        self._keep(seq, lambda: store.store(ids, self.batch.pool_of(seq), seq.blocks))
+
+    @staticmethod
+    def _keep(seq: Sequence, store: Callable[[], None]) -> None:
+        try:
+            store()
+        except Exception:  # noqa: BLE001 - a cache entry is never worth a request
+            log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 
     def _caches(self) -> list[PrefixCache]:
         return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]

@@ -127,7 +127,8 @@ class PrefixCache:
 
     def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int]) -> None:
         """Keep the KV of `tokens`, the first positions of a row's `blocks` in `pool` (the entry
-        holds them too). Entries whose keys it extends go: it serves their lookups."""
+        holds them too). Entries whose keys it extends go: it serves their lookups; if a cached
+        key extends it, that entry serves it and nothing is added."""
         n = len(tokens)
         if not n or n > self.max_tokens:
             return
@@ -136,6 +137,10 @@ class PrefixCache:
             self._entries.move_to_end(key)
             return
         tokens = np.array(tokens, dtype=np.int64)
+        for old, (_, stored) in self._entries.items():
+            if len(stored) > n and np.array_equal(stored[:n], tokens):  # a longer entry serves its lookups
+                self._entries.move_to_end(old)
+                return
         for old, (_, stored) in list(self._entries.items()):
             if len(stored) < n and np.array_equal(stored, tokens[: len(stored)]):
                 self._remove(old)
@@ -163,13 +168,19 @@ class PrefixCache:
                 del self._held[(id(kv.pool), b)]
 
     def reclaim(self, pool: BlockPool, blocks: int) -> None:
-        """Evict the oldest entries in `pool` that free blocks (entries whose blocks rows hold
-        too free none: they stay) until it has `blocks` free, or none is left."""
-        for key, (kv, _) in list(self._entries.items()):
-            if len(pool.free) >= blocks:
-                return
-            if kv.pool is pool and any(pool.refs[b] == 1 for b in kv.blocks):
-                self._remove(key)
+        """Evict the oldest entries in `pool` that free blocks until it has `blocks` free, or none
+        is left. An entry whose blocks others hold too frees none and stays, unless evicting
+        those others (later in the order) made it their last holder: passes repeat until one
+        evicts nothing."""
+        evicted = True
+        while evicted and len(pool.free) < blocks:
+            evicted = False
+            for key, (kv, _) in list(self._entries.items()):
+                if len(pool.free) >= blocks:
+                    return
+                if kv.pool is pool and any(pool.refs[b] == 1 for b in kv.blocks):
+                    self._remove(key)
+                    evicted = True
 
     def renumber(self, pool: BlockPool, mapping: dict[int, int]) -> None:
         """`pool` was compacted: its blocks have new ids."""

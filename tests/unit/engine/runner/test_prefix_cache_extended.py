@@ -69,3 +69,34 @@ def test_rows_needing_blocks_evict_only_entries_that_free_some():
     before, after, new, done_a, size = on_own_thread(work)
     assert before == after == 16  # no growth: evicting made room
     assert set(done_a) <= set(new) and size == 32  # the running row's entry and done_b's stay
+
+
+def test_a_key_a_cached_one_extends_is_not_added_and_eviction_passes_until_none_frees_blocks():
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.runner.prefix_cache import PrefixCache
+
+        pool, (row,) = _pool_with_rows(mx, [24])  # 3 blocks of 8
+        pc = PrefixCache(1000)
+        whole = np.arange(24)
+        pc.store(whole, pool, row)
+        pc.store(whole[:16], pool, row)  # the entry above serves it: nothing added, nothing held
+        added = pc.size_tokens, [pool.refs[b] for b in row]
+        pool.release(row)
+        # An older entry whose only block a newer one holds too: evicting the newer one makes it
+        # the last holder, and a second pass takes it.
+        older = pool.allocate(1)
+        newer = older + pool.allocate(1)
+        pc.store(np.arange(100, 108), pool, older)
+        pc.store(np.arange(200, 216), pool, newer)
+        pool.release(newer)
+        pool.release(older)
+        pool.reclaim = pc.reclaim
+        free_before, size_before = len(pool.free), pool.num_blocks
+        pool.allocate(free_before + 5)  # every cached block is needed: all go, no growth
+        return added, pc.size_tokens, size_before, pool.num_blocks
+
+    added, left, size_before, size_after = on_own_thread(work)
+    assert added == (24, [2, 2, 2])
+    assert left == 0 and size_before == size_after == 16
