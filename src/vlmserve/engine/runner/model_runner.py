@@ -352,6 +352,13 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - a cache entry is never worth a request
             log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 
+    @staticmethod
+    def _let_go_of_prefix(seq: Sequence) -> None:
+        """The row's hold on the cached prefix it started from, if the join did not take it."""
+        if seq.prefix_hit is not None:
+            seq.prefix_hit.release()
+            seq.prefix_hit = None
+
     def _caches(self) -> list[PrefixCache]:
         return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]
 
@@ -379,9 +386,7 @@ class ModelRunner:
             self.batch.join(seqs, rows_cache, rows)
         finally:
             for seq in seqs:  # what the join did not take of their cached prefixes
-                if seq.prefix_hit is not None:
-                    seq.prefix_hit.release()
-                    seq.prefix_hit = None
+                self._let_go_of_prefix(seq)
         self.sched.started_decoding(seqs)
         if self.batch.paged:
             for seq in seqs:
@@ -667,9 +672,7 @@ class ModelRunner:
         if seq.finished:
             return
         seq.finished = True
-        if seq.prefix_hit is not None:  # it ends before joining: its hold on a cached prefix goes
-            seq.prefix_hit.release()
-            seq.prefix_hit = None
+        self._let_go_of_prefix(seq)  # it may end before joining
         event = event or TokenEvent()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             event.text += seq.text.finish()
