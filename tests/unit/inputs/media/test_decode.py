@@ -14,6 +14,7 @@ from PIL import Image
 
 from vlmserve.inputs.media import ImageCache, MediaError, MediaPolicy, decode_image, load_image_bytes
 from vlmserve.inputs.media import cache as cache_mod
+from vlmserve.inputs.media.decode import decode_base64_payload
 
 POLICY = MediaPolicy()
 
@@ -189,6 +190,18 @@ def test_data_uri_and_bare_base64_with_whitespace():
 )
 def test_malformed_data_rejected(uri):
     expect("invalid_image", load_image_bytes, uri, POLICY)
+
+
+def test_base64_accepts_what_the_stdlib_accepts_and_decodes_the_same():
+    """The fast decoder serves what it accepts; anything else gets the stdlib's rules."""
+    import os
+
+    payload = os.urandom(30_003)
+    b64 = base64.b64encode(payload).decode()
+    assert decode_base64_payload(b64, POLICY) == payload
+    assert decode_base64_payload(base64.b64encode(b"ABC").decode() + "=", POLICY) == b"ABC"  # excess padding
+    with pytest.raises(MediaError):
+        decode_base64_payload(b64[:-1], POLICY)
 
 
 def test_base64_size_limit_before_decoding():
