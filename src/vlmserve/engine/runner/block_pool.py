@@ -11,9 +11,9 @@ Blocks only cached prefixes hold are the pool's slack: when rows need blocks, `r
 cached prefixes before the pool grows.
 
 The pool starts with room for every row at a moderate length and doubles when rows need more
-blocks than it has (a copy, a few times over a server's life); the scheduler's KVBudget
-bounds how many blocks rows hold, so the pool never outgrows the budget by more than that
-doubling. Idle, the pool shrinks to the blocks cached prefixes hold (`compact`).
+blocks than it has (a copy, a few times over a server's life), up to the size of the
+scheduler's KVBudget, which bounds how many blocks rows hold. Idle, the pool shrinks to the
+smallest size it has had that holds the blocks cached prefixes hold (`compact`).
 """
 
 from __future__ import annotations

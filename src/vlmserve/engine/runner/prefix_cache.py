@@ -4,7 +4,8 @@ An entry holds the blocks of the row it came from (the row's prompt once prefill
 and answer once finished): no copy. A row that reuses a prefix copies it into its prompt cache
 for its prefill, and at its join takes the prefix's full blocks into its own block table, so
 the two share them. Blocks only entries hold are the pool's slack: rows that need blocks evict
-entries (oldest first) before the pool grows, and before any row is preempted.
+entries (oldest first) before the pool grows. Entries do not count against the KV budget, so
+they never cost a row its place.
 
 The engine keeps two. The text one: requests carrying pixel values never read or write it
 (image placeholder tokens are identical for every image, so a token key says nothing about
