@@ -11,6 +11,7 @@
 # (the wheels for the peer and httptools may not fit beside .gpu-b in 64 MiB: move them to .gpu-c and
 #  install them with pip --target /root/site in a call of their own; see docs/benchmarks.md)
 # Results land in $OUT (default /root/bench): <format>-w1.json/.png, <format>-mixed.json, server logs.
+# A server it started stops with it, also when the script is stopped (e.g. by `timeout`).
 set -euo pipefail
 export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller
 MODELS=${MODELS:-/root/models}
@@ -25,6 +26,10 @@ RESTART=${RESTART:-1}  # RESTART=1: start vlmserve a second time after its run a
 CLIENTS=${CLIENTS:-4}  # load-generator processes (bench.py --client-processes; one Python process delays W1's waves)
 WRAP=${WRAP:-}  # prefix for the vlmserve command, e.g. "py-spy record --gil -f raw -o $OUT/gil.txt --"
 mkdir -p "$OUT"
+SERVER_PGID=""  # the server running now: stopped if this script is stopped (e.g. by `timeout`), so none outlives it
+stop_server() { [ -n "$SERVER_PGID" ] && kill -KILL -- -"$SERVER_PGID" 2>/dev/null; SERVER_PGID=""; }
+trap stop_server EXIT
+trap 'stop_server; exit 143' TERM INT
 
 model_dir() {  # format -> the model directory, built if missing
   local bf16=$MODELS/qwen2-vl-2b-bf16 dir=$MODELS/qwen2-vl-2b-$1
@@ -40,6 +45,7 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
   local t0; t0=$(date +%s)
   setsid "$@" > "$OUT/$format-$name.log" 2>&1 &
   local pid=$!
+  SERVER_PGID=$pid
   for _ in $(seq 1 1200); do
     kill -0 "$pid" 2>/dev/null || { echo "$name died"; tail -40 "$OUT/$format-$name.log"; return 1; }
     curl -sf "$ready" >/dev/null && break
@@ -65,6 +71,7 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
   done
   kill -INT -- -"$pid" 2>/dev/null || true  # SIGINT: a profiler in WRAP writes its output on the way out
   wait "$pid" 2>/dev/null || true
+  SERVER_PGID=""
 }
 
 for format in $FORMATS; do
