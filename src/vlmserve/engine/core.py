@@ -365,7 +365,7 @@ class EngineCore:
             kv_tokens=sum(s.cache_len for s in list(self.sched.running)),
             kv_blocks_used=budget.used,
             kv_blocks_total=budget.total,
-            kv_blocks_cached=sum(c.blocks_held() for c in (pc, self.runner.mm_prefix_cache) if c is not None),
+            kv_blocks_cached=sum(c.blocks_held() for c in self.runner.prefix_caches()),
             preemptions=budget.preemptions,
             memory=dict(self._memory),
             feature_queries=features.queries if features is not None else 0,

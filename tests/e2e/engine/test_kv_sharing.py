@@ -63,7 +63,7 @@ def _holders(core) -> tuple[dict, dict]:
         if shared is not None:
             for i, b in enumerate(shared.blocks):
                 held[(id(shared.pool), b)].append(("hit", i, shared.length, id(seq)))
-    for cache in runner._caches():
+    for cache in runner.prefix_caches():
         for key, (kv, _) in cache._entries.items():
             assert len(kv.blocks) == -(-kv.length // kv.pool.block_size)
             for i, b in enumerate(kv.blocks):
@@ -91,7 +91,7 @@ def _check(core) -> None:
                         assert writes_from >= min(size, other[2] - other[1] * size)
     assert sum(s.kv_units for s in core.sched.running + core.sched.prefilling) == core.sched.kv_budget.used
     cached = {(p, b) for (p, b), holders in held.items() if any(h[0] == "entry" for h in holders)}
-    assert sum(c.blocks_held() for c in core.runner._caches()) == len(cached)
+    assert sum(c.blocks_held() for c in core.runner.prefix_caches()) == len(cached)
 
 
 def _load(core, seed: int, requests: int = 36):

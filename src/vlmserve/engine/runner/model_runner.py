@@ -359,12 +359,13 @@ class ModelRunner:
             seq.prefix_hit.release()
             seq.prefix_hit = None
 
-    def _caches(self) -> list[PrefixCache]:
+    def prefix_caches(self) -> list[PrefixCache]:
+        """The prefix caches in use (the image one first)."""
         return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]
 
     def _evict_cached(self, pool, blocks: int) -> None:
         """Rows need `blocks` free in `pool`: cached prefixes there give way, image ones first."""
-        for cache in self._caches():
+        for cache in self.prefix_caches():
             cache.reclaim(pool, blocks)
 
     def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
@@ -621,7 +622,7 @@ class ModelRunner:
         """Forget the running batch and every pool, with the prefixes cached there."""
         self.batch = None
         for pool in self.batches.pools.values():
-            for cache in self._caches():
+            for cache in self.prefix_caches():
                 cache.forget(pool)
         self.batches.pools.clear()
 
@@ -630,7 +631,7 @@ class ModelRunner:
         if self.batch is None or not self.batch.layout():
             self.batch = None
             for pool, mapping in self.batches.release():
-                for cache in self._caches():
+                for cache in self.prefix_caches():
                     cache.renumber(pool, mapping)
 
     # ---- per-token bookkeeping ---------------------------------------------------------

@@ -138,13 +138,15 @@ class PrefixCache:
             self._entries.move_to_end(key)
             return
         tokens = np.array(tokens, dtype=np.int64)
+        extended = []
         for old, (_, stored) in self._entries.items():
             if len(stored) > n and np.array_equal(stored[:n], tokens):  # a longer entry serves its lookups
                 self._entries.move_to_end(old)
                 return
-        for old, (_, stored) in list(self._entries.items()):
             if len(stored) < n and np.array_equal(stored, tokens[: len(stored)]):
-                self._remove(old)
+                extended.append(old)
+        for old in extended:
+            self._remove(old)
         held = blocks[: -(-n // pool.block_size)]
         pool.retain(held)
         self._entries[key] = (PooledKV(pool, held, n), tokens)
@@ -193,9 +195,7 @@ class PrefixCache:
     def forget(self, pool: BlockPool) -> None:
         """`pool` is gone: its entries with it."""
         for key in [k for k, (kv, _) in self._entries.items() if kv.pool is pool]:
-            kv, _ = self._entries.pop(key)
-            self._tokens -= len(key)
-            self._unhold(kv)
+            self._remove(key)
 
     def clear(self) -> None:
         while self._entries:
