@@ -50,6 +50,19 @@ class RunningServer:
         self.uv.should_exit = True
         self.thread.join(30)
 
+    def wait_warm(self, timeout: float = 120.0) -> RunningServer:
+        """Until the warm-up left for idle time is done (`vlmserve:warmup_pending` reads 0): it
+        runs model forwards of its own, which a test counting forwards must not see."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = httpx.get(f"{self.base_url}/metrics").text
+            line = next(x for x in metrics.splitlines() if x.startswith("vlmserve:warmup_pending"))
+            if float(line.rsplit(" ", 1)[1]) == 0:
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError("the idle warm-up did not finish")
+            time.sleep(0.05)
+
     @property
     def engine(self):
         return self.state.engine

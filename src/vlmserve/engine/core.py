@@ -20,6 +20,7 @@ import numpy as np
 
 from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
+from vlmserve.engine.ops.cuda_kernels import on_cuda
 from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -37,6 +38,7 @@ WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
 
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
+IDLE_PIECE_MAX_S = 0.25  # idle warm-up runs no prompt piece longer than this (an arriving request waits)
 KERNEL_GRACE_S = 30.0  # kernels left for idle time are built between busy steps after this
 
 
@@ -98,6 +100,8 @@ class EngineCore:
         self._kernels_due: float | None = None  # when pending kernels are built under load (_kernels_overdue)
         self._kernel_seconds = 0.0
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes compiled while idle (idle_work)
+        self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
+        self._filler_token = 0
 
     @classmethod
     def load(
@@ -320,7 +324,7 @@ class EngineCore:
         for seq, budget in plan.singles:
             self.runner.prefill_alone(seq, budget)
         if plan.pieces:
-            self.runner.prefill_pieces(plan.pieces, self.sched.prefill_bucket)
+            self.runner.prefill_pieces(plan.pieces)
         if plan.group:
             try:
                 self.runner.prefill_group(plan.group, self.sched.prefill_bucket)
@@ -370,7 +374,7 @@ class EngineCore:
             memory=dict(self._memory),
             feature_queries=features.queries if features is not None else 0,
             feature_hits=features.hits if features is not None else 0,
-            warmup_pending=len(self._shapes_to_warm) + self.model.kernels_pending(),
+            warmup_pending=len(self._shapes_to_warm) + len(self._lengths_to_warm) + self.model.kernels_pending(),
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
@@ -442,16 +446,33 @@ class EngineCore:
                 "%d decode shapes to compile while idle (until then, steps of those shapes run eagerly)",
                 len(self._shapes_to_warm),
             )
+        # On CUDA a padded length's first run costs tens of ms (the matmuls' setup per shape);
+        # elsewhere nothing measured does, and the forwards would only keep the worker busy.
+        if on_cuda() and self.model.prefills_pieces and prompts:
+            self._filler_token = int(prompts[0].prompt_ids[-1])
+            self._lengths_to_warm = self.sched.lone_piece_lengths(max(1, bucket), self.info.context_length)
+            if self._lengths_to_warm:
+                log.info(
+                    "%d prompt piece lengths past a chunk (%d to %d) to run once while idle",
+                    len(self._lengths_to_warm),
+                    self._lengths_to_warm[0],
+                    self._lengths_to_warm[-1],
+                )
 
     def has_idle_work(self) -> bool:
-        """Warm-up left for idle time: kernels not built yet, decode shapes not compiled yet."""
-        return bool(self._shapes_to_warm) or self.model.kernels_pending() > 0
+        """Warm-up left for idle time: kernels not built yet, decode shapes not compiled yet,
+        prompt piece lengths not run yet."""
+        return bool(self._shapes_to_warm or self._lengths_to_warm) or self.model.kernels_pending() > 0
 
     def idle_work(self) -> None:
         """One piece of the warm-up left for idle time: build one kernel, else compile one decode
-        shape (a second or so each on CUDA; a request that arrives meanwhile waits for it)."""
+        shape (a second or so each on CUDA), else run one prompt piece length; a request that
+        arrives meanwhile waits for it."""
         if self.model.kernels_pending():
             self._build_kernel()
+            return
+        if not self._shapes_to_warm:
+            self._warm_piece_length()
             return
         rows, width = self._shapes_to_warm.pop(0)
         t0 = time.perf_counter()
@@ -470,6 +491,26 @@ class EngineCore:
                 len(self._shapes_to_warm),
             )
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")
+
+    def _warm_piece_length(self) -> None:
+        """Run the shortest piece length not run yet. Longer ones take longer, and a request that
+        arrives meanwhile waits: past IDLE_PIECE_MAX_S the rest are left to traffic (their compute
+        then outweighs the setup a first run adds)."""
+        length = self._lengths_to_warm.pop(0)
+        t0 = time.perf_counter()
+        try:
+            self.runner.warm_piece_length(length, self._filler_token)
+        except Exception:  # e.g. out of memory: those lengths pay their first run when traffic brings them
+            log.warning("running prompt piece lengths while idle failed", exc_info=True)
+            self._lengths_to_warm.clear()
+            return
+        took = time.perf_counter() - t0
+        if took > IDLE_PIECE_MAX_S and self._lengths_to_warm:
+            log.info("a prompt piece of %d positions took %.2f s; longer ones are not run while idle", length, took)
+            self._lengths_to_warm.clear()
+        elif not self._lengths_to_warm:
+            log.info("ran the prompt piece lengths while idle (the last, %d positions, in %.2f s)", length, took)
+        self._note_peak(lambda: f"running a prompt piece of {length} positions")
 
     def _build_kernel(self) -> None:
         """Build and check one of the model's pending kernels; after the last, decode steps traced

@@ -51,12 +51,13 @@ async def _outputs(server, bodies, concurrent: bool) -> list[str]:
 def _server(family: str, tmp_path_factory, prefix_cache_tokens: int = 0, max_num_seqs: int = 8):
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
-    return start_server(
+    server = start_server(
         str(checkpoint(family, "float32", cache_dir)),
         max_num_seqs=max_num_seqs,
         prefill_chunk=32,
         prefix_cache_tokens=prefix_cache_tokens,
     )
+    return server.wait_warm()  # its own forwards done: the tests count the model's
 
 
 def _count_calls(model) -> list[list[tuple[int, int]]]:

@@ -1,5 +1,6 @@
-"""Decode shapes left for idle time: one per idle turn of the worker; a failure is logged and
-leaves the rest to traffic (they compile when first used) instead of ending the worker."""
+"""Warm-up left for idle time (kernels, decode shapes, prompt piece lengths): one item per idle
+turn of the worker; a failure is logged and leaves the rest to traffic (they compile when first
+used) instead of ending the worker."""
 
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ class _Model:
         self.log.append(name)
 
 
-def _core(warm_shape, kernels=(), log=None, fail=()):
+def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=None):
     from vlmserve.engine.core import EngineCore
 
     log = [] if log is None else log
     core = SimpleNamespace(
         _shapes_to_warm=[(1, 32), (2, 32), (4, 32)],
-        runner=SimpleNamespace(batches=SimpleNamespace(warm_shape=warm_shape, retrace=lambda: log.append("retrace"))),
+        _lengths_to_warm=list(lengths),
+        _filler_token=7,
+        runner=SimpleNamespace(
+            batches=SimpleNamespace(warm_shape=warm_shape, retrace=lambda: log.append("retrace")),
+            warm_piece_length=warm_length or (lambda length, filler: log.append(("piece", length, filler))),
+        ),
         model=_Model(kernels, log, fail),
         noted=[],
         _kernels_due=None,
@@ -37,6 +43,7 @@ def _core(warm_shape, kernels=(), log=None, fail=()):
     )
     core._note_peak = core.noted.append
     core._build_kernel = lambda: EngineCore._build_kernel(core)
+    core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     return core, EngineCore
 
 
@@ -59,12 +66,38 @@ def test_a_failed_compile_leaves_the_rest_to_traffic(caplog):
     assert "compile when first used" in caplog.text
 
 
-def test_kernels_are_built_first_then_decode_steps_retrace_with_them_then_shapes_compile():
+def test_kernels_are_built_first_then_decode_steps_retrace_with_them_then_shapes_compile_then_pieces_run():
     log = []
-    core, engine_core = _core(lambda rows, width: log.append((rows, width)) or True, ["qkv", "mlp"], log)
+    core, engine_core = _core(
+        lambda rows, width: log.append((rows, width)) or True, ["qkv", "mlp"], log, lengths=[640, 768]
+    )
     while engine_core.has_idle_work(core):
         engine_core.idle_work(core)
-    assert log == ["qkv", "mlp", "retrace", (1, 32), (2, 32), (4, 32)]
+    assert log == ["qkv", "mlp", "retrace", (1, 32), (2, 32), (4, 32), ("piece", 640, 7), ("piece", 768, 7)]
+
+
+def test_a_slow_piece_leaves_the_longer_ones_to_traffic(monkeypatch, caplog):
+    from vlmserve.engine import core as engine_module
+
+    monkeypatch.setattr(engine_module, "IDLE_PIECE_MAX_S", 0.0)  # every piece counts as slow
+    ran = []
+    core, engine_core = _core(lambda rows, width: True, lengths=[640, 768, 896], warm_length=lambda n, f: ran.append(n))
+    core._shapes_to_warm = []
+    with caplog.at_level(logging.INFO):
+        engine_core.idle_work(core)
+    assert ran == [640] and not engine_core.has_idle_work(core)
+    assert "longer ones are not run while idle" in caplog.text
+
+
+def test_a_failed_piece_leaves_the_rest_to_traffic(caplog):
+    def fails(length, filler):
+        raise MemoryError("out of device memory")
+
+    core, engine_core = _core(lambda rows, width: True, lengths=[640, 768], warm_length=fails)
+    core._shapes_to_warm = []
+    with caplog.at_level(logging.WARNING):
+        engine_core.idle_work(core)  # does not raise
+    assert not engine_core.has_idle_work(core) and "piece lengths while idle failed" in caplog.text
 
 
 def test_a_kernel_that_fails_to_build_is_skipped_and_the_rest_go_on(caplog):

@@ -28,7 +28,7 @@ from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest, Sequence
 from vlmserve.engine.sched.scheduler import Scheduler
-from vlmserve.protocol import FinishReason, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
+from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class ModelRunner:
                 return
         self._join([seq], self.model.merge_caches([seq.prompt.cache]))
 
-    def prefill_pieces(self, pieces: list[tuple[Sequence, int]], bucket: int) -> None:
+    def prefill_pieces(self, pieces: list[tuple[Sequence, int]]) -> None:
         """The next piece (up to its budget) of several rows' prompts, in one forward per embedding
         dtype whatever each row holds already; rows whose prompts are then in join the batch.
 
@@ -221,7 +221,7 @@ class ModelRunner:
                         self.prefill_alone(seq, budget)
                     continue
                 try:
-                    self._prefill_pieces_together(rows, max(1, bucket))
+                    self._prefill_pieces_together(rows)
                 except Exception as exc:  # e.g. joining the batch failed: these requests end, others go on
                     for seq, _ in rows:
                         if not seq.finished and seq in self.sched.prefilling:
@@ -258,7 +258,7 @@ class ModelRunner:
         except Exception as exc:  # one bad request ends only itself
             self.fail_prefill(seq, exc)
 
-    def _prefill_pieces_together(self, rows: list[tuple[Sequence, int]], bucket: int) -> None:
+    def _prefill_pieces_together(self, rows: list[tuple[Sequence, int]]) -> None:
         t0 = time.perf_counter()
         spans = [seq.next_piece(budget) for seq, budget in rows]
         seqs = [seq for seq, _ in rows]
@@ -267,8 +267,9 @@ class ModelRunner:
         if len(todo) == 1 and todo[0][1][0] == 0:  # a lone first piece: mlx_vlm.generate's shapes
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
+            multiple = self.sched.padding_multiple(max(end - start for _, (start, end) in todo))
             try:
-                self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], bucket)
+                self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], multiple)
             except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
                 for seq, (start, end) in todo:
                     self.prefill_alone(seq, end - start)
@@ -625,6 +626,16 @@ class ModelRunner:
             for cache in self.prefix_caches():
                 cache.forget(pool)
         self.batches.pools.clear()
+
+    def warm_piece_length(self, length: int, filler: int) -> None:
+        """Prefill a throwaway text prompt's piece of `length` positions after a short prefix, by
+        the pieces forward, padded as a real piece of that length is: on CUDA a padded length's
+        first run pays for per-shape setup (tens of ms) that later runs skip."""
+        head = max(1, self.sched.prefill_bucket)
+        state = self.model.embed_prompts([PreparedRequest(prompt_ids=np.full(head + length + 1, filler, np.int32))])[0]
+        self.model.prefill(state, 0, head)
+        self.model.prefill_pieces([state], [(head, head + length)], self.sched.padding_multiple(length))
+        mx.eval([c.state for c in state.cache])
 
     def release_memory(self) -> None:
         """Idle: hand the block pools back, but for the blocks cached prefixes hold."""

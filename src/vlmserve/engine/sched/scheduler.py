@@ -161,6 +161,31 @@ class Scheduler:
             share = min(share, int((math.sqrt(start * start + 4 * self.lone_pairs) - start) / 2))
         return max(share, min(remaining, self.prefill_chunk, self.prefill_budget))
 
+    def padding_multiple(self, longest: int) -> int:
+        """What a prompt piece forward whose longest piece has `longest` positions pads to a
+        multiple of: the prefill bucket up to a chunk; past it (a lone prompt's piece), an eighth
+        of the power of two at or above it (640, 768, 896, 1024, 1280, ...). On CUDA every padded
+        length costs tens of ms the first time it runs, so the lengths past a chunk stay few
+        (a handful per doubling, all warmed while idle) and padding stays under a quarter."""
+        bucket = max(1, self.prefill_bucket)
+        if bucket == 1 or longest <= self.prefill_chunk:
+            return bucket
+        step = (1 << (longest - 1).bit_length()) // 8
+        return -(-step // bucket) * bucket
+
+    def lone_piece_lengths(self, start: int, context_length: int) -> list[int]:
+        """Every padded length past a chunk that a lone prompt's piece from `start` can take (with
+        exact shapes, none)."""
+        if self.prefill_bucket <= 1:
+            return []
+        longest = min(self.lone_share(start, 1 << 30), context_length - start - 1)
+        lengths, n = [], self.prefill_chunk + 1
+        while n <= longest:
+            multiple = self.padding_multiple(n)
+            lengths.append(-(-n // multiple) * multiple)
+            n = lengths[-1] + 1
+        return lengths
+
     def unembedded_in_budget(self) -> tuple[list[Sequence], int]:
         """The prefilling prompts not yet embedded that the next prefill's budget reaches (in
         order, each counted at most a chunk, embedded ones too), and the budget left after all."""

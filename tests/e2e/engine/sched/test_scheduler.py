@@ -264,9 +264,7 @@ def test_compiled_decode_matches_eager():
         assert compiled.engine.core.runner.batches.compiled and not eager.engine.core.runner.batches.compiled
         # Warm-up leaves the decode shapes to idle time, after /ready: the idle worker compiles them.
         core = compiled.engine.core
-        deadline = time.monotonic() + 60
-        while core.has_idle_work() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        compiled.wait_warm(60), eager.wait_warm(60)
         assert not core.has_idle_work() and not eager.engine.core.has_idle_work()
         batches = core.runner.batches
         warmed = batches.shapes_to_warm(4, 2 * compiled.config.prefill_chunk)
@@ -715,3 +713,31 @@ def test_a_step_trace_records_every_step_with_its_phases(monkeypatch, tmp_path):
         assert sum(s["decode_rows"] > 0 for s in steps) >= 4  # the first token rides a decode step, then 4 more
     finally:
         server.stop()
+
+
+def test_a_piece_length_warmed_while_idle_runs_one_padded_forward_and_leaves_nothing_behind(qwen_server, monkeypatch):
+    """On CUDA the idle warm-up runs each padded length a lone prompt's piece past a chunk can
+    take: one pieces forward of that length on a throwaway prompt, padded as a real piece is,
+    that touches no request's state, no KV pool and no cache."""
+    core = qwen_server.engine.core
+    model = core.model
+    calls = []
+    real = model.prefill_pieces
+
+    def spy(states, spans, bucket=1):
+        calls.append((list(spans), bucket))
+        return real(states, spans, bucket)
+
+    monkeypatch.setattr(model, "prefill_pieces", spy)
+
+    def state():
+        g = core.cache_gauges()
+        return core.stats.batched_prefills, g.kv_tokens, g.kv_blocks_used, g.kv_blocks_cached, g.prefix_usage
+
+    before = state()
+    length = core.sched.lone_piece_lengths(0, core.info.context_length)[0]
+    qwen_server.on_worker(core.runner.warm_piece_length, length, 7)
+    head = max(1, core.sched.prefill_bucket)
+    assert calls == [([(head, head + length)], core.sched.padding_multiple(length))]
+    assert length % core.sched.padding_multiple(length) == 0  # the forward ran exactly that length
+    assert state() == before

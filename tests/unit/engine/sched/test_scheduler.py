@@ -235,3 +235,50 @@ def test_a_prompt_whose_last_position_runs_in_prefill_counts_it():
     assert [s.req.request_id for s in plan.group] == ["plain"]
     assert rows[0].prefill_end == 30 and rows[1].prefill_end == 29
     assert sched.unembedded_in_budget()[1] == 100 - 30 - 29
+
+
+def test_pieces_pad_to_the_bucket_up_to_a_chunk_and_to_few_lengths_past_it():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64)
+
+    def padded(n):
+        multiple = sched.padding_multiple(n)
+        return -(-n // multiple) * multiple
+
+    assert [padded(n) for n in (1, 64, 65, 500, 512)] == [64, 64, 128, 512, 512]
+    # Past a chunk: an eighth of the power of two at or above the length.
+    assert [padded(n) for n in (513, 587, 641, 1024, 1025, 1300, 2049, 5000)] == [
+        640,
+        640,
+        768,
+        1024,
+        1280,
+        1536,
+        2560,
+        5120,
+    ]
+    for n in range(513, 8193, 7):  # padding stays under a quarter of the length
+        assert n <= padded(n) < 1.25 * n
+
+
+def test_exact_shapes_pad_nothing_past_a_chunk_either():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=0)
+    assert sched.padding_multiple(587) == 1 and sched.lone_piece_lengths(0, 32768) == []
+
+
+def test_an_odd_bucket_keeps_lengths_past_a_chunk_its_multiples():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=500, prefill_budget=8192, prefill_bucket=48)
+    for n in (501, 700, 1500, 3000):
+        assert sched.padding_multiple(n) % 48 == 0
+
+
+def test_lone_piece_lengths_are_every_length_a_lone_piece_past_a_chunk_pads_to():
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=2048, prefill_bucket=64)
+    lengths = sched.lone_piece_lengths(64, 32768)
+    assert lengths == [640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    for n in range(513, 2049):
+        multiple = sched.padding_multiple(n)
+        assert -(-n // multiple) * multiple in lengths
+    # The context bounds them, and so does the bound on a lone piece's attention pairs.
+    assert sched.lone_piece_lengths(64, 1000) == [640, 768, 896, 1024]
+    paired = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64, lone_pairs=1 << 20)
+    assert paired.lone_piece_lengths(64, 32768) == [640, 768, 896, 1024]
