@@ -278,7 +278,22 @@ def test_lone_piece_lengths_are_every_length_a_lone_piece_past_a_chunk_pads_to()
     for n in range(513, 2049):
         multiple = sched.padding_multiple(n)
         assert -(-n // multiple) * multiple in lengths
-    # The context bounds them, and so does the bound on a lone piece's attention pairs.
+    # The context bounds them, and so does the bound on a lone piece's attention pairs, at the
+    # padded length (992 positions fit after 64, but not 1024).
     assert sched.lone_piece_lengths(64, 1000) == [640, 768, 896, 1024]
     paired = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64, lone_pairs=1 << 20)
-    assert paired.lone_piece_lengths(64, 32768) == [640, 768, 896, 1024]
+    assert paired.lone_piece_lengths(64, 32768) == [640, 768, 896]
+
+
+def test_a_lone_piece_past_a_chunk_fits_the_pair_bound_at_its_padded_length():
+    pairs = 1 << 20
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64, lone_pairs=pairs)
+    for start in (0, 64, 300, 600, 1000, 1500):
+        for remaining in (100, 513, 700, 900, 5000):
+            share = sched.lone_share(start, remaining)
+            assert min(remaining, 512) <= share <= remaining
+            if share > 512:  # past a chunk it pads; padded, it fits
+                multiple = sched.padding_multiple(share)
+                padded = -(-share // multiple) * multiple
+                assert padded * (start + padded) <= pairs
+    assert sched.lone_share(64, 5000) == 896  # 992 would fit unpadded, but pads to 1024
