@@ -70,7 +70,8 @@ class Metrics:
         )
         self.warmup_pending = gauge(
             "warmup_pending",
-            "Warm-up left for idle time after /ready: kernels to build, decode shapes to compile (0: fully warm)",
+            "Warm-up left for idle time after /ready: kernels to build, decode shapes to compile, prompt piece "
+            "lengths to run (0: fully warm)",
         )
         self.preemptions = gauge(
             "num_preemptions", "Requests put aside (KV to host memory) when KV blocks ran out, since start"

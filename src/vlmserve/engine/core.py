@@ -474,7 +474,7 @@ class EngineCore:
         if not self._shapes_to_warm:
             self._warm_piece_length()
             return
-        rows, width = self._shapes_to_warm.pop(0)
+        rows, width = self._shapes_to_warm[0]  # taken off once compiled: warmup_pending counts it meanwhile
         t0 = time.perf_counter()
         try:
             traced = self.runner.batches.warm_shape(rows, width)
@@ -482,6 +482,7 @@ class EngineCore:
             log.warning("compiling decode shapes while idle failed; they compile when first used", exc_info=True)
             self._shapes_to_warm.clear()
             return
+        self._shapes_to_warm.pop(0)
         if traced:
             log.info(
                 "compiled the decode step for %d rows x %d blocks while idle in %.2f s (%d to go)",
@@ -496,7 +497,7 @@ class EngineCore:
         """Run the shortest piece length not run yet. Longer ones take longer, and a request that
         arrives meanwhile waits: past IDLE_PIECE_MAX_S the rest are left to traffic (their compute
         then outweighs the setup a first run adds)."""
-        length = self._lengths_to_warm.pop(0)
+        length = self._lengths_to_warm[0]  # taken off once run: warmup_pending counts it meanwhile
         t0 = time.perf_counter()
         try:
             self.runner.warm_piece_length(length, self._filler_token)
@@ -504,6 +505,7 @@ class EngineCore:
             log.warning("running prompt piece lengths while idle failed", exc_info=True)
             self._lengths_to_warm.clear()
             return
+        self._lengths_to_warm.pop(0)
         took = time.perf_counter() - t0
         if took > IDLE_PIECE_MAX_S and self._lengths_to_warm:
             log.info("a prompt piece of %d positions took %.2f s; longer ones are not run while idle", length, took)

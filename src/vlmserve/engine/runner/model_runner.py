@@ -267,9 +267,10 @@ class ModelRunner:
         if len(todo) == 1 and todo[0][1][0] == 0:  # a lone first piece: mlx_vlm.generate's shapes
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
-            multiple = self.sched.padding_multiple(max(end - start for _, (start, end) in todo))
+            # The padded length, given as the multiple to round to: the forward runs exactly it.
+            padded = self.sched.padded_length(max(end - start for _, (start, end) in todo))
             try:
-                self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], multiple)
+                self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], padded)
             except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
                 for seq, (start, end) in todo:
                     self.prefill_alone(seq, end - start)
@@ -628,13 +629,13 @@ class ModelRunner:
         self.batches.pools.clear()
 
     def warm_piece_length(self, length: int, filler: int) -> None:
-        """Prefill a throwaway text prompt's piece of `length` positions after a short prefix, by
-        the pieces forward, padded as a real piece of that length is: on CUDA a padded length's
-        first run pays for per-shape setup (tens of ms) that later runs skip."""
+        """Prefill a throwaway text prompt's piece of `length` positions (a padded length) after a
+        short prefix, by the pieces forward: on CUDA a padded length's first run pays for
+        per-shape setup (tens of ms) that later runs skip."""
         head = max(1, self.sched.prefill_bucket)
         state = self.model.embed_prompts([PreparedRequest(prompt_ids=np.full(head + length + 1, filler, np.int32))])[0]
         self.model.prefill(state, 0, head)
-        self.model.prefill_pieces([state], [(head, head + length)], self.sched.padding_multiple(length))
+        self.model.prefill_pieces([state], [(head, head + length)], length)
         mx.eval([c.state for c in state.cache])
 
     def release_memory(self) -> None:

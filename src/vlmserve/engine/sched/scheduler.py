@@ -154,30 +154,37 @@ class Scheduler:
         """What a lone prompt, with no row decoding, prefills this step: chunks exist so running
         streams keep their pace between a long prompt's pieces, and there are none, so it takes
         the step's budget (fewer forwards: 512 + 75 tokens at 1,081 of context took 21 ms in two
-        forwards and 12 ms in one on an H100), within `lone_pairs` at its padded length, never
-        less than a chunk (or the budget, if smaller)."""
+        forwards and 12 ms in one on an H100), its padded length within `lone_pairs` query-key
+        pairs, never less than a chunk (or the budget, if smaller)."""
         share = min(remaining, self.prefill_budget)
         if self.lone_pairs:
             share = min(share, int((math.sqrt(start * start + 4 * self.lone_pairs) - start) / 2))
-            while share > self.prefill_chunk:  # padded past a chunk, it must fit too: the next length down
-                multiple = self.padding_multiple(share)
-                padded = -(-share // multiple) * multiple
-                if padded * (start + padded) <= self.lone_pairs:
-                    break
-                share = padded - multiple
+            if share > self.prefill_chunk and not self._pairs_fit(start, share):
+                # Padded lengths grow with the share: the longest share whose padded length fits.
+                low, high = self.prefill_chunk, share  # low fits (or is the floor), high does not
+                while high - low > 1:
+                    mid = (low + high) // 2
+                    low, high = (mid, high) if self._pairs_fit(start, mid) else (low, mid)
+                share = low
         return max(share, min(remaining, self.prefill_chunk, self.prefill_budget))
 
-    def padding_multiple(self, longest: int) -> int:
-        """What a prompt piece forward whose longest piece has `longest` positions pads to a
-        multiple of: the prefill bucket up to a chunk; past it (a lone prompt's piece), an eighth
-        of the power of two at or above it (640, 768, 896, 1024, 1280, ...). On CUDA every padded
-        length costs tens of ms the first time it runs, so the lengths past a chunk stay few
-        (a handful per doubling, all warmed while idle) and padding stays under a quarter."""
+    def _pairs_fit(self, start: int, share: int) -> bool:
+        padded = self.padded_length(share)
+        return padded * (start + padded) <= self.lone_pairs
+
+    def padded_length(self, longest: int) -> int:
+        """The length a prompt piece forward whose longest piece has `longest` positions pads to:
+        a multiple of the prefill bucket; past a chunk (a lone prompt's piece), first a multiple
+        of an eighth of the power of two at or above it (640, 768, 896, 1024, 1280, ... with a
+        bucket of 64). On CUDA every padded length costs tens of ms the first time it runs, so
+        the lengths past a chunk stay few (a handful per doubling, all run once while idle), and
+        padding stays under a quarter where the bucket is at most that eighth."""
         bucket = max(1, self.prefill_bucket)
-        if bucket == 1 or longest <= self.prefill_chunk:
-            return bucket
-        step = (1 << (longest - 1).bit_length()) // 8
-        return -(-step // bucket) * bucket
+        n = max(1, longest)
+        if bucket > 1 and n > self.prefill_chunk:
+            step = max(1, (1 << (n - 1).bit_length()) // 8)
+            n = -(-n // step) * step
+        return -(-n // bucket) * bucket
 
     def lone_piece_lengths(self, start: int, context_length: int) -> list[int]:
         """Every padded length past a chunk that a lone prompt's piece from `start` can take (with
@@ -185,12 +192,7 @@ class Scheduler:
         if self.prefill_bucket <= 1:
             return []
         longest = min(self.lone_share(start, 1 << 30), context_length - start - 1)
-        lengths, n = [], self.prefill_chunk + 1
-        while n <= longest:
-            multiple = self.padding_multiple(n)
-            lengths.append(-(-n // multiple) * multiple)
-            n = lengths[-1] + 1
-        return lengths
+        return sorted({self.padded_length(n) for n in range(self.prefill_chunk + 1, longest + 1)})
 
     def unembedded_in_budget(self) -> tuple[list[Sequence], int]:
         """The prefilling prompts not yet embedded that the next prefill's budget reaches (in

@@ -719,13 +719,13 @@ def test_a_piece_length_warmed_while_idle_runs_one_padded_forward_and_leaves_not
     """On CUDA the idle warm-up runs each padded length a lone prompt's piece past a chunk can
     take: one pieces forward of that length on a throwaway prompt, padded as a real piece is,
     that touches no request's state, no KV pool and no cache."""
-    core = qwen_server.engine.core
+    core = qwen_server.wait_warm().engine.core  # on CUDA its own idle forwards are done first
     model = core.model
     calls = []
     real = model.prefill_pieces
 
     def spy(states, spans, bucket=1):
-        calls.append((list(spans), bucket))
+        calls.append((list(spans), bucket, states[0].input_ids.shape[1]))
         return real(states, spans, bucket)
 
     monkeypatch.setattr(model, "prefill_pieces", spy)
@@ -738,6 +738,8 @@ def test_a_piece_length_warmed_while_idle_runs_one_padded_forward_and_leaves_not
     length = core.sched.lone_piece_lengths(0, core.info.context_length)[0]
     qwen_server.on_worker(core.runner.warm_piece_length, length, 7)
     head = max(1, core.sched.prefill_bucket)
-    assert calls == [([(head, head + length)], core.sched.padding_multiple(length))]
-    assert length % core.sched.padding_multiple(length) == 0  # the forward ran exactly that length
+    assert length > core.sched.prefill_chunk and length % max(1, core.sched.prefill_bucket) == 0
+    [(spans, multiple, prompt_len)] = calls
+    assert spans == [(head, head + length)] and prompt_len == head + length + 1
+    assert -(-length // multiple) * multiple == length  # the forward ran exactly that length, unpadded
     assert state() == before

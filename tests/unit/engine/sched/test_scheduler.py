@@ -239,11 +239,7 @@ def test_a_prompt_whose_last_position_runs_in_prefill_counts_it():
 
 def test_pieces_pad_to_the_bucket_up_to_a_chunk_and_to_few_lengths_past_it():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64)
-
-    def padded(n):
-        multiple = sched.padding_multiple(n)
-        return -(-n // multiple) * multiple
-
+    padded = sched.padded_length
     assert [padded(n) for n in (1, 64, 65, 500, 512)] == [64, 64, 128, 512, 512]
     # Past a chunk: an eighth of the power of two at or above the length.
     assert [padded(n) for n in (513, 587, 641, 1024, 1025, 1300, 2049, 5000)] == [
@@ -262,38 +258,47 @@ def test_pieces_pad_to_the_bucket_up_to_a_chunk_and_to_few_lengths_past_it():
 
 def test_exact_shapes_pad_nothing_past_a_chunk_either():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=0)
-    assert sched.padding_multiple(587) == 1 and sched.lone_piece_lengths(0, 32768) == []
+    assert sched.padded_length(587) == 587 and sched.lone_piece_lengths(0, 32768) == []
 
 
-def test_an_odd_bucket_keeps_lengths_past_a_chunk_its_multiples():
-    sched = Scheduler(max_num_seqs=8, prefill_chunk=500, prefill_budget=8192, prefill_bucket=48)
-    for n in (501, 700, 1500, 3000):
-        assert sched.padding_multiple(n) % 48 == 0
+@pytest.mark.parametrize("bucket", [16, 48, 64, 80, 96])
+@pytest.mark.parametrize("chunk", [4, 32, 500, 512])
+def test_padded_lengths_are_bucket_multiples_that_never_shrink_as_pieces_grow(bucket, chunk):
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=chunk, prefill_budget=8192, prefill_bucket=bucket)
+    lengths = [sched.padded_length(n) for n in range(1, 9000)]
+    assert all(p % bucket == 0 and p >= n for n, p in enumerate(lengths, 1))
+    assert all(a <= b for a, b in zip(lengths, lengths[1:]))
 
 
 def test_lone_piece_lengths_are_every_length_a_lone_piece_past_a_chunk_pads_to():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=2048, prefill_bucket=64)
     lengths = sched.lone_piece_lengths(64, 32768)
     assert lengths == [640, 768, 896, 1024, 1280, 1536, 1792, 2048]
-    for n in range(513, 2049):
-        multiple = sched.padding_multiple(n)
-        assert -(-n // multiple) * multiple in lengths
     # The context bounds them, and so does the bound on a lone piece's attention pairs, at the
     # padded length (992 positions fit after 64, but not 1024).
     assert sched.lone_piece_lengths(64, 1000) == [640, 768, 896, 1024]
     paired = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64, lone_pairs=1 << 20)
     assert paired.lone_piece_lengths(64, 32768) == [640, 768, 896]
+    # An odd bucket: every padded length a lone share can take is listed (and no other).
+    odd = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=48, lone_pairs=1 << 25)
+    listed = odd.lone_piece_lengths(64, 32768)
+    taken = {odd.padded_length(odd.lone_share(start, n)) for start in (64, 500, 2000) for n in range(513, 9000, 3)}
+    assert {p for p in taken if p > 512} <= set(listed) and all(p % 48 == 0 for p in listed)
 
 
-def test_a_lone_piece_past_a_chunk_fits_the_pair_bound_at_its_padded_length():
+@pytest.mark.parametrize("bucket", [16, 48, 64])
+def test_a_lone_piece_past_a_chunk_fits_the_pair_bound_at_its_padded_length(bucket):
     pairs = 1 << 20
-    sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=64, lone_pairs=pairs)
+    sched = Scheduler(max_num_seqs=8, prefill_chunk=512, prefill_budget=8192, prefill_bucket=bucket, lone_pairs=pairs)
     for start in (0, 64, 300, 600, 1000, 1500):
         for remaining in (100, 513, 700, 900, 5000):
             share = sched.lone_share(start, remaining)
             assert min(remaining, 512) <= share <= remaining
-            if share > 512:  # past a chunk it pads; padded, it fits
-                multiple = sched.padding_multiple(share)
-                padded = -(-share // multiple) * multiple
+            if share > 512:  # past a chunk it pads; padded, it fits, and one more would not
+                padded = sched.padded_length(share)
                 assert padded * (start + padded) <= pairs
-    assert sched.lone_share(64, 5000) == 896  # 992 would fit unpadded, but pads to 1024
+                if share < remaining:
+                    bigger = sched.padded_length(share + 1)
+                    assert bigger * (start + bigger) > pairs
+    if bucket == 64:
+        assert sched.lone_share(64, 5000) == 896  # 992 would fit unpadded, but pads to 1024
