@@ -450,7 +450,7 @@ class EngineCore:
         # elsewhere nothing measured does, and the forwards would only keep the worker busy.
         if on_cuda() and self.model.prefills_pieces and prompts:
             self._filler_token = int(prompts[0].prompt_ids[-1])
-            self._lengths_to_warm = self.sched.lone_piece_lengths(max(1, bucket), self.info.context_length)
+            self._lengths_to_warm = self.runner.piece_lengths_to_warm()
             if self._lengths_to_warm:
                 log.info(
                     "%d prompt piece lengths past a chunk (%d to %d) to run once while idle",

@@ -628,11 +628,19 @@ class ModelRunner:
                 cache.forget(pool)
         self.batches.pools.clear()
 
+    def piece_lengths_to_warm(self) -> list[int]:
+        """The padded lengths a lone prompt's piece past a chunk can take, from where
+        `warm_piece_length` starts its piece."""
+        return self.sched.lone_piece_lengths(self._warm_head(), self.context_length)
+
+    def _warm_head(self) -> int:
+        return max(1, self.sched.prefill_bucket)  # the throwaway prompt's prefix before its piece
+
     def warm_piece_length(self, length: int, filler: int) -> None:
         """Prefill a throwaway text prompt's piece of `length` positions (a padded length) after a
         short prefix, by the pieces forward: on CUDA a padded length's first run pays for
         per-shape setup (tens of ms) that later runs skip."""
-        head = max(1, self.sched.prefill_bucket)
+        head = self._warm_head()
         state = self.model.embed_prompts([PreparedRequest(prompt_ids=np.full(head + length + 1, filler, np.int32))])[0]
         self.model.prefill(state, 0, head)
         self.model.prefill_pieces([state], [(head, head + length)], length)

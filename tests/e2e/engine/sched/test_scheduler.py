@@ -735,7 +735,7 @@ def test_a_piece_length_warmed_while_idle_runs_one_padded_forward_and_leaves_not
         return core.stats.batched_prefills, g.kv_tokens, g.kv_blocks_used, g.kv_blocks_cached, g.prefix_usage
 
     before = state()
-    length = core.sched.lone_piece_lengths(0, core.info.context_length)[0]
+    length = core.runner.piece_lengths_to_warm()[0]
     qwen_server.on_worker(core.runner.warm_piece_length, length, 7)
     head = max(1, core.sched.prefill_bucket)
     assert length > core.sched.prefill_chunk and length % max(1, core.sched.prefill_bucket) == 0
