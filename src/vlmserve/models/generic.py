@@ -408,13 +408,8 @@ class GenericModel:
         if rows is not None:
             kwargs[_TOKEN_MASK] = state.extra[_TOKEN_MASK][:, start:end]
             kwargs[_MASK_ROWS] = rows
-        out = self.language_model(
-            state.input_ids[:, start:end],
-            inputs_embeds=state.embeds[:, start:end],
-            cache=state.cache,
-            **kwargs,
-        )
-        return out.logits[:, -1, :]
+        logits = self._prompt_forward(state.input_ids[:, start:end], state.embeds[:, start:end], state.cache, kwargs)
+        return logits[:, -1, :]
 
     def prefill_batch(self, states: list[PromptState], lengths: list[int], bucket: int = 1) -> list[Any]:
         """Prefill prompt[:n] of several requests in one left-padded forward; returns their batch cache.
@@ -429,11 +424,15 @@ class GenericModel:
         if self.prefix_lm:  # bidirectional, but never onto a row's left padding
             kwargs["mask"] = (mx.arange(longest)[None] >= mx.array(pads)[:, None])[:, None, None, :]
         cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
-        self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
+        self._prompt_forward(ids, embeds, cache, kwargs)
         if self.prefix_lm:
             for c in cache:
                 c.trim(1)
         return cache
+
+    def _prompt_forward(self, ids: mx.array, embeds: mx.array, cache: list[Any], kwargs: dict) -> mx.array:
+        """The language model over prompt positions, into `cache`: its logits (lazy: unread, never computed)."""
+        return self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
 
     @property
     def prefills_pieces(self) -> bool:
@@ -452,7 +451,7 @@ class GenericModel:
         lengths = [e - s for s, e in spans]
         cache = [RaggedLayerCache(list(rows), lengths) for rows in zip(*(st.cache for st in states))]
         try:
-            self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs)
+            self._prompt_forward(ids, embeds, cache, kwargs)
         except Exception:
             for layer in cache:
                 layer.rollback()

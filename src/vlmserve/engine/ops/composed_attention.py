@@ -33,7 +33,8 @@ def composed(
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"unsupported mask mode {mask!r}")
-    if isinstance(mask, mx.array):
+    grouped = isinstance(mask, mx.array) and mask.ndim == 5  # laid out by grouped_mask already
+    if isinstance(mask, mx.array) and not grouped:
         mask = mask if mask.dtype == mx.bool_ else mask.astype(dtype)
         mask = mx.broadcast_to(mask, (batch, q_heads, q_len, k_len))
     q = mx.array(scale, dtype=dtype) * q
@@ -46,7 +47,7 @@ def composed(
         offset = k_len - q_len
         mask = mx.arange(offset, q_len + offset)[:, None] >= mx.arange(0, k_len)[None]
     if mask is not None:
-        if repeats > 1 and mask.ndim >= 3:
+        if repeats > 1 and mask.ndim >= 3 and not grouped:
             mask = (
                 mx.expand_dims(mask, -3)
                 if mask.shape[-3] == 1
@@ -69,3 +70,12 @@ def composed(
     if repeats > 1:
         out = out.reshape(batch, q_heads, q_len, out.shape[-1])
     return out
+
+
+def grouped_mask(mask, q_heads: int, kv_heads: int):
+    """A (B, 1, L, K) boolean mask laid out as `composed` lays it out for grouped-query scores,
+    (B, 1, 1, L, K): made once, it serves every layer of a forward, where each layer would
+    otherwise broadcast it to all heads and copy it. The selected values are the same."""
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4 or mask.shape[1] != 1:
+        return mask
+    return mx.expand_dims(mask, 2) if q_heads > kv_heads else mask

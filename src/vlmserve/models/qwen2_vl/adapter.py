@@ -6,7 +6,8 @@
   (embedding.py), so the worker never waits on a device read while embedding.
 - The tower's attention runs one SDPA per run of equal-length segments (vision_attention.py),
   and warm-up builds its cuDNN plans per image size.
-- On CUDA a decode step over the slot cache takes the fused layer path (decode.py).
+- On CUDA a decode step over the slot cache takes the fused layer path (decode.py), and a
+  prompt forward its own layer path in fewer primitives (prefill.py).
 Each is tested equal to `GenericModel`'s path.
 """
 
@@ -22,6 +23,7 @@ from vlmserve.engine.ops import cuda_kernels, few_row_quantized
 from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
+from vlmserve.models.qwen2_vl import prefill as qwen_prefill
 from vlmserve.protocol import PreparedRequest
 
 # Patches one vision-tower call takes (a larger image alone). The tower's activations grow with
@@ -67,6 +69,7 @@ class QwenVLModel(GenericModel):
         vision_attention.install(self.model.vision_tower)
         super().install_fast_paths()
         self.fast_decode = qwen_decode.supports(self.language_model)
+        self.fast_prefill = qwen_decode.same_layers(self.language_model)
         if self.fast_decode:  # its decode sends quantized layers to the few-row kernel
             self.kernel_checks = few_row_quantized.pending(self.language_model)
 
@@ -213,7 +216,12 @@ class QwenVLModel(GenericModel):
             cache=vlm_cache.make_prompt_cache(self.language_model),
         )
 
-    # ---- batched decode ------------------------------------------------------
+    # ---- prefill and batched decode -------------------------------------------
+    def _prompt_forward(self, ids: mx.array, embeds: mx.array, cache: list[Any], kwargs: dict) -> mx.array:
+        if self.fast_prefill and qwen_prefill.applies(kwargs):
+            return qwen_prefill.forward(self.language_model, embeds, kwargs["position_ids"], cache)
+        return super()._prompt_forward(ids, embeds, cache, kwargs)
+
     def decode(self, tokens: mx.array, batch_cache: list[Any], positions: mx.array | None) -> mx.array:
         if positions is not None and self.fast_decode and qwen_decode.applies(batch_cache):
             return qwen_decode.forward(self.language_model, tokens, batch_cache, mrope_decode_positions(positions))

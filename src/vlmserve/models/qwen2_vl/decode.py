@@ -31,22 +31,23 @@ from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 # are the same code in both families).
 _FAMILIES = {"mlx_vlm.models.qwen2_vl.language", "mlx_vlm.models.qwen2_5_vl.language"}
 
-# qkv (B, 1, (HQ + 2*HKV) * D) -> q (B, HQ, 1, D), k and v (B, HKV, 1, D); q and k rotated:
+# qkv (B, L, (HQ + 2*HKV) * D), in rows of positions -> q (B, HQ, L, D), k and v (B, HKV, L, D); q and k rotated:
 # x*cos + rotate_half(x)*sin, each product and the sum rounded to T (no fused multiply-add).
-# One thread per element, one block per head (blockDim.x == D).
+# cos, sin (B, L, D). One thread per element, one block per head of one position (blockDim.x == D).
 _ROPE_SPLIT_SOURCE = """
     const size_t i = (size_t)blockIdx.x * D + threadIdx.x;
     constexpr int N = (HQ + 2 * HKV) * D;
-    const size_t b = i / N;
+    const size_t t = i / N;  // the position's row of qkv: b * L + l
+    const size_t L = cos_t_shape[1], b = t / L, l = t % L;
     const int j = i % N, head = j / D, d = j % D;
-    if (head >= HQ + HKV) { v[b * HKV * D + j - (HQ + HKV) * D] = qkv[i]; return; }
-    const float c = static_cast<float>(cos_t[b * D + d]), s = static_cast<float>(sin_t[b * D + d]);
+    if (head >= HQ + HKV) { v[((b * HKV + head - HQ - HKV) * L + l) * D + d] = qkv[i]; return; }
+    const float c = static_cast<float>(cos_t[t * D + d]), s = static_cast<float>(sin_t[t * D + d]);
     const float x = static_cast<float>(qkv[i]);
     const float other = d < D / 2 ? -static_cast<float>(qkv[i + D / 2]) : static_cast<float>(qkv[i - D / 2]);
     const float a = static_cast<float>(static_cast<T>(__fmul_rn(x, c)));
     const float r = static_cast<float>(static_cast<T>(__fmul_rn(other, s)));
     const T out = static_cast<T>(__fadd_rn(a, r));
-    if (head < HQ) q[b * HQ * D + j] = out; else k[b * HKV * D + j - HQ * D] = out;
+    if (head < HQ) q[((b * HQ + head) * L + l) * D + d] = out; else k[((b * HKV + head - HQ) * L + l) * D + d] = out;
 """
 
 
@@ -83,31 +84,33 @@ def _fused(part: nn.Module, size: int) -> nn.Module | None:
     return part._group.fused if isinstance(part, FusedPart) and part._group.size == size else None
 
 
-def _qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+def qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+    """The attention block's q, k and v projections of x, side by side (one matmul when fused)."""
     fused = _fused(attn.q_proj, 3)
     if fused is not None:
         return _linear(fused, x, kernels)
     return mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
 
 
-def _mlp(mlp: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+def mlp(module: nn.Module, x: mx.array, kernels: bool) -> mx.array:
     """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul."""
-    fused = _fused(mlp.gate_proj, 2)
-    if fused is None or type(mlp) is not SwiGLUMLP:
-        return mlp(x)
-    gate, up = mx.split(_linear(fused, x, kernels), [mlp.gate_proj._stop], axis=-1)
-    return _linear(mlp.down_proj, swiglu(gate, up), kernels)
+    fused = _fused(module.gate_proj, 2)
+    if fused is None or type(module) is not SwiGLUMLP:
+        return module(x)
+    gate, up = mx.split(_linear(fused, x, kernels), [module.gate_proj._stop], axis=-1)
+    return _linear(module.down_proj, swiglu(gate, up), kernels)
 
 
 def rope_split(
     qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int, kernel: bool
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """qkv (B, 1, (Hq + 2 Hkv) D); cos, sin (B, 1, D) -> rotated q (B, Hq, 1, D), k, v (B, Hkv, 1, D)."""
-    batch = qkv.shape[0]
+    """qkv (B, L, (Hq + 2 Hkv) D) (or (B, (Hq + 2 Hkv) D) when L is 1); cos, sin (B, L, D) -> rotated
+    q (B, Hq, L, D), k, v (B, Hkv, L, D)."""
+    batch, length = cos.shape[:2]
     dim = cos.shape[-1]
     if not kernel:  # mlx_vlm's own ops
         q, k, v = mx.split(qkv, [q_heads * dim, (q_heads + kv_heads) * dim], axis=-1)
-        q, k, v = (t.reshape(batch, 1, -1, dim).transpose(0, 2, 1, 3) for t in (q, k, v))
+        q, k, v = (t.reshape(batch, length, -1, dim).transpose(0, 2, 1, 3) for t in (q, k, v))
         q, k = apply_multimodal_rotary_pos_emb(q, k, cos, sin, style="chunked", unsqueeze_dim=1)
         return q, k, v
     run = cuda_kernels.kernel(
@@ -119,7 +122,11 @@ def rope_split(
             template=[("T", qkv.dtype), ("D", dim), ("HQ", q_heads), ("HKV", kv_heads)],
             grid=(qkv.size, 1, 1),
             threadgroup=(dim, 1, 1),
-            output_shapes=[(batch, q_heads, 1, dim), (batch, kv_heads, 1, dim), (batch, kv_heads, 1, dim)],
+            output_shapes=[
+                (batch, q_heads, length, dim),
+                (batch, kv_heads, length, dim),
+                (batch, kv_heads, length, dim),
+            ],
             output_dtypes=[qkv.dtype] * 3,
         )
     )
@@ -144,7 +151,7 @@ def forward(
     for layer, cache in zip(model.layers, caches):
         attn = layer.self_attn
         q, k, v = rope_split(
-            _qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels
+            qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels
         )
         keys, values = cache.update_and_fetch(k, v)
         if kernels:
@@ -157,7 +164,7 @@ def forward(
             out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
         h = h + _linear(attn.o_proj, out, kernels)
-        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
+        h = h + mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
     h = model.norm(h)
     if not language_model.args.tie_word_embeddings:
         logits = _linear(language_model.lm_head, h, kernels)

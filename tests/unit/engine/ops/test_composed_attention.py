@@ -57,6 +57,31 @@ def test_composed_is_mlx_composed_attention(shape, mask, dtype, sinks):
         np.testing.assert_array_equal(ours, ref)
 
 
+@pytest.mark.parametrize("shape", _SHAPES, ids=["mha", "gqa", "one-query"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_grouped_mask_selects_the_same(shape, dtype):
+    """A boolean (B, 1, L, K) mask laid out once by grouped_mask gives what the mask gives."""
+
+    def compare():
+        import mlx.core as mx
+
+        b, hq, hkv, lq, lk, d = shape
+        dt = getattr(mx, dtype)
+        q, k, v = (
+            mx.random.normal(s, key=mx.random.key(i)).astype(dt)
+            for i, s in enumerate([(b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)])
+        )
+        m = _mask("bool", shape, dt)
+        grouped = composed_attention.grouped_mask(m, hq, hkv)
+        ours = composed_attention.composed(q, k, v, 0.3, grouped)
+        ref = composed_attention.composed(q, k, v, 0.3, m)
+        return np.array(ours.astype(mx.float32)), np.array(ref.astype(mx.float32)), grouped.ndim
+
+    ours, ref, ndim = on_own_thread(compare)
+    assert ndim == (5 if shape[1] > shape[2] else 4)
+    np.testing.assert_array_equal(ours, ref)
+
+
 def test_avoids_cudnn_where_mlx_composes():
     def check():
         import mlx.core as mx

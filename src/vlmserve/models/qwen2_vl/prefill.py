@@ -1,0 +1,69 @@
+"""A Qwen2-VL / Qwen2.5-VL prompt forward in fewer primitives (CUDA).
+
+A prompt piece's forward on CUDA is bound by the host's cost per primitive, as a decode step
+is: a chat's follow-up turn (~500 new tokens after ~1,100 cached, 2B model, H100) spent ~6 ms
+building mlx_vlm's graph and ~15 ms launching it, while the device was done ~3 ms after the
+last launch. Each of mlx_vlm's layers makes ~80 primitives, most of them reshapes,
+transposes, broadcasts and the rotary embedding's slices and products. Here a layer reads the
+same weights in the same order and takes:
+  - the fused q/k/v matmul (fused_projections), split into heads and rotated by the decode
+    step's kernel (decode.py), which rounds each product and sum as mlx_vlm's ops round them;
+  - the cache's own update (the request's KVCache, or the ragged view over several);
+  - the composed attention that mlx_vlm's call reaches on CUDA (engine/ops/composed_attention),
+    with the mask laid out for grouped heads once per forward instead of once per layer;
+  - the model's o_proj, norms and MLP.
+Bit for bit what mlx_vlm's forward computes (tests/integration/models/qwen2_vl/test_prefill.py).
+Off CUDA (`kernels=False`) the rotation and attention are mlx_vlm's own calls, for comparison.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_vlm.models.base import create_attention_mask
+
+from vlmserve.engine.ops import composed_attention, cuda_kernels
+from vlmserve.models.qwen2_vl import decode as qwen_decode
+
+
+def applies(kwargs: dict) -> bool:
+    """Whether a prompt forward with these extra inputs takes `forward` (CUDA, M-RoPE positions only)."""
+    return set(kwargs) == {"position_ids"} and cuda_kernels.enabled()
+
+
+def forward(
+    language_model: nn.Module, embeds: mx.array, position_ids: mx.array, caches: list, kernels: bool = True
+) -> mx.array:
+    """embeds (B, L, D) and their M-RoPE position_ids (3, B, L) through every layer, into `caches`
+    (one per layer, as mlx_vlm's forward takes them); returns the logits (B, L, V), lazily: a
+    caller that reads none of them never computes them."""
+    model = language_model.model
+    h = embeds
+    batch, length, _ = h.shape
+    attn0 = model.layers[0].self_attn
+    cos, sin = attn0.rotary_emb(h, position_ids)
+    mask = create_attention_mask(h, caches)
+    if kernels:
+        mask = composed_attention.grouped_mask(mask, attn0.n_heads, attn0.n_kv_heads)
+    for layer, cache in zip(model.layers, caches):
+        attn = layer.self_attn
+        qkv = qwen_decode.qkv(attn, layer.input_layernorm(h), False)
+        q, k, v = qwen_decode.rope_split(qkv, cos, sin, attn.n_heads, attn.n_kv_heads, kernels)
+        keys, values = cache.update_and_fetch(k, v)
+        layer_mask = mask
+        if isinstance(mask, mx.array) and mask.shape[-1] != keys.shape[-2]:
+            layer_mask = mask[..., : keys.shape[-2]]  # as mlx_vlm's attention trims it
+        if kernels:
+            out = composed_attention.composed(q, keys, values, attn.scale, layer_mask)
+        else:  # the attention function the model's module calls (rebound or not), as its layer would
+            sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
+            out = sdpa(q, keys, values, cache, scale=attn.scale, mask=layer_mask)
+        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        h = h + attn.o_proj(out)
+        h = h + qwen_decode.mlp(layer.mlp, layer.post_attention_layernorm(h), False)
+    h = model.norm(h)
+    if language_model.args.tie_word_embeddings:
+        return model.embed_tokens.as_linear(h)
+    return language_model.lm_head(h)
