@@ -140,8 +140,12 @@ class BlockPool:
             self.keys[i][where] = k.astype(self.dtype)
             self.values[i][where] = v.astype(self.dtype)
 
-    def read(self, blocks: list[int], length: int) -> list[tuple[mx.array, mx.array]]:
+    def read(self, blocks: list[int], length: int, size: int | None = None) -> list[tuple[mx.array, mx.array]]:
+        """A row's KV of its first `length` positions, (length, kv_heads, dim) per layer; with `size`,
+        `size` rows, those past `length` holding copies of the first (room to write into)."""
         where = self.positions(blocks, length)
+        if size is not None and size > length:
+            where = mx.concatenate([where, mx.broadcast_to(where[:1], (size - length,))])
         return [(k[where], v[where]) for k, v in zip(self.keys, self.values)]
 
     def to_host(self, blocks: list[int], length: int) -> list[tuple[np.ndarray, np.ndarray]]:

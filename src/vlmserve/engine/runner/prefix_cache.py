@@ -119,7 +119,11 @@ class PrefixCache:
             return None
         self._entries.move_to_end(best_key)
         kv = self._entries[best_key][0]
-        for layer, (k, v) in zip(fresh_cache, kv.pool.read(kv.blocks, best_n)):
+        # Room for the whole prompt, in the cache's own steps: its pieces then write in place, where
+        # a buffer of the prefix alone grew (zeros and a concatenation per layer) at the first one.
+        step = getattr(fresh_cache[0], "step", 1)
+        size = -(-len(tokens) // step) * step
+        for layer, (k, v) in zip(fresh_cache, kv.pool.read(kv.blocks, best_n, size)):
             layer.keys, layer.values = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
             layer.offset = best_n
         full = kv.blocks[: best_n // kv.pool.block_size]

@@ -24,6 +24,9 @@ def test_blocks_are_handed_out_grown_and_returned():
         assert pool.num_blocks == 8 and pool.keys[0].shape == (64, 2, 4) and set(more) & set(first) == set()
         for (k, v), (rk, rv) in zip(kv, pool.read(first, 20)):
             assert mx.array_equal(k, rk).item() and mx.array_equal(v, rv).item()
+        for (k, _), (rk, _) in zip(kv, pool.read(first, 20, size=32)):  # room past the row: copies of its first
+            assert rk.shape == (32, 2, 4) and mx.array_equal(rk[:20], k).item()
+            assert mx.array_equal(rk[20:], mx.broadcast_to(k[:1], (12, 2, 4))).item()
         pool.release(first)
         assert pool.used == 2
         again = pool.allocate(3)

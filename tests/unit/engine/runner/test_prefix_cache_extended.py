@@ -8,6 +8,8 @@ import numpy as np
 
 from support.helpers import on_own_thread
 
+KV_STEP = 256  # mlx_vlm's KVCache grows its buffers in these steps
+
 
 def _pool_with_rows(mx, lengths):
     from vlmserve.engine.runner.block_pool import BlockPool
@@ -41,11 +43,15 @@ def test_an_entry_that_extends_a_cached_key_replaces_it():
         pool.release(other_row)
         fresh = [KVCache()]
         hit = pc.lookup(np.concatenate([whole, [7, 8]]), fresh)
-        return pc.size_tokens, pc.blocks_held(), pool.used, hit.length, np.array(fresh[0].keys[0, 0, :, 0])
+        room = fresh[0].keys.shape[2]  # the whole prompt fits: its pieces write in place
+        fresh[0].update_and_fetch(mx.zeros((1, 1, 2, 1)), mx.zeros((1, 1, 2, 1)))
+        keys = np.array(fresh[0].state[0][0, 0, :, 0])
+        return pc.size_tokens, pc.blocks_held(), pool.used, hit.length, keys, room, fresh[0].keys.shape[2]
 
-    size, held, used, hit, keys = on_own_thread(work)
+    size, held, used, hit, keys, room, after = on_own_thread(work)
+    assert room == after == KV_STEP
     assert size == 32 + 10 and held == 4 + 2 and used == 6  # the prompt's entry is gone, no block twice
-    assert hit == 32 and keys.tolist() == list(range(32))  # the longer entry serves the lookup
+    assert hit == 32 and keys.tolist() == list(range(32)) + [0, 0]  # the longer entry serves the lookup
 
 
 def test_rows_needing_blocks_evict_only_entries_that_free_some():

@@ -26,7 +26,7 @@ def test_a_match_shorter_than_least_is_not_taken():
         query = np.concatenate([stored[:20], np.arange(100, 130)])  # shares 20 tokens
         short, fresh = pc.lookup(query, [KVCache()], least=21), [KVCache()]
         taken = pc.lookup(query, fresh, least=20)
-        same = mx.array_equal(fresh[0].keys[0].transpose(1, 0, 2), kv[:20]).item()
+        same = mx.array_equal(fresh[0].state[0][0].transpose(1, 0, 2), kv[:20]).item()
         return (
             short,
             taken.length,
