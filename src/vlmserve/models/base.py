@@ -75,17 +75,23 @@ class ModelAdapter(Protocol):
     def embed_prompts(self, prepared: list[PreparedRequest], staged: list[dict | None] | None = None) -> list[Any]:
         """Embed several prompts (vision tower + merge); one PromptState each."""
 
-    def prefill(self, state: Any, start: int, end: int) -> Any:
-        """Run prompt positions [start, end) into the request's own cache."""
+    # Whether a prompt's first token may come from the prefill forward that runs its last position
+    # with those before it (else that position rides the first decode step, as mlx_vlm.generate runs it).
+    samples_in_prefill: bool
 
-    def prefill_batch(self, states: list[Any], lengths: list[int], bucket: int = 1) -> list[Any]:
-        """Prefill several prompts in one left-padded forward; returns their batch cache."""
+    def prefill(self, state: Any, start: int, end: int) -> Any:
+        """Run prompt positions [start, end) into the request's own cache; the last one's logits (1, V)."""
+
+    def prefill_batch(self, states: list[Any], lengths: list[int], bucket: int = 1) -> tuple[list[Any], Any]:
+        """Prefill several prompts in one left-padded forward; their batch cache, and each one's
+        last logits (rows, V)."""
 
     # Whether `prefill_pieces` serves (plain KV caches, causal attention, a forward that takes it).
     prefills_pieces: bool
 
-    def prefill_pieces(self, states: list[Any], spans: list[tuple[int, int]], bucket: int = 1) -> None:
-        """Prefill positions [start, end) of several prompts in one forward, each into its own cache."""
+    def prefill_pieces(self, states: list[Any], spans: list[tuple[int, int]], bucket: int = 1) -> Any:
+        """Prefill positions [start, end) of several prompts in one forward, each into its own
+        cache; each piece's last logits (rows, V)."""
 
     def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
         """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache."""

@@ -408,11 +408,14 @@ class GenericModel:
         if rows is not None:
             kwargs[_TOKEN_MASK] = state.extra[_TOKEN_MASK][:, start:end]
             kwargs[_MASK_ROWS] = rows
-        logits = self._prompt_forward(state.input_ids[:, start:end], state.embeds[:, start:end], state.cache, kwargs)
-        return logits[:, -1, :]
+        ids, embeds = state.input_ids[:, start:end], state.embeds[:, start:end]
+        return self._prompt_forward(ids, embeds, state.cache, kwargs, last=[end - start - 1])
 
-    def prefill_batch(self, states: list[PromptState], lengths: list[int], bucket: int = 1) -> list[Any]:
-        """Prefill prompt[:n] of several requests in one left-padded forward; returns their batch cache.
+    def prefill_batch(
+        self, states: list[PromptState], lengths: list[int], bucket: int = 1
+    ) -> tuple[list[Any], mx.array]:
+        """Prefill prompt[:n] of several requests in one left-padded forward; returns their batch
+        cache and each row's logits at its last position, (rows, V), lazily.
 
         The padded length is rounded up to a multiple of `bucket`, so prompts of many lengths
         share a few kernel shapes (a shape seen for the first time costs a compile on CUDA)."""
@@ -424,25 +427,37 @@ class GenericModel:
         if self.prefix_lm:  # bidirectional, but never onto a row's left padding
             kwargs["mask"] = (mx.arange(longest)[None] >= mx.array(pads)[:, None])[:, None, None, :]
         cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
-        self._prompt_forward(ids, embeds, cache, kwargs)
+        logits = self._prompt_forward(ids, embeds, cache, kwargs, last=[longest - 1] * len(states))
         if self.prefix_lm:
             for c in cache:
                 c.trim(1)
-        return cache
+        return cache, logits
 
-    def _prompt_forward(self, ids: mx.array, embeds: mx.array, cache: list[Any], kwargs: dict) -> mx.array:
-        """The language model over prompt positions, into `cache`: its logits (lazy: unread, never computed)."""
-        return self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
+    # Whether a prompt's first token may be sampled from the prefill forward that runs its last
+    # position with the ones before it (else that position rides the first decode step, as in
+    # mlx_vlm.generate, and prefill stops before it).
+    samples_in_prefill = False
+
+    def _prompt_forward(
+        self, ids: mx.array, embeds: mx.array, cache: list[Any], kwargs: dict, last: list[int] | None = None
+    ) -> mx.array:
+        """The language model over prompt positions, into `cache`: its logits, (rows, L, V), or with
+        `last` (a position per row) each row's there, (rows, V). Lazy: unread, never computed."""
+        logits = self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
+        if last is None:
+            return logits
+        return logits[mx.arange(len(last)), mx.array(last)]
 
     @property
     def prefills_pieces(self) -> bool:
         """Whether `prefill_pieces` serves this model: rows with plain KV caches, attended causally."""
         return self.can_batch and not self.prefix_lm and self._pieces_work
 
-    def prefill_pieces(self, states: list[PromptState], spans: list[tuple[int, int]], bucket: int = 1) -> None:
+    def prefill_pieces(self, states: list[PromptState], spans: list[tuple[int, int]], bucket: int = 1) -> mx.array:
         """Prefill prompt positions [start, end) of several requests in one right-padded forward,
         each into its own cache, whatever each cache holds already (earlier pieces, a cached
-        prefix). The padded length is rounded up to a multiple of `bucket`.
+        prefix). The padded length is rounded up to a multiple of `bucket`. Returns each row's
+        logits at the last position of its piece, (rows, V), lazily.
 
         A model whose forward cannot take it (a language model that needs its cache offset as a
         number) raises; its caches are left as they were and later steps prefill row by row."""
@@ -451,7 +466,7 @@ class GenericModel:
         lengths = [e - s for s, e in spans]
         cache = [RaggedLayerCache(list(rows), lengths) for rows in zip(*(st.cache for st in states))]
         try:
-            self._prompt_forward(ids, embeds, cache, kwargs)
+            return self._prompt_forward(ids, embeds, cache, kwargs, last=[n - 1 for n in lengths])
         except Exception:
             for layer in cache:
                 layer.rollback()

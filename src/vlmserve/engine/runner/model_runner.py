@@ -141,8 +141,8 @@ class ModelRunner:
         prepared = seq.req.prepared
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
-        seq.last_in_prefill = prompt.last_from_prompt
-        seq.batchable = self.model.can_batch and PrefixCache.supports(prompt.cache) and not seq.last_in_prefill
+        seq.last_in_prefill = prompt.last_from_prompt or (self.model.samples_in_prefill and not self.model.prefix_lm)
+        seq.batchable = self.model.can_batch and PrefixCache.supports(prompt.cache) and not prompt.last_from_prompt
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         cache, key = self._prefix_cache(seq)
@@ -179,13 +179,15 @@ class ModelRunner:
     def prefill_single(self, seq: Sequence, budget: int) -> None:
         """Prefill up to `budget` more of prompt[:-1]; once it is in, the row joins the batch.
         The last prompt token then rides the next batched decode step, which samples the first
-        token: how mlx_vlm.generate splits the prompt too (chunks, then the last token alone)."""
+        token: how mlx_vlm.generate splits the prompt too (chunks, then the last token alone).
+        A row whose prefill runs its last position too (`last_in_prefill`) takes its first token
+        from this forward."""
         target = seq.prefill_end
         end = min(target, seq.prefilled + budget)
         logits = None
         if end > seq.prefilled:
             t0 = time.perf_counter()
-            if seq.last_in_prefill and end == target and end - 1 > seq.prefilled:
+            if seq.prompt.last_from_prompt and end == target and end - 1 > seq.prefilled:
                 # The last position runs alone, as mlx_vlm.generate runs it: some models give
                 # another first token when it shares a forward with the positions before it.
                 self.model.prefill(seq.prompt, seq.prefilled, end - 1)
@@ -198,11 +200,8 @@ class ModelRunner:
                 self.hooks.on_prefill(time.perf_counter() - t0)
         if end < target:
             return
-        if seq.last_in_prefill:
-            self._first_token_from_prefill(seq, logits)
-            if seq.finished:  # its one token was its last: it never decodes
-                self.sched.drop_prefilling(seq)
-                return
+        if seq.last_in_prefill and not self._first_tokens([seq], logits):
+            return  # its one token was its last: it never decodes
         self._join([seq], self.model.merge_caches([seq.prompt.cache]))
 
     def prefill_pieces(self, pieces: list[tuple[Sequence, int]]) -> None:
@@ -264,13 +263,14 @@ class ModelRunner:
         seqs = [seq for seq, _ in rows]
         # A prefix hit may leave nothing before the last token: such a row only joins.
         todo = [(seq, span) for seq, span in zip(seqs, spans) if span[1] > span[0]]
+        logits = None  # each row of todo's last logits, from the forward they share
         if len(todo) == 1 and todo[0][1][0] == 0:  # a lone first piece: mlx_vlm.generate's shapes
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
             # The padded length, given as the multiple to round to: the forward runs exactly it.
             padded = self.sched.padded_length(max(end - start for _, (start, end) in todo))
             try:
-                self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], padded)
+                logits = self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], padded)
             except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
                 for seq, (start, end) in todo:
                     self.prefill_alone(seq, end - start)
@@ -286,14 +286,31 @@ class ModelRunner:
             seq.prefilled = end
             if end == seq.prefill_end:
                 done.append(seq)
+        sampling = [s for s in done if s.last_in_prefill]  # in todo: their last position is a piece's
+        if sampling:
+            row = {id(s): i for i, (s, _) in enumerate(todo)}
+            picked = logits[mx.array([row[id(s)] for s in sampling], dtype=mx.int32)]
+            going = {id(s) for s in self._first_tokens(sampling, picked)}
+            done = [s for s in done if not s.last_in_prefill or id(s) in going]
         if done:
             self._join(done, self.model.merge_caches([s.prompt.cache for s in done]))
 
-    def _first_token_from_prefill(self, seq: Sequence, logits: mx.array) -> None:
-        """Sample a row's first token from the logits of its prompt's last position."""
-        token = int(sample_batch(logits, [seq.sampler]).item())
-        seq.cache_len = seq.num_prompt
-        self._accept(seq, token, log_softmax(logits)[0] if seq.req.sampling.logprobs else None)
+    def _first_tokens(self, seqs: list[Sequence], logits: mx.array) -> list[Sequence]:
+        """Sample each row's first token from the logits of its prompt's last position (a row of
+        `logits` each) and hand the tokens out now; returns the rows that go on to decode (the
+        others ended on their first token and leave the prefilling rows)."""
+        tokens = sample_batch(logits, [s.sampler for s in seqs]).tolist()
+        lp = log_softmax(logits) if any(s.req.sampling.logprobs for s in seqs) else None
+        going = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.cache_len = seq.num_prompt
+            self._accept(seq, token, lp[i] if lp is not None and seq.req.sampling.logprobs else None)
+            if seq.finished:
+                self.sched.drop_prefilling(seq)
+            else:
+                going.append(seq)
+        self.flush_events()  # what TTFT waits on: out now, not after this step's decode launch
+        return going
 
     def prefill_group(self, group: list[Sequence], bucket: int) -> None:
         """Whole prompts (but their last token) of several new rows in one left-padded forward per
@@ -304,14 +321,25 @@ class ModelRunner:
 
     def _prefill_together(self, group: list[Sequence], bucket: int) -> None:
         t0 = time.perf_counter()
-        cache = self.model.prefill_batch([s.prompt for s in group], [s.num_prompt - 1 for s in group], max(1, bucket))
+        cache, logits = self.model.prefill_batch(
+            [s.prompt for s in group], [s.prefill_end for s in group], max(1, bucket)
+        )
         self.stats.batched_prefills += 1
         mx.async_eval([c.state for c in cache])
         if self.hooks:
             self.hooks.on_prefill(time.perf_counter() - t0)
         for seq in group:
-            seq.prefilled = seq.num_prompt - 1
-        self._join(group, cache)
+            seq.prefilled = seq.prefill_end
+        sampling = [i for i, s in enumerate(group) if s.last_in_prefill]
+        if sampling:
+            going = {id(s) for s in self._first_tokens([group[i] for i in sampling], logits[mx.array(sampling)])}
+            keep = [i for i, s in enumerate(group) if not s.last_in_prefill or id(s) in going]
+            if len(keep) < len(group):  # rows that ended on their first token never join
+                for layer in cache:
+                    layer.filter(mx.array(keep, dtype=mx.int32))
+                group = [group[i] for i in keep]
+        if group:
+            self._join(group, cache)
 
     def _prefix_cache(self, seq: Sequence) -> tuple[PrefixCache | None, Any]:
         """The prefix cache a prompt reads and writes, and its key there (None: none).

@@ -37,8 +37,8 @@ def forward(
     language_model: nn.Module, embeds: mx.array, position_ids: mx.array, caches: list, kernels: bool = True
 ) -> mx.array:
     """embeds (B, L, D) and their M-RoPE position_ids (3, B, L) through every layer, into `caches`
-    (one per layer, as mlx_vlm's forward takes them); returns the logits (B, L, V), lazily: a
-    caller that reads none of them never computes them."""
+    (one per layer, as mlx_vlm's forward takes them); returns the final norm's output (B, L, D),
+    lazily (`logits` makes logits of it, of every position or of a few)."""
     model = language_model.model
     h = embeds
     batch, length, _ = h.shape
@@ -63,7 +63,11 @@ def forward(
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         h = h + attn.o_proj(out)
         h = h + qwen_decode.mlp(layer.mlp, layer.post_attention_layernorm(h), False)
-    h = model.norm(h)
+    return model.norm(h)
+
+
+def logits(language_model: nn.Module, h: mx.array) -> mx.array:
+    """The language model's output layer over `forward`'s output."""
     if language_model.args.tie_word_embeddings:
-        return model.embed_tokens.as_linear(h)
+        return language_model.model.embed_tokens.as_linear(h)
     return language_model.lm_head(h)

@@ -80,7 +80,9 @@ def test_forward_equals_mlx_vlm(name, fused, dtype):
             return lm(ids, inputs_embeds=embeds, cache=caches, position_ids=positions).logits
 
         def ours(kernels):
-            return lambda ids, embeds, positions, caches: prefill.forward(lm, embeds, positions, caches, kernels)
+            return lambda ids, embeds, positions, caches: prefill.logits(
+                lm, prefill.forward(lm, embeds, positions, caches, kernels)
+            )
 
         try:
             runs = {case: [_forwards(lm, f, case) for f in (reference, ours(False))] for case in CASES}
@@ -133,7 +135,7 @@ def test_prompt_forwards_route_through_it(monkeypatch):
             vlm.prefill(states[0], 0, 16)
             vlm.prefill(states[1], 0, 10)
             vlm.prefill_pieces(states, [(16, 39), (10, 22)], 8)
-            batch = vlm.prefill_batch(states, [30, 20], 8)
+            batch, _ = vlm.prefill_batch(states, [30, 20], 8)
             arrays = [a for st in states for c in st.cache for a in c.state] + [a for c in batch for a in c.state]
             mx.eval(arrays)
             out[fast] = [np.array(a) for a in arrays]
