@@ -68,13 +68,14 @@ def _forwards(lm, forward, case: str) -> list[np.ndarray]:
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
 def test_forward_equals_mlx_vlm(name, fused, dtype):
     def work():
-        from vlmserve.engine.ops import cuda_kernels, fused_projections, rope_rotation
+        from vlmserve.engine.ops import cuda_kernels, decode_attention, fused_projections, rope_rotation
         from vlmserve.models.qwen2_vl import prefill
 
         lm = language_model(name, not fused, dtype)
         if fused:
             assert fused_projections.install(lm) == 2 * len(lm.model.layers)
-        rope_rotation.install()  # as the server runs mlx_vlm's layers
+        rope_rotation.install()  # as the server runs mlx_vlm's layers: its prompt attention off cuDNN
+        decode_attention.install()
 
         def reference(ids, embeds, positions, caches):
             return lm(ids, inputs_embeds=embeds, cache=caches, position_ids=positions).logits
@@ -91,6 +92,7 @@ def test_forward_equals_mlx_vlm(name, fused, dtype):
                     runs[case].append(_forwards(lm, ours(True), case))
         finally:
             rope_rotation.uninstall()
+            decode_attention.uninstall()
         return runs
 
     for case, (reference, *others) in on_own_thread(work).items():
