@@ -34,3 +34,19 @@ def language_model(name: str, tied: bool, dtype: str):
         nn.quantize(lm, group_size=64, bits=int(bits.removesuffix("bit")))
     mx.eval(lm.parameters())
     return lm
+
+
+def composed_forward(monkeypatch, module, record, applies) -> list:
+    """Route the server's calls of `module.forward` (decode.py's or prefill.py's) to its composed
+    ops (`kernels=False`), so a routing test runs on any backend; `applies` stands in for
+    `module.applies`. Returns the list that gets `record(*args)` of each call."""
+    calls = []
+    original = module.forward
+
+    def composed(*args, kernels=True):
+        calls.append(record(*args))
+        return original(*args, kernels=False)
+
+    monkeypatch.setattr(module, "forward", composed)
+    monkeypatch.setattr(module, "applies", applies)
+    return calls

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from support.helpers import MODELS, on_own_thread
+from support.qwen_language import composed_forward
 from support.qwen_language import language_model as _language_model
 
 
@@ -133,15 +134,7 @@ def test_server_step_routes_through_forward(monkeypatch):
     swapped for the composed ops so this runs on any backend."""
     from vlmserve.models.qwen2_vl import decode as qwen_decode
 
-    calls = []
-    original = qwen_decode.forward
-
-    def composed(lm, tokens, caches, position_ids, kernels=True):
-        calls.append(tuple(position_ids.shape))
-        return original(lm, tokens, caches, position_ids, kernels=False)
-
-    monkeypatch.setattr(qwen_decode, "forward", composed)
-    monkeypatch.setattr(qwen_decode, "applies", lambda caches: True)
+    calls = composed_forward(monkeypatch, qwen_decode, lambda *args: tuple(args[3].shape), lambda caches: True)
 
     def work():
         import mlx.core as mx

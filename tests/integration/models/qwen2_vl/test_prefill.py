@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from support.helpers import MODELS, on_own_thread
-from support.qwen_language import language_model
+from support.qwen_language import composed_forward, language_model
 
 CASES = ("single", "pieces", "batch")
 
@@ -108,15 +108,9 @@ def test_prompt_forwards_route_through_it(monkeypatch):
     for the composed ops so this runs on any backend."""
     from vlmserve.models.qwen2_vl import prefill
 
-    calls = []
-    original = prefill.forward
-
-    def composed(lm, embeds, positions, caches, kernels=True):
-        calls.append(tuple(embeds.shape))
-        return original(lm, embeds, positions, caches, kernels=False)
-
-    monkeypatch.setattr(prefill, "forward", composed)
-    monkeypatch.setattr(prefill, "applies", lambda kwargs: set(kwargs) == {"position_ids"})
+    calls = composed_forward(
+        monkeypatch, prefill, lambda lm, embeds, *_: tuple(embeds.shape), lambda kwargs: set(kwargs) == {"position_ids"}
+    )
 
     def work():
         import mlx.core as mx

@@ -14,6 +14,17 @@ from vlmserve.engine.ops import composed_attention, cuda_kernels, decode_attenti
 _SHAPES = [(2, 4, 4, 7, 7, 16), (3, 6, 2, 5, 9, 32), (1, 12, 2, 1, 20, 64)]
 
 
+def _qkv(shape, dtype):
+    """Random queries (B, Hq, Lq, D), keys and values (B, Hkv, Lk, D) of `shape`."""
+    import mlx.core as mx
+
+    b, hq, hkv, lq, lk, d = shape
+    return (
+        mx.random.normal(s, key=mx.random.key(i)).astype(dtype)
+        for i, s in enumerate([(b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)])
+    )
+
+
 def _mask(kind, shape, dtype):
     import mlx.core as mx
 
@@ -37,14 +48,10 @@ def test_composed_is_mlx_composed_attention(shape, mask, dtype, sinks):
     def compare():
         import mlx.core as mx
 
-        b, hq, hkv, lq, lk, d = shape
         dt = getattr(mx, dtype)
-        q, k, v = (
-            mx.random.normal(s, key=mx.random.key(i)).astype(dt)
-            for i, s in enumerate([(b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)])
-        )
+        q, k, v = _qkv(shape, dt)
         m = _mask(mask, shape, dt)
-        s = mx.random.normal((hq,), key=mx.random.key(5)).astype(dt) if sinks else None
+        s = mx.random.normal((shape[1],), key=mx.random.key(5)).astype(dt) if sinks else None
         ours = composed_attention.composed(q, k, v, 0.3, m, s)
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=m, sinks=s)
         return np.array(ours.astype(mx.float32)), np.array(ref.astype(mx.float32)), ours.dtype == ref.dtype
@@ -65,14 +72,10 @@ def test_a_grouped_mask_selects_the_same(shape, dtype):
     def compare():
         import mlx.core as mx
 
-        b, hq, hkv, lq, lk, d = shape
         dt = getattr(mx, dtype)
-        q, k, v = (
-            mx.random.normal(s, key=mx.random.key(i)).astype(dt)
-            for i, s in enumerate([(b, hq, lq, d), (b, hkv, lk, d), (b, hkv, lk, d)])
-        )
+        q, k, v = _qkv(shape, dt)
         m = _mask("bool", shape, dt)
-        grouped = composed_attention.grouped_mask(m, hq, hkv)
+        grouped = composed_attention.grouped_mask(m, shape[1], shape[2])
         ours = composed_attention.composed(q, k, v, 0.3, grouped)
         ref = composed_attention.composed(q, k, v, 0.3, m)
         return np.array(ours.astype(mx.float32)), np.array(ref.astype(mx.float32)), grouped.ndim
