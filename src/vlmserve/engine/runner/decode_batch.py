@@ -335,7 +335,14 @@ class DecodeSteps:
             self.reads_pool.setdefault(kv[0].dtype, probe.get("kernel_layers", 0) == len(kv) // 2)
             return out
         t0 = time.perf_counter()
-        out = self.compiled(tokens, positions, lengths, write, table, *kv)
+        try:
+            out = self.compiled(tokens, positions, lengths, write, table, *kv)
+        except Exception:  # noqa: BLE001 - MLX could not trace this model's step: it decodes eagerly
+            # Seen on CUDA with GLM-4V (MLX's compile raised `IndexError: _Map_base::at`) where the
+            # same step runs eagerly: slower steps, not a server that cannot start.
+            log.warning("compiling the decode step failed; the model decodes without compiling", exc_info=True)
+            self.compiled = None
+            return self.eager(tokens, positions, lengths, write, table, *kv)
         self.traced.add(shape)
         seconds = time.perf_counter() - t0
         log.info("compiled the decode step for %d rows x %d blocks in %.2f s", shape[0], shape[1], seconds)

@@ -77,6 +77,25 @@ def test_new_shape_runs_eagerly_once_then_compiled():
     on_own_thread(work)
 
 
+def test_a_step_mlx_cannot_compile_runs_eagerly_from_then_on():
+    def work():
+        steps = DecodeSteps(_Model(), BLOCK, compiled=True)
+
+        def fails(*args):
+            raise IndexError("_Map_base::at")  # what MLX's compile raised for one model on CUDA
+
+        steps.eager, steps.compiled = _Counting(steps.eager), _Counting(fails)
+        tokens, lengths, write, table, kv = _inputs(4, 3)
+        outs = [steps(tokens, None, lengths, write, table, *kv) for _ in range(3)]
+        assert (steps.eager.calls, steps.traced) == (3, set()) and steps.compiled is None
+        for a, b in zip(outs[0], outs[2]):
+            np.testing.assert_allclose(np.array(a), np.array(b))
+        steps.retrace()  # a kernel swap later does not bring the failing trace back
+        assert steps.compiled is None
+
+    on_own_thread(work)
+
+
 def test_warm_up_traces_ahead_so_the_first_step_runs_compiled():
     def work():
         steps = DecodeSteps(_Model(), BLOCK, compiled=True)
