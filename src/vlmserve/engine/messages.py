@@ -20,6 +20,7 @@ class AddRequest:
     sampling: SamplingParams
     inputs_key: int  # names the prepared inputs; several choices of one request share them
     prepared: PreparedRequest | None  # sent with the first request naming inputs_key, None after
+    pixels_held: bool = False  # its pixel arrays were left out: the engine holds them (held_pixels.py)
 
 
 @dataclass

@@ -14,6 +14,7 @@ No MLX is imported here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -26,6 +27,7 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine import messages as msg
 from vlmserve.engine import process_main as engine_process
 from vlmserve.engine.event_stream import read_events
+from vlmserve.engine.held_pixels import HeldPixels
 from vlmserve.protocol import (
     CacheGauges,
     EngineError,
@@ -61,6 +63,7 @@ class EngineProcessClient:
         self._streams: dict[int, asyncio.Queue] = {}  # event loop only, like everything below
         self._calls: dict[int, asyncio.Future] = {}
         self._inputs: dict[int, list[int]] = {}  # id(PreparedRequest) -> [inputs_key, requests using it]
+        self._held = HeldPixels()  # what the engine process holds of pixels sent before (held_pixels.py)
         self._ready: asyncio.Future | None = None
         self._next_key = 0
         self._running = 0
@@ -79,6 +82,7 @@ class EngineProcessClient:
             target=engine_process.main, args=(child_conn, self.config), name="vlmserve-engine", daemon=True
         )
         self._ready = loop.create_future()
+        self._held = HeldPixels()  # a new process holds none
         await loop.run_in_executor(None, self.process.start)
         child_conn.close()
         threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
@@ -154,7 +158,7 @@ class EngineProcessClient:
         self._next_key += 1
         events_in: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[key] = events_in
-        self._outgoing.put(msg.AddRequest(key, request_id, sampling, *self._share_inputs(prepared)))
+        self._outgoing.put(msg.AddRequest(key, request_id, sampling, *self._shipped_inputs(prepared)))
         events = read_events(events_in, lambda: self._outgoing.put(msg.CancelRequest(key)))
         try:
             async for event in events:
@@ -174,6 +178,15 @@ class EngineProcessClient:
         self._inputs[id(prepared)] = [self._next_key, 1]
         self._next_key += 1
         return self._inputs[id(prepared)][0], prepared
+
+    def _shipped_inputs(self, prepared: PreparedRequest) -> tuple[int, PreparedRequest | None, bool]:
+        """(inputs_key, the inputs to send, whether their pixel arrays were left out as held)."""
+        inputs_key, shipped = self._share_inputs(prepared)
+        pixels = HeldPixels.pixels(shipped.model_inputs) if shipped is not None and shipped.image_hashes else {}
+        if not pixels or self._held.note(shipped.image_hashes, sum(v.nbytes for v in pixels.values())) is None:
+            return inputs_key, shipped, False
+        rest = {k: v for k, v in shipped.model_inputs.items() if k not in pixels}
+        return inputs_key, dataclasses.replace(shipped, model_inputs=rest), True
 
     def _unshare_inputs(self, prepared: PreparedRequest) -> None:
         entry = self._inputs[id(prepared)]

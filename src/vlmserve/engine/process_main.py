@@ -19,6 +19,7 @@ import time
 
 from vlmserve.config import ServerConfig
 from vlmserve.engine import messages as msg
+from vlmserve.engine.held_pixels import HeldPixels
 from vlmserve.protocol import FinishReason, PreparedRequest, TokenEvent
 from vlmserve.torchless import keep_torch_out
 
@@ -62,6 +63,7 @@ class EngineServer:
         self.thread_guard = thread_guard
         self.requests: dict[int, object] = {}  # key -> EngineRequest, until its final event
         self.inputs: dict[int, PreparedRequest] = {}  # inputs_key -> inputs, until released
+        self.held = HeldPixels()  # pixels of earlier requests, by image content (held_pixels.py)
         self._outbox: list[tuple[int, TokenEvent]] = []  # worker thread only
         self._send_lock = threading.Lock()
         self._last_sent = 0.0
@@ -134,9 +136,14 @@ class EngineServer:
     def _add(self, add: msg.AddRequest) -> None:
         from vlmserve.engine.sched.request import EngineRequest
 
-        if add.prepared is not None:
+        if add.prepared is not None and self._restore_pixels(add):
             self.inputs[add.inputs_key] = add.prepared
-        req = EngineRequest(add.request_id, self.inputs[add.inputs_key], add.sampling, self._emitter(add.key))
+        prepared = self.inputs.get(add.inputs_key)
+        if prepared is None:  # its pixels were left out as held, and are not: never expected
+            error = TokenEvent(finish_reason=FinishReason.ERROR, error="the request's image inputs were lost")
+            self.send(msg.StepOutput([(add.key, error)], [], msg.EngineStats(running=self.engine.core.num_running)))
+            return
+        req = EngineRequest(add.request_id, prepared, add.sampling, self._emitter(add.key))
         self.requests[add.key] = req
         core, worker = self.engine.core, self.engine.worker
         core.add(req)
@@ -149,6 +156,22 @@ class EngineServer:
             self.requests.pop(add.key, None)
             error = TokenEvent(finish_reason=FinishReason.UNAVAILABLE, error="the inference worker is not running")
             self.send(msg.StepOutput([(add.key, error)], [], msg.EngineStats(died=True)))
+
+    def _restore_pixels(self, add: msg.AddRequest) -> bool:
+        """Note the request's pixels as the serving side noted them (held_pixels.py); put back the
+        ones it left out. False: they were left out but are not held (the two sides disagree)."""
+        prepared = add.prepared
+        pixels = HeldPixels.pixels(prepared.model_inputs)
+        if not prepared.image_hashes or not (pixels or add.pixels_held):
+            return True
+        held = self.held.note(prepared.image_hashes, sum(v.nbytes for v in pixels.values()), pixels)
+        if not add.pixels_held:
+            return True
+        if held is None:
+            log.error("request %s: its pixels were left out as held, but they are not", add.request_id)
+            return False
+        prepared.model_inputs.update(held)
+        return True
 
     def _call(self, call: msg.Call) -> None:
         if call.name not in CALLS:

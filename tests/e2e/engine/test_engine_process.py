@@ -362,6 +362,33 @@ def test_the_choices_of_one_request_send_its_inputs_once(process_server, monkeyp
     assert released == [adds[0].inputs_key] and client._inputs == {}
 
 
+def test_an_image_sent_again_crosses_to_the_engine_once(process_server, monkeypatch):
+    """Its pixel arrays go with the first request only (held_pixels.py); later ones, another
+    question or a later turn about it, answer as when they carried them."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from vlmserve.engine import messages as msg
+    from vlmserve.engine.held_pixels import HeldPixels
+
+    client = process_server.engine
+    outgoing = _Recording(client._outgoing)
+    monkeypatch.setattr(client, "_outgoing", outgoing)
+    buffer = io.BytesIO()  # pixels no other test sends
+    Image.fromarray(np.random.default_rng(11).integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(buffer, "PNG")
+    image = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    ask = [chat_body(process_server.model_id, q, [image], max_tokens=8, temperature=0) for q in ("What?", "Why?")]
+    first, second, again = (_post(process_server, b)["choices"][0]["message"]["content"] for b in ask + ask[:1])
+    adds = [m for m in outgoing.sent if isinstance(m, msg.AddRequest)]
+    assert [a.pixels_held for a in adds] == [False, True, True]
+    assert [bool(HeldPixels.pixels(a.prepared.model_inputs)) for a in adds] == [True, False, False]
+    assert "image_grid_thw" in adds[1].prepared.model_inputs  # what is not pixels travels each time
+    assert again == first and second  # the held pixels answer as the sent ones
+
+
 def test_a_hung_engine_ends_its_requests_refuses_new_ones_and_does_not_block_shutdown():
     """SIGSTOP on the engine process: past --stall-timeout, in-flight requests end with a retryable
     error and new ones get a retryable 503; once it runs again, requests are served; and a
