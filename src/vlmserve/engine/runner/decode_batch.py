@@ -338,8 +338,8 @@ class DecodeSteps:
         try:
             out = self.compiled(tokens, positions, lengths, write, table, *kv)
         except Exception:  # noqa: BLE001 - MLX could not trace this model's step: it decodes eagerly
-            # Seen on CUDA with GLM-4V (MLX's compile raised `IndexError: _Map_base::at`) where the
-            # same step runs eagerly: slower steps, not a server that cannot start.
+            # Seen on CUDA with one family's step (MLX's compile raised `IndexError: _Map_base::at`)
+            # that runs eagerly: slower steps, not a server that cannot start.
             log.warning("compiling the decode step failed; the model decodes without compiling", exc_info=True)
             self.compiled = None
             return self.eager(tokens, positions, lengths, write, table, *kv)
