@@ -313,9 +313,10 @@ class ModelRunner:
         return going
 
     def prefill_group(self, group: list[Sequence], bucket: int) -> None:
-        """Whole prompts (but their last token) of several new rows in one left-padded forward per
-        embedding dtype: one forward would run every row in the promoted dtype, and some prompts
-        embed wider than the model (float32 image embeddings in a bfloat16 model)."""
+        """Whole prompts (but their last token, unless the model samples in prefill) of several new
+        rows in one left-padded forward per embedding dtype: one forward would run every row in the
+        promoted dtype, and some prompts embed wider than the model (float32 image embeddings in a
+        bfloat16 model)."""
         for rows in _by_embedding_dtype(group, lambda seq: seq):
             self._prefill_together(rows, bucket)
 
