@@ -30,16 +30,19 @@ class HeldPixels:
     def pixels(model_inputs: dict) -> dict:
         return {k: v for k, v in model_inputs.items() if k in PIXEL_INPUTS}
 
-    def note(self, key: tuple[str, ...], size: int, arrays: dict | None = None) -> dict | None:
-        """A request with the pixels of images `key` (`size` bytes): if they are held, mark them used
-        and return them (what this side keeps: the engine's arrays, nothing on the serving side);
-        else hold them (`arrays`) within the budget, least recently used out first, and return None."""
+    def note(self, key: tuple[str, ...], pixels: dict, keep: bool = False) -> dict | None:
+        """A request with `pixels`, the pixel arrays of images `key`: if those are held, mark them
+        used and return them (what this side keeps of them: the arrays on the engine side, which
+        `keep`s them, nothing on the serving side); else hold them within the budget, least recently
+        used out first, and return None. A request whose pixels were left out notes none, and finds
+        them held."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             return entry[1]
+        size = sum(v.nbytes for v in pixels.values())
         if size <= self.max_bytes:
-            self._entries[key] = (size, arrays or {})
+            self._entries[key] = (size, pixels if keep else {})
             self._bytes += size
             while self._bytes > self.max_bytes:
                 _, (dropped, _) = self._entries.popitem(last=False)

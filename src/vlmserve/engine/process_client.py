@@ -183,7 +183,7 @@ class EngineProcessClient:
         """(inputs_key, the inputs to send, whether their pixel arrays were left out as held)."""
         inputs_key, shipped = self._share_inputs(prepared)
         pixels = HeldPixels.pixels(shipped.model_inputs) if shipped is not None and shipped.image_hashes else {}
-        if not pixels or self._held.note(shipped.image_hashes, sum(v.nbytes for v in pixels.values())) is None:
+        if not pixels or self._held.note(shipped.image_hashes, pixels) is None:
             return inputs_key, shipped, False
         rest = {k: v for k, v in shipped.model_inputs.items() if k not in pixels}
         return inputs_key, dataclasses.replace(shipped, model_inputs=rest), True

@@ -164,7 +164,7 @@ class EngineServer:
         pixels = HeldPixels.pixels(prepared.model_inputs)
         if not prepared.image_hashes or not (pixels or add.pixels_held):
             return True
-        held = self.held.note(prepared.image_hashes, sum(v.nbytes for v in pixels.values()), pixels)
+        held = self.held.note(prepared.image_hashes, pixels, keep=True)
         if not add.pixels_held:
             return True
         if held is None:

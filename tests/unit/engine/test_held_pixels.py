@@ -13,20 +13,20 @@ def test_held_pixels_come_back_and_the_least_recently_used_go_first():
     arrays = {name: {"pixel_bytes": np.zeros(40, np.uint8)} for name in "abc"}
     # c pushes b out (a was used since), b coming back pushes a out, and a coming back pushes c out.
     for key in ("a", "b", "a", "c", "b", "a"):
-        size = arrays[key]["pixel_bytes"].nbytes
-        held = server.note((key,), size)
-        got = engine.note((key,), size, arrays[key])
+        held = server.note((key,), arrays[key])
+        got = engine.note((key,), arrays[key], keep=True)
         assert (held is None) == (got is None)  # the serving side knows what the engine holds
         if got is not None:
             assert got is arrays[key]
-    assert [engine.note((k,), 40) is not None for k in ("b", "a")] == [True, True]
+    assert [engine.note((k,), {}) is not None for k in ("b", "a")] == [True, True]  # left out: held
     assert len(engine) == len(server) == 2
 
 
 def test_an_image_past_the_budget_is_never_held():
     held = HeldPixels(max_bytes=10)
-    assert held.note(("big",), 11, {"pixel_values": np.zeros(11, np.uint8)}) is None
-    assert held.note(("big",), 11) is None and len(held) == 0
+    big = {"pixel_values": np.zeros(11, np.uint8)}
+    assert held.note(("big",), big, keep=True) is None
+    assert held.note(("big",), big, keep=True) is None and len(held) == 0
 
 
 def test_only_pixel_arrays_are_held():
