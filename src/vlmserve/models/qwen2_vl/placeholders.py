@@ -35,7 +35,6 @@ class ExpandedPlaceholders:
         return getattr(self.inner, name)
 
     def __call__(self, images=None, text=None, videos=None, **kwargs):
-        given = dict(kwargs)
         images = images if images is None or isinstance(images, (list, tuple)) else [images]
         texts = text if isinstance(text, list) else [text]
         token = self.inner.image_token
@@ -51,11 +50,11 @@ class ExpandedPlaceholders:
         image_inputs = dict(self.inner.image_processor(images=images))
         grid = np.asarray(image_inputs["image_grid_thw"]).reshape(-1, 3)
         counts = grid.prod(axis=1) // self.inner.image_processor.merge_size**2
-        kwargs.pop("return_tensors", None)
-        ids = np.asarray(self.inner.tokenizer(texts, **kwargs)["input_ids"][0], dtype=np.int64)
+        tokenizing = {k: v for k, v in kwargs.items() if k != "return_tensors"}
+        ids = np.asarray(self.inner.tokenizer(texts, **tokenizing)["input_ids"][0], dtype=np.int64)
         at = np.flatnonzero(ids == self.inner.image_token_id)
         if len(at) != len(images):  # the text's tokens do not line up with its images: the processor decides
-            return self.inner(images=images, text=text, videos=videos, **given)
+            return self.inner(images=images, text=text, videos=videos, **kwargs)
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[at] = counts
         ids = np.repeat(ids, repeats)[None]
