@@ -444,9 +444,7 @@ class GenericModel:
         """The language model over prompt positions, into `cache`: its logits, (rows, L, V), or with
         `last` (a position per row) each row's there, (rows, V). Lazy: unread, never computed."""
         logits = self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
-        if last is None:
-            return logits
-        return logits[mx.arange(len(last)), mx.array(last)]
+        return logits if last is None else rows_at(logits, last)
 
     @property
     def prefills_pieces(self) -> bool:
@@ -560,6 +558,11 @@ class GenericModel:
             kwargs["mask"] = batch_cache[0].make_mask(1, return_array=True)
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]
+
+
+def rows_at(x: mx.array, positions: list[int]) -> mx.array:
+    """(rows, L, ...) -> (rows, ...): each row's entry at its own position."""
+    return x[mx.arange(len(positions)), mx.array(positions)]
 
 
 def mrope_decode_positions(positions: mx.array) -> mx.array:

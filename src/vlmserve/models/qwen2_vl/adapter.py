@@ -20,7 +20,7 @@ import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
 from vlmserve.engine.ops import cuda_kernels, few_row_quantized
-from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions
+from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions, rows_at
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
 from vlmserve.models.qwen2_vl import prefill as qwen_prefill
@@ -229,10 +229,8 @@ class QwenVLModel(GenericModel):
         if not (self.fast_prefill and qwen_prefill.applies(kwargs)):
             return super()._prompt_forward(ids, embeds, cache, kwargs, last)
         h = qwen_prefill.forward(self.language_model, embeds, kwargs["position_ids"], cache)
-        if last is None:
-            return qwen_prefill.logits(self.language_model, h)
         # Only the positions asked for go through the output layer (a 150k-wide matmul per position).
-        return qwen_prefill.logits(self.language_model, h[mx.arange(len(last)), mx.array(last)])
+        return qwen_prefill.logits(self.language_model, h if last is None else rows_at(h, last))
 
     def decode(self, tokens: mx.array, batch_cache: list[Any], positions: mx.array | None) -> mx.array:
         if positions is not None and self.fast_decode and qwen_decode.applies(batch_cache):
