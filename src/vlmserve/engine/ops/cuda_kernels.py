@@ -30,6 +30,22 @@ def enabled() -> bool:
 
 
 @functools.cache
-def kernel(name: str, input_names: tuple[str, ...], source: str, output_names: tuple[str, ...] = ("out",)):
-    """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread)."""
-    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names), source=source)
+def kernel(
+    name: str,
+    input_names: tuple[str, ...],
+    source: str,
+    output_names: tuple[str, ...] = ("out",),
+    ensure_row_contiguous: bool = True,
+    shared_memory: int = 0,
+):
+    """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread).
+    Without `ensure_row_contiguous` the kernel reads views in place (through `<name>_strides`);
+    `shared_memory` is the dynamic shared memory of each launch, in bytes."""
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=source,
+        ensure_row_contiguous=ensure_row_contiguous,
+        shared_memory=shared_memory,
+    )

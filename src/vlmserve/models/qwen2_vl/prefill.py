@@ -9,11 +9,15 @@ same weights in the same order and takes:
   - the fused q/k/v matmul (fused_projections), split into heads and rotated by the decode
     step's kernel (decode.py), which rounds each product and sum as mlx_vlm's ops round them;
   - the cache's own update (the request's KVCache, or the ragged view over several);
-  - the composed attention that mlx_vlm's call reaches on CUDA (engine/ops/composed_attention),
-    with the mask laid out for grouped heads once per forward instead of once per layer;
+  - one attention kernel (engine/ops/prefill_attention) over the cache as it lies, which
+    reads each row's offset and padding as data and writes its output laid out for o_proj,
+    where the cache is one it knows (a request's own, the ragged view over several, a
+    left-padded group); else the composed attention that mlx_vlm's call reaches on CUDA
+    (engine/ops/composed_attention), with the mask laid out for grouped heads once per forward;
   - the model's o_proj, norms and MLP.
-Bit for bit what mlx_vlm's forward computes (tests/integration/models/qwen2_vl/test_prefill.py).
-Off CUDA (`kernels=False`) the rotation and attention are mlx_vlm's own calls, for comparison.
+With the composed attention, bit for bit what mlx_vlm's forward computes; with the kernel, the
+same to bf16 rounding (tests/integration/models/qwen2_vl/test_prefill.py). Off CUDA
+(`kernels=False`) the rotation and attention are mlx_vlm's own calls, for comparison.
 """
 
 from __future__ import annotations
@@ -22,15 +26,30 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.models.base import create_attention_mask
 
-from vlmserve.engine.ops import composed_attention, cuda_kernels
+from vlmserve.engine.ops import composed_attention, cuda_kernels, prefill_attention
 from vlmserve.models.qwen2_vl import decode as qwen_decode
+from vlmserve.models.ragged_cache import RaggedLayerCache
 
 
 def applies(kwargs: dict) -> bool:
     """Whether a prompt forward with these extra inputs takes `forward` (CUDA, M-RoPE positions only)."""
     return set(kwargs) == {"position_ids"} and cuda_kernels.enabled()
+
+
+def cache_rows(cache, batch: int) -> tuple[mx.array, mx.array] | None:
+    """Where each row's new positions start in `cache` and its first key a query may see, as the
+    attention kernel takes them ((B,) int32 each), before the forward writes; None for a cache
+    it does not know."""
+    if isinstance(cache, RaggedLayerCache):
+        return cache.offset, mx.zeros((batch,), dtype=mx.int32)
+    if type(cache) is vlm_cache.KVCache:
+        return mx.full((batch,), cache.offset, dtype=mx.int32), mx.zeros((batch,), dtype=mx.int32)
+    if type(cache) is vlm_cache.BatchKVCache:  # left-padded rows: a row's padding is never seen
+        return mx.full((batch,), cache._idx, dtype=mx.int32), cache.left_padding.astype(mx.int32)
+    return None
 
 
 def forward(
@@ -44,23 +63,30 @@ def forward(
     batch, length, _ = h.shape
     attn0 = model.layers[0].self_attn
     cos, sin = attn0.rotary_emb(h, position_ids)
-    mask = create_attention_mask(h, caches)
-    if kernels:
-        mask = composed_attention.grouped_mask(mask, attn0.n_heads, attn0.n_kv_heads)
+    fused = kernels and prefill_attention.serves(h.dtype, attn0.n_heads, attn0.n_kv_heads, attn0.head_dim)
+    rows = cache_rows(caches[0], batch) if fused else None
+    mask = None
+    if rows is None:
+        mask = create_attention_mask(h, caches)
+        if kernels:
+            mask = composed_attention.grouped_mask(mask, attn0.n_heads, attn0.n_kv_heads)
     for layer, cache in zip(model.layers, caches):
         attn = layer.self_attn
         qkv = qwen_decode.qkv(attn, layer.input_layernorm(h), False)
         q, k, v = qwen_decode.rope_split(qkv, cos, sin, attn.n_heads, attn.n_kv_heads, kernels)
         keys, values = cache.update_and_fetch(k, v)
-        layer_mask = mask
-        if isinstance(mask, mx.array) and mask.shape[-1] != keys.shape[-2]:
-            layer_mask = mask[..., : keys.shape[-2]]  # as mlx_vlm's attention trims it
-        if kernels:
-            out = composed_attention.composed(q, keys, values, attn.scale, layer_mask)
-        else:  # the attention function the model's module calls (rebound or not), as its layer would
-            sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
-            out = sdpa(q, keys, values, cache, scale=attn.scale, mask=layer_mask)
-        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        if rows is not None:  # already laid out as (B, L, Hq * D)
+            out = prefill_attention.attend(q, keys, values, attn.scale, *rows)
+        else:
+            layer_mask = mask
+            if isinstance(mask, mx.array) and mask.shape[-1] != keys.shape[-2]:
+                layer_mask = mask[..., : keys.shape[-2]]  # as mlx_vlm's attention trims it
+            if kernels:
+                out = composed_attention.composed(q, keys, values, attn.scale, layer_mask)
+            else:  # the attention function the model's module calls (rebound or not), as its layer would
+                sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
+                out = sdpa(q, keys, values, cache, scale=attn.scale, mask=layer_mask)
+            out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         h = h + attn.o_proj(out)
         h = h + qwen_decode.mlp(layer.mlp, layer.post_attention_layernorm(h), False)
     return model.norm(h)

@@ -1,0 +1,93 @@
+"""The prompt attention kernel (engine/ops/prefill_attention.py) against float32 attention with
+the same visibility rule: ragged offsets, left padding, views of a cache buffer, GQA layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.helpers import on_own_thread
+from vlmserve.engine.ops import cuda_kernels, prefill_attention
+
+
+def _float32_attention(q, k, v, offsets, firsts, scale):
+    """Row b's query i sees keys firsts[b] <= j <= offsets[b] + i; a query that sees none gets zeros."""
+    import mlx.core as mx
+
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = (mx.repeat(t.astype(mx.float32), rep, axis=1) for t in (k, v))
+    s = (q.astype(mx.float32) @ kk.transpose(0, 1, 3, 2)) * scale
+    j = mx.arange(k.shape[2])[None, None, None, :]
+    i = mx.arange(q.shape[2])[None, None, :, None]
+    seen = (j >= firsts[:, None, None, None]) & (j <= offsets[:, None, None, None] + i)
+    p = mx.softmax(mx.where(seen, s, -mx.inf), axis=-1)
+    out = mx.where(seen.any(axis=-1, keepdims=True), p, 0.0) @ vv
+    return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
+
+
+# (batch, query heads, KV heads, head dim, queries, keys' width, offsets, firsts, view)
+_CASES = {
+    # a follow-up turn's piece after a cached prefix, Qwen2-VL-2B's heads, in a bigger buffer
+    "prefix": (1, 12, 2, 128, 150, 512, [300], [0], "buffer"),
+    # pieces of three prompts side by side, each after its own cached positions
+    "ragged": (3, 12, 2, 128, 70, 256, [0, 100, 185], [0, 0, 0], "contiguous"),
+    # a left-padded group: padded queries see nothing and give zeros
+    "left_padded": (2, 8, 8, 64, 96, 96, [0, 0], [0, 40], "contiguous"),
+    # keys and values as a transposed view (a cache filled from the block pool)
+    "transposed": (2, 16, 4, 64, 33, 128, [90, 10], [0, 0], "transposed"),
+    "odd_head_dim": (1, 4, 2, 96, 20, 64, [40], [0], "contiguous"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [("bfloat16", 3e-2), ("float16", 4e-3)])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_kernel_matches_float32_attention(dtype, atol, case):
+    batch, q_heads, kv_heads, dim, length, width, offsets, firsts, view = _CASES[case]
+
+    def compare():
+        import mlx.core as mx
+
+        t = getattr(mx, dtype)
+        q = mx.random.normal((batch, q_heads, length, dim), key=mx.random.key(1)).astype(t)
+        if view == "buffer":  # the first `width` positions of a longer buffer
+            k = mx.random.normal((batch, kv_heads, width + 256, dim), key=mx.random.key(2)).astype(t)[:, :, :width]
+            v = mx.random.normal((batch, kv_heads, width + 256, dim), key=mx.random.key(3)).astype(t)[:, :, :width]
+        elif view == "transposed":
+            k = mx.random.normal((width, kv_heads, dim), key=mx.random.key(2)).astype(t).transpose(1, 0, 2)[None]
+            v = mx.random.normal((width, kv_heads, dim), key=mx.random.key(3)).astype(t).transpose(1, 0, 2)[None]
+            k, v = mx.broadcast_to(k, (batch, *k.shape[1:])), mx.broadcast_to(v, (batch, *v.shape[1:]))
+        else:
+            k = mx.random.normal((batch, kv_heads, width, dim), key=mx.random.key(2)).astype(t)
+            v = mx.random.normal((batch, kv_heads, width, dim), key=mx.random.key(3)).astype(t)
+        off, first = mx.array(offsets, dtype=mx.int32), mx.array(firsts, dtype=mx.int32)
+        ref = _float32_attention(q, k, v, off, first, dim**-0.5)
+        a, b = (prefill_attention.attend(q, k, v, dim**-0.5, off, first) for _ in range(2))
+        return np.array(ref), np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+
+    ref, first, second = on_own_thread(compare)
+    assert first.shape == (batch, length, q_heads * dim)
+    np.testing.assert_allclose(first, ref, atol=atol)
+    np.testing.assert_array_equal(first, second)  # the same from call to call
+
+
+def test_serves_only_layouts_it_takes():
+    """float32, odd head dims and ragged head groups keep the composed attention (on every backend)."""
+    on = cuda_kernels.enabled()
+
+    def serves(*args):
+        import mlx.core as mx
+
+        return prefill_attention.serves(getattr(mx, args[0]), *args[1:])
+
+    got = on_own_thread(
+        lambda: [
+            serves("bfloat16", 12, 2, 128),
+            serves("float16", 8, 8, 64),
+            serves("float32", 12, 2, 128),
+            serves("bfloat16", 12, 5, 128),
+            serves("bfloat16", 12, 2, 72),
+            serves("bfloat16", 12, 2, 256),
+        ]
+    )
+    assert got == [on, on, False, False, False, False]
