@@ -148,3 +148,51 @@ def test_prompt_forwards_route_through_it(monkeypatch):
     assert calls == [(1, 16, 64), (1, 10, 64), (2, 24, 64), (2, 32, 64)]
     for ref, got in zip(out[False], out[True]):
         np.testing.assert_array_equal(got, ref)
+
+
+def test_cache_rows_give_mlx_vlms_mask():
+    """The attention kernel's rule (row b's query i sees keys firsts[b] <= j <= offsets[b] + i, from
+    `cache_rows` before the forward writes) selects what mlx_vlm's mask selects for every real
+    query: a request's cache after a prefix, ragged pieces, a left-padded group. Any backend."""
+
+    def work():
+        import mlx.core as mx
+        from mlx_vlm.models import cache as vlm_cache
+        from mlx_vlm.models.base import create_attention_mask
+
+        from vlmserve.models.qwen2_vl import prefill
+        from vlmserve.models.ragged_cache import RaggedLayerCache
+
+        def filled(n):
+            cache = vlm_cache.KVCache()
+            cache.update_and_fetch(mx.zeros((1, 2, n, 8)), mx.zeros((1, 2, n, 8)))
+            return cache
+
+        cases = {
+            "prefix": (filled(300), 1, 20, [20]),
+            "ragged": (RaggedLayerCache([filled(5), filled(290)], [9, 4]), 2, 12, [9, 4]),
+            "left_padded": (vlm_cache.BatchKVCache([0, 3]), 2, 10, [10, 7]),
+        }
+        out = {}
+        for name, (cache, rows, length, real) in cases.items():
+            h = mx.zeros((rows, length, 8))
+            mask = create_attention_mask(h, [cache])
+            offsets, firsts = prefill.cache_rows(cache, rows)
+            keys, _ = cache.update_and_fetch(mx.zeros((rows, 2, length, 8)), mx.zeros((rows, 2, length, 8)))
+            width = keys.shape[2]
+            j = mx.arange(width)[None, None, :]
+            i = mx.arange(length)[None, :, None]
+            rule = (j >= firsts[:, None, None]) & (j <= offsets[:, None, None] + i)
+            if isinstance(mask, str):  # "causal": the queries are the last `length` positions
+                want = j <= (width - length) + i
+                want = mx.broadcast_to(want, rule.shape)
+            else:
+                want = mask[:, 0, :, :width]
+            # The real queries of each row: a piece's first `n`, a padded row's last `n`.
+            spans = [(0, n) if name != "left_padded" else (length - n, length) for n in real]
+            out[name] = [(np.array(rule[b, s:e]), np.array(want[b, s:e])) for b, (s, e) in enumerate(spans)]
+        return out
+
+    for name, rows in on_own_thread(work).items():
+        for rule, want in rows:
+            np.testing.assert_array_equal(rule, want, err_msg=name)
