@@ -36,6 +36,8 @@ _CASES = {
     # keys and values as a transposed view (a cache filled from the block pool)
     "transposed": (2, 16, 4, 64, 33, 128, [90, 10], [0, 0], "transposed"),
     "odd_head_dim": (1, 4, 2, 96, 20, 64, [40], [0], "contiguous"),
+    # a head's elements not adjacent (its last axis strided): read element by element
+    "strided_elements": (1, 12, 2, 64, 40, 96, [50], [0], "dim_major"),
 }
 
 
@@ -57,6 +59,9 @@ def test_kernel_matches_float32_attention(dtype, atol, case):
             k = mx.random.normal((width, kv_heads, dim), key=mx.random.key(2)).astype(t).transpose(1, 0, 2)[None]
             v = mx.random.normal((width, kv_heads, dim), key=mx.random.key(3)).astype(t).transpose(1, 0, 2)[None]
             k, v = mx.broadcast_to(k, (batch, *k.shape[1:])), mx.broadcast_to(v, (batch, *v.shape[1:]))
+        elif view == "dim_major":
+            k = mx.random.normal((batch, kv_heads, dim, width), key=mx.random.key(2)).astype(t).swapaxes(2, 3)
+            v = mx.random.normal((batch, kv_heads, dim, width), key=mx.random.key(3)).astype(t).swapaxes(2, 3)
         else:
             k = mx.random.normal((batch, kv_heads, width, dim), key=mx.random.key(2)).astype(t)
             v = mx.random.normal((batch, kv_heads, width, dim), key=mx.random.key(3)).astype(t)
