@@ -218,23 +218,6 @@ _SOURCE = """
         l0 += __shfl_xor_sync(0xffffffffu, l0, x);
         l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     }
-    if (KS == 1) {  // one stream: each warp's rows are whole
-        const float i0 = l0 > 0.f ? 1.f / l0 : 0.f, i1 = l1 > 0.f ? 1.f / l1 : 0.f;
-        const int r0 = wq + g, r1 = r0 + 8;
-        #pragma unroll
-        for (int n = 0; n < DN; ++n) {
-            const int d = head * D + n * 8 + 2 * c;
-            if (r0 < L) {
-                T* dst = out + ((size_t)b * L + r0) * (HQ * D) + d;
-                dst[0] = static_cast<T>(o[n][0] * i0); dst[1] = static_cast<T>(o[n][1] * i0);
-            }
-            if (r1 < L) {
-                T* dst = out + ((size_t)b * L + r1) * (HQ * D) + d;
-                dst[0] = static_cast<T>(o[n][2] * i1); dst[1] = static_cast<T>(o[n][3] * i1);
-            }
-        }
-        return;
-    }
     // Merge the streams' partial softmaxes through shared memory, in stream order (deterministic).
     constexpr int R = QW * 16;                          // the block's queries
     __syncthreads();
