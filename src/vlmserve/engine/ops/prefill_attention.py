@@ -66,6 +66,12 @@ _SOURCE = """
         return (uint32_t)(*reinterpret_cast<const unsigned short*>(&lo_))
             | ((uint32_t)(*reinterpret_cast<const unsigned short*>(&hi_)) << 16);
     };
+    // d += a b for one m16n8k16 tile: a (16x16) as four registers, b (16x8) as two, d in float32.
+    auto mma = [](float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    };
     uint32_t qa[DK][4];
     {
         const T* qh = q + (size_t)b * q_strides[0] + (size_t)head * q_strides[1];
@@ -149,10 +155,7 @@ _SOURCE = """
                 const T* kr = ks + (n * 8 + g) * RS + 2 * c + kk * 16;
                 const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-                asm(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                    : "+f"(s[n][0]), "+f"(s[n][1]), "+f"(s[n][2]), "+f"(s[n][3])
-                    : "r"(qa[kk][0]), "r"(qa[kk][1]), "r"(qa[kk][2]), "r"(qa[kk][3]), "r"(b0), "r"(b1));
+                mma(s[n], qa[kk], b0, b1);
             }
         }
         // Mask, then the online softmax of rows g (c0, c1) and g + 8 (c2, c3).
@@ -200,14 +203,9 @@ _SOURCE = """
                 uint32_t b0, b1, b2, b3;
                 asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                              : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
-                asm(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                    : "+f"(o[n][0]), "+f"(o[n][1]), "+f"(o[n][2]), "+f"(o[n][3])
-                    : "r"(p[2 * kk][0]), "r"(p[2 * kk][1]), "r"(p[2 * kk + 1][0]), "r"(p[2 * kk + 1][1]), "r"(b0), "r"(b1));
-                asm(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                    : "+f"(o[n + 1][0]), "+f"(o[n + 1][1]), "+f"(o[n + 1][2]), "+f"(o[n + 1][3])
-                    : "r"(p[2 * kk][0]), "r"(p[2 * kk][1]), "r"(p[2 * kk + 1][0]), "r"(p[2 * kk + 1][1]), "r"(b2), "r"(b3));
+                const uint32_t pa[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
+                mma(o[n], pa, b0, b1);
+                mma(o[n + 1], pa, b2, b3);
             }
         }
         stream_sync();  // the stream's warps are done with this stage before its next copies land in it
