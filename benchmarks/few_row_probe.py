@@ -3,7 +3,9 @@
 For each linear layer shape of a decode step (default: a Qwen2-VL-2B language model) and row
 count, it prints µs per call for MLX (dense matmul; quantized_matmul at the given bits and
 group) and for vlmserve's kernels (few_row_matmul, few_row_quantized), with the quantized
-kernel also at other launch shapes, to choose `few_row_quantized.launch_shape`. CUDA only.
+kernel also at other launch shapes, to choose `few_row_quantized.launch_shape`. Each call
+takes the next of `--layers` copies of the weight, as a step reads each layer's once (one
+weight called again and again would be served from L2). CUDA only.
 
     python benchmarks/few_row_probe.py --bits 4 --group 64 --rows 8,32
 """
@@ -28,11 +30,12 @@ QWEN2_VL_2B = (
 )
 
 
-def per_call_us(fn, calls: int, *args) -> float:
-    mx.eval(fn(*args))
+def per_call_us(fn, calls: int, x, layers) -> float:
+    """µs per call of fn(x, layer), the layers taken in turn."""
+    mx.eval([fn(x, layer) for layer in layers])
     mx.synchronize()
     t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(calls)]
+    outs = [fn(x, layers[i % len(layers)]) for i in range(calls)]
     mx.eval(outs)
     mx.synchronize()
     return (time.perf_counter() - t0) / calls * 1e6
@@ -43,28 +46,34 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--rows", default="8,32")
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=280)
+    parser.add_argument("--layers", type=int, default=28, help="copies of each weight, called in turn")
     args = parser.parse_args()
-    alternatives = [(1, 2, 4), (2, 8, 2), (1, 8, 4), (2, 16, 2), (4, 4, 1), (1, 16, 1)]  # (F, WARPS, U)
+    alternatives = [(1, 16, 1), (1, 8, 1), (2, 8, 1), (4, 4, 1), (2, 4, 1), (4, 2, 1)]  # (F, WARPS, U)
     for name, n, k in QWEN2_VL_2B:
-        dense = nn.Linear(k, n, bias=False)
-        dense.set_dtype(mx.bfloat16)
-        q = nn.QuantizedLinear.from_linear(dense, group_size=args.group, bits=args.bits)
-        mx.eval(dense.parameters(), q.parameters())
+        copies = 1 if name == "logits" else args.layers
+        denses, quants = [], []
+        for _ in range(copies):
+            dense = nn.Linear(k, n, bias=False)
+            dense.set_dtype(mx.bfloat16)
+            denses.append(dense)
+            quants.append(nn.QuantizedLinear.from_linear(dense, group_size=args.group, bits=args.bits))
+            mx.eval(dense.parameters(), quants[-1].parameters())
         for rows in (int(r) for r in args.rows.split(",")):
             x = mx.random.normal((rows, 1, k)).astype(mx.bfloat16)
             line = {
-                "mlx dense": per_call_us(dense, args.calls, x),
-                "ours dense": per_call_us(few_row_matmul.matmul, args.calls, x, dense.weight),
-                "mlx quant": per_call_us(q, args.calls, x),
-                "ours quant": per_call_us(few_row_quantized.matmul, args.calls, q, x),
+                "mlx dense": per_call_us(lambda x, d: d(x), args.calls, x, denses),
+                "ours dense": per_call_us(lambda x, d: few_row_matmul.matmul(x, d.weight), args.calls, x, denses),
+                "mlx quant": per_call_us(lambda x, q: q(x), args.calls, x, quants),
+                "ours quant": per_call_us(lambda x, q: few_row_quantized.matmul(q, x), args.calls, x, quants),
             }
             mt = 1 if rows <= 8 else 4
             for f, warps, u in alternatives:
                 if n % (16 * f) == 0:
                     shape = (mt, f, warps, u)
                     try:
-                        us = per_call_us(few_row_quantized.matmul, args.calls, q, x, shape)
+                        run = lambda x, q, shape=shape: few_row_quantized.matmul(q, x, shape)  # noqa: E731
+                        us = per_call_us(run, args.calls, x, quants)
                     except Exception as exc:  # noqa: BLE001 - a launch shape this GPU refuses
                         us = float("nan")
                         print(f"  {name} {shape}: {exc}")

@@ -2,18 +2,24 @@
 of 32, 64 or 128, bf16 or fp16 scales and biases, as MLX's QuantizedLinear stores them.
 
 MLX's quantized matmul for a decode step's 2-32 rows is a general tiled GEMM on CUDA, dear
-to launch and to run at that size. Here the loop of the dense kernel stays, with smaller
-loads: each lane reads the 8 codes of its two weight rows for a chunk of 32 inputs (one
-32-bit word at 4 bits, two at 8), turns them into mma operands exactly, and the chunk's
-partial dot product is scaled in float32:
+to launch and to run at that size. Here the dense kernel's structure stays (warps split K,
+tensor-core `mma.sync`, a fixed-order reduction), and each lane turns the codes it loaded into
+weights before the multiply:
 
-    y[m, n] += scale[n, g] * sum_k x[m, k] * q[n, k]  +  bias[n, g] * sum_k x[m, k]
+    w[n, k] = scale[n, g] * q[n, k] + bias[n, g]     (g: k's group; rounded once to bf16/fp16)
 
-for the chunk's group g, as MLX's own quantized kernels compute it. Codes become operands by
-bit pattern: `MAGIC | q` is the number OFF + q in bf16 (128 + q) or fp16 (1024 + q), exact, and
-the OFF * sum_k x[m, k] it adds is taken out with the bias (bias - OFF * scale). 8-bit codes in
-bf16 (256 values do not fit one exponent) are converted instead. The sums of x per row and
-chunk come from one more mma against ones, already in the output's fragment layout.
+as `mx.dequantize` does. The four lanes that share a weight row read 8 bytes each, side by side
+(one 32-byte sector a row; a lane's codes lie in one group), so the loads are wide and a lane
+needs one scale and bias a load. Codes become numbers by bit pattern: `MAGIC | q` is OFF + q in
+bf16 (128 + q) or fp16 (1024 + q), exactly; one paired fma takes OFF away and one applies the
+scale and bias. 8-bit codes in bf16 (256 values do not fit one exponent) are converted in float32.
+
+A lane may hand the mma its weights in any order along k if the inputs come in the same order:
+4-bit pairs are codes (j, j + 4) of a word (what one mask extracts), so the inputs are paired
+(x[j], x[j + 4]) too, with one byte permute per pair. On the H100, per call over 32 rows of a
+Qwen2-VL-2B layer (4-bit, group 64): 5.6-16 µs where the kernel that scaled each 32-input chunk's
+dot product after the mma took 9.7-36 µs, and the dense bf16 kernel 6.8-28 µs
+(`benchmarks/few_row_probe.py`).
 """
 
 from __future__ import annotations
@@ -32,106 +38,134 @@ log = logging.getLogger(__name__)
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
-_QUANTIZED_LOOP = """    constexpr int WPR = K * BITS / 32;               // 32-bit words per weight row
+_QUANTIZED_LOOP = """    constexpr int RW = K * BITS / 32;                // 32-bit words per weight row
     constexpr int GPR = K / GS;                      // groups per weight row
-    constexpr int WPL = BITS / 4;                    // words per lane and row in a chunk
+    constexpr int XPW = 32 / BITS;                   // inputs per word: 8 (4-bit) or 4 (8-bit)
+    constexpr int CPL = VEC * XPW;                   // codes per lane and row in a wide chunk
+    constexpr int WIDE = 4 * CPL;                    // a wide chunk: a row group's 4 lanes side by side
+    constexpr int KW = K / WIDE;
     const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
     // W is read once: past L1 (which keeps X, read by every block).
-    auto stream = [](const uint32_t* p) {
-        uint32_t v;
-        asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-        return v;
-    };
-    // Two codes as one mma operand register: OFF + q in T, exactly.
-    auto pair = [](uint32_t lo, uint32_t hi) -> uint32_t {
-        if constexpr (MAGIC != 0) {
-            return (uint32_t)MAGIC | lo | (hi << 16);
+    auto stream = [](const uint32_t* p, uint32_t (&v)[VEC]) {
+        if constexpr (VEC == 4) {
+            asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+        } else if constexpr (VEC == 2) {
+            asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
         } else {
-            const T l = static_cast<T>((float)lo), h = static_cast<T>((float)hi);
-            return (uint32_t)(*reinterpret_cast<const unsigned short*>(&l))
-                | ((uint32_t)(*reinterpret_cast<const unsigned short*>(&h)) << 16);
+            asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v[0]) : "l"(p));
         }
     };
-    // The codes k..k+7 of one row, from its WPL words, as four operand registers (pairs of k).
-    auto operands = [&](const uint32_t (&v)[WPL], uint32_t (&p)[4]) {
-        constexpr uint32_t MASK = (1u << BITS) - 1;
+    auto bits_of = [](T v) -> uint32_t { return *reinterpret_cast<const unsigned short*>(&v); };
+    auto fma2 = [](uint32_t a, uint32_t b, uint32_t c) {
+        uint32_t d;
+        asm("fma.rn.{mma}x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+        return d;
+    };
+    const uint32_t one2 = bits_of(static_cast<T>(1.f)) * 0x10001u;
+    const uint32_t minus_off2 = bits_of(static_cast<T>(-(float)OFF)) * 0x10001u;
+    // One word's codes as weights, in pairs: (scale * q + bias), rounded once to T. 4-bit pairs
+    // are codes (j, j + 4) (the inputs are paired the same way); 8-bit pairs are (2j, 2j + 1).
+    auto dequant = [&](uint32_t v, uint32_t s2, uint32_t b2, float s, float b, uint32_t (&p)[XPW / 2]) {
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int lo = 2 * j * BITS, hi = lo + BITS;
-            p[j] = pair((v[lo / 32] >> (lo % 32)) & MASK, (v[hi / 32] >> (hi % 32)) & MASK);
+        for (int j = 0; j < XPW / 2; ++j) {
+            if constexpr (BITS == 4) {
+                uint32_t raw;                        // OFF + q per half, exactly: (v >> 4j) & 0xf000f | MAGIC
+                asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(raw) : "r"(v >> (4 * j)), "r"(0x000F000Fu), "r"((uint32_t)MAGIC));
+                p[j] = fma2(fma2(raw, one2, minus_off2), s2, b2);
+            } else if constexpr (MAGIC != 0) {
+                const uint32_t raw = __byte_perm(v, (uint32_t)MAGIC, j == 0 ? 0x7170 : 0x7372);
+                p[j] = fma2(fma2(raw, one2, minus_off2), s2, b2);
+            } else {
+                const float lo = (float)((v >> (16 * j)) & 0xff) * s + b;
+                const float hi = (float)((v >> (16 * j + 8)) & 0xff) * s + b;
+                asm("cvt.rn.{mma}x2.f32 %0, %1, %2;" : "=r"(p[j]) : "f"(hi), "f"(lo));
+            }
         }
     };
-    const T one_t = static_cast<T>(1.f);
-    const uint32_t one_bits = *reinterpret_cast<const unsigned short*>(&one_t);
-    const uint32_t ones = one_bits | (one_bits << 16);
-    for (int kc0 = warp; kc0 < KC; kc0 += U * WARPS) {
-        uint32_t a[U][F][2][WPL];
-        float sc[U][F][2], bi[U][F][2];
-        uint4 b[U][MT];
+    for (int kw0 = warp; kw0 < KW; kw0 += U * WARPS) {
+        uint32_t a[U][F][2][VEC];
+        uint32_t s2[U][F][2], b2[U][F][2];
+        float sf[U][F][2], bf[U][F][2];
         #pragma unroll
         for (int u = 0; u < U; ++u) {                // issue every load of U chunks first, unbranched:
-            const bool live = kc0 + u * WARPS < KC;  // out-of-range chunks and rows read a valid
-            const int kc = live ? kc0 + u * WARPS : kc0;  // address and count for nothing
-            const int group = kc * 32 / GS;
+            const bool live = kw0 + u * WARPS < KW;  // out-of-range chunks read a valid address and
+            const int kw = live ? kw0 + u * WARPS : kw0;  // weigh nothing (scale and bias 0)
+            const int group = (kw * WIDE + c * CPL) / GS;
             #pragma unroll
             for (int f = 0; f < F; ++f)
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const size_t n = n0 + f * 16 + h * 8 + g;
-                    #pragma unroll
-                    for (int i = 0; i < WPL; ++i) a[u][f][h][i] = stream(wq + n * WPR + kc * BITS + c * WPL + i);
-                    const float s = static_cast<float>(scales[n * GPR + group]);
-                    sc[u][f][h] = live ? s : 0.f;
-                    bi[u][f][h] = live ? static_cast<float>(biases[n * GPR + group]) - OFF * s : 0.f;
+                    stream(wq + n * RW + kw * 4 * VEC + c * VEC, a[u][f][h]);
+                    const T s = live ? scales[n * GPR + group] : static_cast<T>(0.f);
+                    const T b = live ? biases[n * GPR + group] : static_cast<T>(0.f);
+                    s2[u][f][h] = bits_of(s) * 0x10001u;
+                    b2[u][f][h] = bits_of(b) * 0x10001u;
+                    sf[u][f][h] = static_cast<float>(s);
+                    bf[u][f][h] = static_cast<float>(b);
                 }
-            #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                const int row = t * 8 + g;
-                b[u][t] = __ldg(xv + ((size_t)(row < M ? row : M - 1) * K + kc * 32) / 8 + c);
-                if (!live || row >= M) b[u][t] = zero;
-            }
         }
         #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u) {
+            const bool live = kw0 + u * WARPS < KW;
+            const int kw = live ? kw0 + u * WARPS : kw0;
             #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                // sum_k x over the chunk for rows t*8 + 2c and 2c+1: every row of ones @ X^T.
-                float xs[4] = {0.f, 0.f, 0.f, 0.f};
-                asm volatile(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, {%0,%1,%2,%3};"
-                    : "+f"(xs[0]), "+f"(xs[1]), "+f"(xs[2]), "+f"(xs[3]) : "r"(ones), "r"(b[u][t].x), "r"(b[u][t].y));
-                asm volatile(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, {%0,%1,%2,%3};"
-                    : "+f"(xs[0]), "+f"(xs[1]), "+f"(xs[2]), "+f"(xs[3]) : "r"(ones), "r"(b[u][t].z), "r"(b[u][t].w));
+            for (int q = 0; q < VEC; ++q) {
+                uint32_t xp[MT][XPW / 2];            // this word's inputs of each row tile, paired as the codes
+                #pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    const int row = t * 8 + g;
+                    const T* xr = x + (size_t)(row < M ? row : M - 1) * K + kw * WIDE + c * CPL + q * XPW;
+                    const bool used = live && row < M;
+                    if constexpr (XPW == 8) {
+                        const uint4 r = __ldg(reinterpret_cast<const uint4*>(xr));
+                        xp[t][0] = used ? __byte_perm(r.x, r.z, 0x5410) : 0u;
+                        xp[t][1] = used ? __byte_perm(r.x, r.z, 0x7632) : 0u;
+                        xp[t][2] = used ? __byte_perm(r.y, r.w, 0x5410) : 0u;
+                        xp[t][3] = used ? __byte_perm(r.y, r.w, 0x7632) : 0u;
+                    } else {
+                        const uint2 r = __ldg(reinterpret_cast<const uint2*>(xr));
+                        xp[t][0] = used ? r.x : 0u;
+                        xp[t][1] = used ? r.y : 0u;
+                    }
+                }
                 #pragma unroll
                 for (int f = 0; f < F; ++f) {
-                    uint32_t p0[4], p1[4];           // rows g and g+8 of this feature tile
-                    operands(a[u][f][0], p0);
-                    operands(a[u][f][1], p1);
-                    float d[4] = {0.f, 0.f, 0.f, 0.f};
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                        : "r"(p0[0]), "r"(p1[0]), "r"(p0[1]), "r"(p1[1]), "r"(b[u][t].x), "r"(b[u][t].y));
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                        : "r"(p0[2]), "r"(p1[2]), "r"(p0[3]), "r"(p1[3]), "r"(b[u][t].z), "r"(b[u][t].w));
+                    uint32_t p0[XPW / 2], p1[XPW / 2];  // rows g and g+8 of this feature tile
+                    dequant(a[u][f][0][q], s2[u][f][0], b2[u][f][0], sf[u][f][0], bf[u][f][0], p0);
+                    dequant(a[u][f][1][q], s2[u][f][1], b2[u][f][1], sf[u][f][1], bf[u][f][1], p1);
                     #pragma unroll
-                    for (int r = 0; r < 4; ++r)  // d[r]: feature g + 8 (r >> 1), row 2c + (r & 1)
-                        acc[f][t][r] += sc[u][f][r >> 1] * d[r] + bi[u][f][r >> 1] * xs[r & 1];
+                    for (int t = 0; t < MT; ++t)
+                        #pragma unroll
+                        for (int st = 0; st < XPW / 4; ++st) {
+                            float* d = acc[f][t];
+                            asm volatile(
+                                "mma.sync.aligned.m16n8k16.row.col.f32.{mma}.{mma}.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                                : "r"(p0[2 * st]), "r"(p1[2 * st]), "r"(p0[2 * st + 1]), "r"(p1[2 * st + 1]),
+                                  "r"(xp[t][2 * st]), "r"(xp[t][2 * st + 1]));
+                        }
                 }
             }
+        }
     }
 """
 
-# (MAGIC, OFF) per (activation dtype, bits): see the module's docstring.
+# (MAGIC, OFF) per (activation dtype, bits): see the module's docstring. 0: converted in float32.
 _CODES = {
     (mx.bfloat16, 4): (0x43004300, 128),
     (mx.float16, 4): (0x64006400, 1024),
     (mx.float16, 8): (0x64006400, 1024),
     (mx.bfloat16, 8): (0, 0),
 }
+
+VEC = 2  # 32-bit words a lane loads per weight row and step: 8 bytes (4 and 16 timed slower)
+
+
+def _wide(bits: int) -> int:
+    """Inputs one step of the main loop covers: the 4 lanes of a row group, VEC words each."""
+    return 4 * VEC * 32 // bits
 
 
 # Layer settings checked on this device (verify): (N, K, bits, group, dtypes, bias, 8-row tiles) -> passed.
@@ -153,7 +187,9 @@ def _fits(layer: nn.Module, dtype: mx.Dtype) -> bool:
     if bits not in BITS or group not in GROUP_SIZES or w.ndim != 2 or w.dtype != mx.uint32:
         return False
     n, k = _dims(layer)
-    if n % 16 or k % group or dtype not in dense.MMA_TYPES or scales.shape != (n, k // group):
+    if n % 16 or k % group or k % _wide(bits) or dtype not in dense.MMA_TYPES or scales.dtype != dtype:
+        return False
+    if scales.shape != (n, k // group) or layer["biases"].dtype != dtype:
         return False
     return dense.bias_served(layer.get("bias", None), n, dtype)
 
@@ -248,19 +284,17 @@ def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
     kernel = dense.build("vlmserve_few_row_qmm", _QUANTIZED_LOOP, dense.MMA_TYPES[x.dtype], names, bias is not None)
     magic, off = _CODES[(x.dtype, layer.bits)]
     inputs = [x, layer["weight"], layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
-    template = [("BITS", layer.bits), ("GS", layer.group_size), ("MAGIC", magic), ("OFF", off)]
+    template = [("BITS", layer.bits), ("GS", layer.group_size), ("MAGIC", magic), ("OFF", off), ("VEC", VEC)]
     return dense.launch(kernel, x, inputs, n, k, template, shape or launch_shape(x, n, k))
 
 
 def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
     """(MT, F, WARPS, U) as in few_row_matmul.launch_shape, chosen by the kernel's time per call
     on the H100 (benchmarks/few_row_probe.py) for a 2B model's layers at 8 and 32 rows: four
-    feature tiles per warp for wide layers, 16 warps for deep ones, two of each otherwise.
-    16 warps take one tile and one chunk in flight: more asked too many registers for a
-    512-thread block (the launch failed)."""
+    feature tiles per warp for wide layers (X is read by fewer blocks), one for the others, with
+    16 warps splitting K (their loads in flight at once). 16 warps take one tile and one step
+    in flight: more asks too many registers for a 512-thread block."""
     mt = dense.row_tiles(math.prod(x.shape[:-1]))
     if n >= 8192:
         return mt, next(f for f in (4, 2, 1) if n % (16 * f) == 0), 4, 1
-    if k >= 4096:
-        return mt, 1, 16, 1
-    return mt, 2 if n % 32 == 0 else 1, 8, 2
+    return mt, 1, 16, 1

@@ -44,9 +44,11 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
 
     on_cuda, results = on_own_thread(work)
     assert len(results) == 6
-    for rows, served, ours, ref in results:
+    for i, (rows, served, ours, ref) in enumerate(results):
         assert served == (on_cuda and rows == 4)
-        if served:
+        # A quantized layer past MAX_ROWS runs the kernel in slices (few_row_linear._quantized).
+        sliced = on_cuda and i >= 3 and rows == 33
+        if served or sliced:
             np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)
         else:
             np.testing.assert_array_equal(ours, ref)
