@@ -5,6 +5,7 @@ is MLX's quantized matmul, bit for bit; it stays an nn.QuantizedLinear to every 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from support.helpers import on_own_thread
 
@@ -41,3 +42,52 @@ def test_many_rows_dequantize_few_rows_stay_quantized():
     assert np.array_equal(few, few_ref)  # few rows: MLX's quantized matmul itself
     assert np.array_equal(many, many_dense)  # many rows: the dequantized weight's matmul
     np.testing.assert_allclose(many, many_ref, rtol=1e-4, atol=1e-4)  # the same values as quantized
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_dequantize_kernel_gives_mlxs_weights(dtype):
+    """4 and 8 bits, groups of 32, 64 and 128: scale * q + bias rounded once, as mx.dequantize."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
+
+        if not cuda_kernels.enabled():
+            return None
+        out = []
+        for bits in (4, 8):
+            for group in (32, 64, 128):
+                dense = nn.Linear(256, 48, bias=False)
+                dense.set_dtype(getattr(mx, dtype))
+                layer = nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits)
+                assert many_row_dequantized._kernel_serves(layer)
+                ours = many_row_dequantized.dequantize(layer)
+                ref = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group, bits=bits)
+                exact = mx.dequantize(
+                    layer.weight,
+                    layer.scales.astype(mx.float32),
+                    layer.biases.astype(mx.float32),
+                    group_size=group,
+                    bits=bits,
+                ).astype(ours.dtype)
+                out.append(
+                    (
+                        (bits, group),
+                        ours.dtype == ref.dtype,
+                        *(np.array(a.astype(mx.float32)) for a in (ours, ref, exact)),
+                    )
+                )
+        return out
+
+    results = on_own_thread(work)
+    if results is None:
+        pytest.skip("the kernel runs on CUDA only")
+    assert len(results) == 6
+    for case, same_dtype, ours, ref, exact in results:
+        assert same_dtype, case
+        # float32, rounded once: equal but where a fused multiply-add rounds a tie the other way
+        np.testing.assert_allclose(ours, exact, rtol=2**-7, atol=0, err_msg=str(case))
+        np.testing.assert_allclose(ours, ref, rtol=1e-2, atol=1e-3, err_msg=str(case))
