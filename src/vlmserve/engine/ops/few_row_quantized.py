@@ -17,9 +17,9 @@ scale and bias. 8-bit codes in bf16 (256 values do not fit one exponent) are con
 A lane may hand the mma its weights in any order along k if the inputs come in the same order:
 4-bit pairs are codes (j, j + 4) of a word (what one mask extracts), so the inputs are paired
 (x[j], x[j + 4]) too, with one byte permute per pair. On the H100, per call over 32 rows of a
-Qwen2-VL-2B layer (4-bit, group 64): 5.6-16 µs where the kernel that scaled each 32-input chunk's
-dot product after the mma took 9.7-36 µs, and the dense bf16 kernel 6.8-28 µs
-(`benchmarks/few_row_probe.py`).
+Qwen2-VL-2B layer (4-bit, group 64, 28 layers' weights in turn): 5.6-16 µs where a kernel that
+read 4 bytes a lane and scaled each 32-input chunk's dot product after the mma took 9.7-36 µs,
+and the dense bf16 kernel 6.8-28 µs (`benchmarks/few_row_cuda.py`).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
 
 def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
     """(MT, F, WARPS, U) as in few_row_matmul.launch_shape, chosen by the kernel's time per call
-    on the H100 (benchmarks/few_row_probe.py) for a 2B model's layers at 8 and 32 rows: four
+    on the H100 (benchmarks/few_row_cuda.py) for a 2B model's layers at 8 and 32 rows: four
     feature tiles per warp for wide layers (X is read by fewer blocks), one for the others, with
     16 warps splitting K (their loads in flight at once). 16 warps take one tile and one step
     in flight: more asks too many registers for a 512-thread block."""
