@@ -64,7 +64,7 @@ def _holders(core) -> tuple[dict, dict]:
             for i, b in enumerate(shared.blocks):
                 held[(id(shared.pool), b)].append(("hit", i, shared.length, id(seq)))
     for cache in runner.prefix_caches():
-        for key, (kv, _) in cache._entries.items():
+        for key, kv in cache._entries.items():
             assert len(kv.blocks) == -(-kv.length // kv.pool.block_size)
             for i, b in enumerate(kv.blocks):
                 held[(id(kv.pool), b)].append(("entry", i, kv.length, key))

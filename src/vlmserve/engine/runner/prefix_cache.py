@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from vlmserve.engine.runner.block_pool import BlockPool
+from vlmserve.engine.runner.prefix_index import PrefixIndex
 from vlmserve.models import kv_caches
 
 
@@ -84,8 +85,8 @@ class PrefixCache:
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        # key -> (the KV, the key as an array: lookups compare arrays, not tuples)
-        self._entries: OrderedDict[tuple[int, ...], tuple[PooledKV, np.ndarray]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], PooledKV] = OrderedDict()  # key -> its KV, oldest first
+        self._index = PrefixIndex()  # the keys by their chunks: lookups do not compare every key
         self._tokens = 0
         self._held: Counter = Counter()  # (pool, block) -> entries holding it; read by other threads' gauges
 
@@ -107,18 +108,12 @@ class PrefixCache:
         arrays soon (they hold the pool's arrays of this moment)."""
         if not self._entries or not self.supports(fresh_cache):
             return None
-        best_key, best_n = None, 0
-        limit = len(tokens) - 1
-        for key, (_, stored) in self._entries.items():
-            stored = stored[:limit]
-            same = stored == tokens[: len(stored)]
-            n = len(stored) if same.all() else int(np.argmin(same))
-            if n > best_n:
-                best_key, best_n = key, n
-        if best_key is None or best_n < least:
+        found = self._index.longest(np.asarray(tokens).tolist(), len(tokens) - 1)
+        if found is None or found[1] < least:
             return None
+        best_key, best_n = found
         self._entries.move_to_end(best_key)
-        kv = self._entries[best_key][0]
+        kv = self._entries[best_key]
         # Room for the whole prompt, in the cache's own steps: its pieces then write in place, where
         # a buffer of the prefix alone grew (zeros and a concatenation per layer) at the first one.
         step = getattr(fresh_cache[0], "step", 1)
@@ -141,19 +136,16 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        tokens = np.array(tokens, dtype=np.int64)
-        extended = []
-        for old, (_, stored) in self._entries.items():
-            if len(stored) > n and np.array_equal(stored[:n], tokens):  # a longer entry serves its lookups
-                self._entries.move_to_end(old)
-                return
-            if len(stored) < n and np.array_equal(stored, tokens[: len(stored)]):
-                extended.append(old)
-        for old in extended:
+        longer = self._index.extension_of(key)
+        if longer is not None:  # a longer entry serves its lookups
+            self._entries.move_to_end(longer)
+            return
+        for old in self._index.prefixes_of(key):
             self._remove(old)
         held = blocks[: -(-n // pool.block_size)]
         pool.retain(held)
-        self._entries[key] = (PooledKV(pool, held, n), tokens)
+        self._entries[key] = PooledKV(pool, held, n)
+        self._index.add(key)
         self._tokens += n
         self._held.update((id(pool), b) for b in held)
         while self._tokens > self.max_tokens:
@@ -163,7 +155,8 @@ class PrefixCache:
         self._remove(next(iter(self._entries)))
 
     def _remove(self, key: tuple[int, ...]) -> None:
-        kv, _ = self._entries.pop(key)
+        kv = self._entries.pop(key)
+        self._index.remove(key)
         self._tokens -= len(key)
         self._unhold(kv)
         kv.release()
@@ -182,7 +175,7 @@ class PrefixCache:
         evicted = True
         while evicted and len(pool.free) < blocks:
             evicted = False
-            for key, (kv, _) in list(self._entries.items()):
+            for key, kv in list(self._entries.items()):
                 if len(pool.free) >= blocks:
                     return
                 if kv.pool is pool and any(pool.refs[b] == 1 for b in kv.blocks):
@@ -191,14 +184,14 @@ class PrefixCache:
 
     def renumber(self, pool: BlockPool, mapping: dict[int, int]) -> None:
         """`pool` was compacted: its blocks have new ids."""
-        for kv, _ in self._entries.values():
+        for kv in self._entries.values():
             if kv.pool is pool:
                 kv.blocks = [mapping[b] for b in kv.blocks]
-        self._held = Counter((id(kv.pool), b) for kv, _ in self._entries.values() for b in kv.blocks)
+        self._held = Counter((id(kv.pool), b) for kv in self._entries.values() for b in kv.blocks)
 
     def forget(self, pool: BlockPool) -> None:
         """`pool` is gone: its entries with it."""
-        for key in [k for k, (kv, _) in self._entries.items() if kv.pool is pool]:
+        for key in [k for k, kv in self._entries.items() if kv.pool is pool]:
             self._remove(key)
 
     def clear(self) -> None:
