@@ -288,3 +288,31 @@ def test_a_quantized_layer_past_one_launch_runs_in_even_slices(monkeypatch, rows
     assert shape == (rows, 1, 48) and equal
     sizes = [s[0] for s in slices]
     assert sum(sizes) == rows and all(16 <= n <= 32 for n in sizes) and max(sizes) - min(sizes) <= 1
+
+
+def test_the_quantized_kernel_takes_only_layers_its_loads_fit():
+    """Each lane reads 8 bytes of a row (16 codes at 4 bits, 8 at 8 bits) and one scale and bias
+    in the activations' dtype: K a multiple of 64 (4-bit) or 32 (8-bit), one dtype throughout."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import few_row_quantized
+
+        def fits(k, bits, group, scales=mx.bfloat16, activations=mx.bfloat16):
+            dense = nn.Linear(k, 32, bias=False)
+            layer = nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits)
+            layer.update({"scales": layer.scales.astype(scales), "biases": layer.biases.astype(scales)})
+            return few_row_quantized._fits(layer, activations)
+
+        return [
+            fits(128, 4, 64),
+            fits(128, 4, 32, mx.float16, mx.float16),
+            fits(96, 8, 32),
+            fits(96, 4, 32),  # 96 codes: not whole 64-input steps
+            fits(128, 4, 64, mx.float16, mx.bfloat16),  # scales in another dtype
+            fits(128, 4, 64, mx.float32, mx.float32),  # no tensor-core type
+        ]
+
+    assert on_own_thread(work) == [True, True, True, False, False, False]
