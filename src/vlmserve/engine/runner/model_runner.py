@@ -100,6 +100,7 @@ class ModelRunner:
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
+        self._weights: dict = {}  # KV dtype -> budget blocks a block costs (_weight)
         self._grammar_factory = None
 
     # ---- admission -------------------------------------------------------------------
@@ -541,8 +542,11 @@ class ModelRunner:
     # ---- KV blocks: growth, preemption, resumption --------------------------------------
     def _weight(self, dtype) -> int:
         """Budget blocks one block of `dtype` KV costs (float32 rows in a bfloat16 model: 2)."""
-        model_dtype = self.model.kv_layout()[2]
-        return max(1, (dtype or model_dtype).size // model_dtype.size)
+        weight = self._weights.get(dtype)
+        if weight is None:  # asked for every row at every step: worked out once per dtype
+            model_dtype = self.model.kv_layout()[2]
+            weight = self._weights[dtype] = max(1, (dtype or model_dtype).size // model_dtype.size)
+        return weight
 
     def _cost(self, tokens: int, dtype) -> int:
         """Budget blocks that `tokens` positions of `dtype` KV cost."""
@@ -601,8 +605,8 @@ class ModelRunner:
         """Before a step: the block each row's next position needs. When too few are free, the
         previous step is read first (rows may finish) and then the latest rows are preempted; a
         row alone that still cannot grow has reached what the budget holds and ends there."""
-        growth = self._growth()
-        if growth > self.budget.free:
+        units = [self._row_growth(s) for s in self.sched.running]
+        if sum(units) > self.budget.free:
             if prev is not None:
                 self._resolve(prev)
                 prev = None
@@ -615,13 +619,11 @@ class ModelRunner:
                     self.remove_rows([victim])
                 else:
                     self._preempt(victim)
+            units = [self._row_growth(s) for s in self.sched.running]  # rows went: count again
         if self.sched.running:
-            taken = 0
-            for seq in self.sched.running:
-                units = self._row_growth(seq)
-                seq.kv_units += units
-                taken += units
-            self.budget.take(taken)
+            for seq, grown in zip(self.sched.running, units):
+                seq.kv_units += grown
+            self.budget.take(sum(units))
             self.batch.grow()
         return prev
 

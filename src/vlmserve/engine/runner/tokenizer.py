@@ -25,11 +25,12 @@ class ByteLevelStream:
     end is dropped. (mlx_vlm decodes the last word with errors="ignore", so an invalid byte
     inside it is dropped there and U+FFFD here.)"""
 
-    def __init__(self, model: BPEStreamingDetokenizer, fallback: Callable[[int], str]):
+    def __init__(self, model: BPEStreamingDetokenizer, fallback: Callable[[int], str], known: dict[int, bytes]):
         self._tokenmap = model.tokenmap
         self._byte_decoder = model._byte_decoder
         self._trim_space = model.trim_space
         self._fallback = fallback  # the HF tokenizer's decode of one id
+        self._known = known  # token -> its bytes, shared by the model's streams (built once per token)
         self.reset()
 
     def reset(self) -> None:
@@ -38,6 +39,12 @@ class ByteLevelStream:
         self.offset = 0
 
     def _bytes(self, token: int) -> bytes:
+        known = self._known.get(token)
+        if known is None:
+            known = self._known[token] = self._token_bytes(token)
+        return known
+
+    def _token_bytes(self, token: int) -> bytes:
         # Ids past the tokenizer's vocabulary (models pad their embedding) or added tokens outside
         # the byte alphabet: mlx_vlm's detokenizer raises on those; decode them with the tokenizer.
         try:
@@ -70,12 +77,13 @@ class TextCodec:
         wrapper = load_tokenizer(model_path)
         self.hf = wrapper._tokenizer
         self._detokenizer = wrapper.detokenizer
+        self._token_bytes: dict[int, bytes] = {}  # for ByteLevelStream
         eos = self.hf.eos_token_id
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
 
     def new_detokenizer(self):
         if isinstance(self._detokenizer, BPEStreamingDetokenizer):
-            return ByteLevelStream(self._detokenizer, self.token_text)
+            return ByteLevelStream(self._detokenizer, self.token_text, self._token_bytes)
         detokenizer = copy.copy(self._detokenizer)
         detokenizer.reset()
         return detokenizer

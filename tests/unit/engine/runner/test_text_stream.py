@@ -98,7 +98,7 @@ def _byte_level_detokenizers():
     tok = Tok()
     tok.vocab = vocab
     theirs = BPEStreamingDetokenizer(tok)
-    return raw, theirs, ByteLevelStream(theirs, lambda token: f"<{token}>")
+    return raw, theirs, ByteLevelStream(theirs, lambda token: f"<{token}>", {})
 
 
 @pytest.mark.parametrize(
@@ -157,3 +157,21 @@ def test_byte_level_stream_decodes_unmapped_ids_with_the_tokenizer():
     for token in (0, len(raw), len(raw) + 5):  # mapped, unmappable, past the vocabulary
         ours.add_token(token)
     assert ours.last_segment == f"He<{len(raw)}><{len(raw) + 5}>"
+
+
+def test_streams_of_one_model_share_each_tokens_bytes_and_keep_their_own_text():
+    from support.helpers import MODELS
+    from vlmserve.engine.runner.tokenizer import TextCodec
+
+    codec = TextCodec(MODELS / "qwen2_vl")
+    ids = codec.hf.encode("Hello wörld, 你好! Hello again.")
+    first, second = codec.new_detokenizer(), codec.new_detokenizer()
+    for token in ids:
+        first.add_token(token)
+    assert len(codec._token_bytes) == len(set(ids))  # each token's bytes built once
+    for token in ids[:4]:  # the second stream reads bytes the first one built
+        second.add_token(token)
+    first.finalize()
+    second.finalize()
+    assert first.text == codec.hf.decode(ids)
+    assert second.text == codec.hf.decode(ids[:4])
