@@ -17,7 +17,7 @@ same text matches only the text before it.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,9 @@ class PrefixCache:
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[tuple[int, ...], PooledKV] = OrderedDict()  # key -> its KV, oldest first
+        # key -> its KV, least recently used first. A plain dict: it keeps its keys' hashes, where
+        # an OrderedDict's iteration hashed every key again (a tuple of the key's length each).
+        self._entries: dict[tuple[int, ...], PooledKV] = {}
         self._index = PrefixIndex()  # the keys by their chunks: lookups do not compare every key
         self._tokens = 0
         self._held: Counter = Counter()  # (pool, block) -> entries holding it; read by other threads' gauges
@@ -112,8 +114,7 @@ class PrefixCache:
         if found is None or found[1] < least:
             return None
         best_key, best_n = found
-        self._entries.move_to_end(best_key)
-        kv = self._entries[best_key]
+        kv = self._entries[best_key] = self._entries.pop(best_key)  # now the most recently used
         # Room for the whole prompt, in the cache's own steps: its pieces then write in place, where
         # a buffer of the prefix alone grew (zeros and a concatenation per layer) at the first one.
         step = getattr(fresh_cache[0], "step", 1)
@@ -132,13 +133,13 @@ class PrefixCache:
         n = len(tokens)
         if not n or n > self.max_tokens:
             return
-        key = tuple(int(t) for t in tokens)
+        key = tuple(np.asarray(tokens).tolist())
         if key in self._entries:
-            self._entries.move_to_end(key)
+            self._entries[key] = self._entries.pop(key)
             return
         longer = self._index.extension_of(key)
         if longer is not None:  # a longer entry serves its lookups
-            self._entries.move_to_end(longer)
+            self._entries[longer] = self._entries.pop(longer)
             return
         for old in self._index.prefixes_of(key):
             self._remove(old)
@@ -178,7 +179,8 @@ class PrefixCache:
             for key, kv in list(self._entries.items()):
                 if len(pool.free) >= blocks:
                     return
-                if kv.pool is pool and any(pool.refs[b] == 1 for b in kv.blocks):
+                # an entry's own blocks (not shared with a longer prompt's) are its last ones
+                if kv.pool is pool and any(pool.refs[b] == 1 for b in reversed(kv.blocks)):
                     self._remove(key)
                     evicted = True
 
