@@ -46,15 +46,9 @@ _QUANTIZED_LOOP = """    constexpr int RW = K * BITS / 32;                // 32-
     constexpr int KW = K / WIDE;
     const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
     // W is read once: past L1 (which keeps X, read by every block).
+    static_assert(VEC == 2, "a lane loads 8 bytes of a row (few_row_quantized.VEC)");
     auto stream = [](const uint32_t* p, uint32_t (&v)[VEC]) {
-        if constexpr (VEC == 4) {
-            asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
-        } else if constexpr (VEC == 2) {
-            asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
-        } else {
-            asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v[0]) : "l"(p));
-        }
+        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
     };
     auto bits_of = [](T v) -> uint32_t { return *reinterpret_cast<const unsigned short*>(&v); };
     auto fma2 = [](uint32_t a, uint32_t b, uint32_t c) {
@@ -160,7 +154,7 @@ _CODES = {
     (mx.bfloat16, 8): (0, 0),
 }
 
-VEC = 2  # 32-bit words a lane loads per weight row and step: 8 bytes (4 and 16 timed slower)
+VEC = 2  # 32-bit words a lane loads per weight row and step: 8 bytes (4 and 16 bytes timed slower)
 
 
 def _wide(bits: int) -> int:
