@@ -22,14 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-LAYERS = {  # name: (N, K, copies): fused q/k/v, o, fused gate/up, down, tied logits
-    "qkv": (2048, 1536, 28),
-    "o": (1536, 1536, 28),
-    "gate_up": (17920, 1536, 28),
-    "down": (1536, 8960, 28),
-    "logits": (151936, 1536, 1),
-}
+COPIES = 28  # weight copies of each layer shape timed in turn (the tied logits: one)
 
 _HEADER = r"""#include <cuda_bf16.h>
 #include <cstdint>
@@ -81,9 +76,9 @@ def _kernel(name: str, loop: str, params: str, template: str) -> str:
     )
 
 
-def _layer_block(name: str, runs: list[tuple[str, int, tuple[int, int, int, int]]], vec: int) -> str:
+def _layer_block(name: str, n: int, k: int, runs: list[tuple[str, int, tuple[int, int, int, int]]], vec: int) -> str:
     """Allocate one layer shape's copies, then time each (kind, rows, (MT, F, WARPS, U))."""
-    n, k, copies = LAYERS[name]
+    copies = 1 if name == "logits" else COPIES
     code = f"""  {{
     const int N = {n}, K = {k}, C = {copies};
     std::vector<uint32_t> hw((size_t)N * K / 8);
@@ -122,6 +117,7 @@ def _layer_block(name: str, runs: list[tuple[str, int, tuple[int, int, int, int]
 def main() -> None:
     import mlx.core as mx
 
+    from few_row_probe import QWEN2_VL_2B  # the layer shapes of a Qwen2-VL-2B decode step
     from vlmserve.engine.ops import few_row_matmul, few_row_quantized
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -147,7 +143,7 @@ def main() -> None:
         "int K, int MT, int F, int WARPS, int U, int BITS, int GS, uint32_t MAGIC, int OFF, int VEC",
     )
     source += "int main() {\n"
-    for name, (n, k, _) in LAYERS.items():
+    for name, n, k in QWEN2_VL_2B:
         runs = []
         for rows in (int(r) for r in args.rows.split(",")):
             x = mx.zeros((rows, 1, k))
@@ -155,7 +151,7 @@ def main() -> None:
             runs.append(("dense", rows, few_row_matmul.launch_shape(rows, n, k)))
             runs.append(("quantized", rows, chosen))
             runs += [("quantized", rows, (chosen[0], *shape)) for shape in extra if n % (16 * shape[0]) == 0]
-        source += _layer_block(name, runs, few_row_quantized.VEC)
+        source += _layer_block(name, n, k, runs, few_row_quantized.VEC)
     Path(args.out).write_text(source + "  return 0;\n}\n")
 
 
