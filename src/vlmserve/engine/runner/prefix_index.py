@@ -30,7 +30,7 @@ class _Node:
     def __init__(self) -> None:
         self.children: dict[Key, _Node] = {}  # next chunk -> node
         self.chunks: list[Key] = []  # the children's chunks, sorted
-        self.through: set[Key] = set()  # keys whose first (depth + 1) * CHUNK tokens pass here or end here
+        self.through: set[Key] = set()  # keys whose first chunks are this node's path (the root keeps none)
         self.tails: list[Key] = []  # the last partial chunks of the keys whose full chunks end here, sorted
         self.by_tail: dict[Key, Key] = {}  # such a tail -> its key (a node's tails name distinct keys)
 
@@ -63,8 +63,7 @@ class PrefixIndex:
         self._root = _Node()
 
     def add(self, key: Key) -> None:
-        node = self._root
-        node.through.add(key)
+        node = self._root  # the root lists no keys: every key passes it
         full = len(key) // CHUNK
         for d in range(full):
             chunk = key[d * CHUNK : (d + 1) * CHUNK]
@@ -87,9 +86,9 @@ class PrefixIndex:
         last = path[-1]
         del last.by_tail[tail]
         del last.tails[bisect_left(last.tails, tail)]
-        for depth, node in enumerate(path):
+        for depth, node in enumerate(path[1:], start=1):
             node.through.discard(key)
-            if depth and not node.through:  # no key passes here any more: drop the branch
+            if not node.through:  # no key passes here any more: drop the branch
                 parent, chunk = path[depth - 1], key[(depth - 1) * CHUNK : depth * CHUNK]
                 del parent.children[chunk]
                 del parent.chunks[bisect_left(parent.chunks, chunk)]
