@@ -13,11 +13,16 @@ import os
 
 import mlx.core as mx
 
+# Read once: these are asked on every linear layer's call of a step, and neither changes while a
+# process runs (the environment is the operator's, set before start).
+_SWITCHED_ON = os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0"
+_CUDA_BACKEND = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
+_HAS_KERNEL_API = hasattr(mx.fast, "cuda_kernel")
+
 
 def on_cuda() -> bool:
     """MLX's CUDA backend, with the GPU as the default device."""
-    cuda = getattr(mx, "cuda", None)
-    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+    return _CUDA_BACKEND and mx.default_device() == mx.gpu
 
 
 def cudnn_enabled() -> bool:
@@ -26,7 +31,7 @@ def cudnn_enabled() -> bool:
 
 
 def enabled() -> bool:
-    return os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0" and on_cuda() and hasattr(mx.fast, "cuda_kernel")
+    return _SWITCHED_ON and _HAS_KERNEL_API and on_cuda()
 
 
 @functools.cache

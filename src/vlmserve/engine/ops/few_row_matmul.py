@@ -145,9 +145,12 @@ EPILOGUE = """    // Sum the warps' partials pairwise, always in the same order.
 """
 
 
+_SWITCHED_ON = os.environ.get("VLMSERVE_FEW_ROW_MATMUL", "1") != "0"  # read once, as cuda_kernels' switch
+
+
 def enabled() -> bool:
     """CUDA with vlmserve's kernels on, and VLMSERVE_FEW_ROW_MATMUL not 0."""
-    return os.environ.get("VLMSERVE_FEW_ROW_MATMUL", "1") != "0" and cuda_kernels.enabled()
+    return _SWITCHED_ON and cuda_kernels.enabled()
 
 
 def rows_served(x: mx.array, k: int) -> bool:

@@ -22,6 +22,7 @@ same to bf16 rounding (tests/integration/models/qwen2_vl/test_prefill.py). Off C
 
 from __future__ import annotations
 
+import math
 import sys
 
 import mlx.core as mx
@@ -29,9 +30,11 @@ import mlx.nn as nn
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.models.base import create_attention_mask
 
-from vlmserve.engine.ops import composed_attention, cuda_kernels, prefill_attention
+from vlmserve.engine.ops import composed_attention, cuda_kernels, few_row_linear, few_row_matmul, prefill_attention
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.ragged_cache import RaggedLayerCache
+
+_FEW_ROWS = 4 * few_row_matmul.MAX_ROWS  # past this, every position's logits: MLX's matmul
 
 
 def applies(kwargs: dict) -> bool:
@@ -92,8 +95,12 @@ def forward(
     return model.norm(h)
 
 
-def logits(language_model: nn.Module, h: mx.array) -> mx.array:
-    """The language model's output layer over `forward`'s output."""
+def logits(language_model: nn.Module, h: mx.array, kernels: bool = True) -> mx.array:
+    """The language model's output layer over `forward`'s output. With `kernels`, a few positions
+    (each prompt's last) take the decode step's few-row kernels where they serve: MLX's quantized
+    matmul over a 150k-wide output layer at a handful of rows is several times slower."""
+    few = kernels and math.prod(h.shape[:-1]) <= _FEW_ROWS
     if language_model.args.tie_word_embeddings:
-        return language_model.model.embed_tokens.as_linear(h)
-    return language_model.lm_head(h)
+        embedding = language_model.model.embed_tokens
+        return few_row_linear.tied_logits(embedding, h) if few else embedding.as_linear(h)
+    return few_row_linear.linear(language_model.lm_head, h) if few else language_model.lm_head(h)

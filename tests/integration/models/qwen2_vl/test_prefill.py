@@ -83,7 +83,7 @@ def test_forward_equals_mlx_vlm(name, fused, dtype):
 
         def ours(kernels):
             return lambda ids, embeds, positions, caches: prefill.logits(
-                lm, prefill.forward(lm, embeds, positions, caches, kernels)
+                lm, prefill.forward(lm, embeds, positions, caches, kernels), kernels
             )
 
         try:
