@@ -17,13 +17,16 @@ import mlx.nn as nn
 
 from vlmserve.engine.ops import few_row_matmul, few_row_quantized
 
+# Where a layer's launches are kept: an attribute of the layer, not one of its parameters.
+_LAUNCHES = "_vlmserve_few_row_launches"
+
 
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
     """`layer(x)` for an nn.Linear or nn.QuantizedLinear."""
     if type(layer) is nn.Linear:
-        bias = layer.get("bias", None)
-        if few_row_matmul.serves(x, layer["weight"], bias):
-            return few_row_matmul.matmul(x, layer["weight"], bias)
+        launch = _launch(layer, x, _dense)
+        if launch is not None:
+            return launch(x)
     elif isinstance(layer, nn.QuantizedLinear):  # many_row_dequantized's subclass too
         return _quantized(layer, x, layer)
     return layer(x)
@@ -31,17 +34,54 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
 
 def tied_logits(embedding: nn.Module, h: mx.array) -> mx.array:
     """`embedding.as_linear(h)`: the logits of a model whose output layer is its token embedding."""
-    if type(embedding) is nn.Embedding and few_row_matmul.serves(h, embedding.weight):
-        return few_row_matmul.matmul(h, embedding.weight)
+    if type(embedding) is nn.Embedding:
+        launch = _launch(embedding, h, _dense)
+        if launch is not None:
+            return launch(h)
     if type(embedding) is nn.QuantizedEmbedding:
         return _quantized(embedding, h, embedding.as_linear)
     return embedding.as_linear(h)
 
 
+def _launch(layer: nn.Module, x: mx.array, make):
+    """The kernel launch that serves layer(x), or None (the layer's own call): `make`'s answer,
+    kept on the layer per input dtype and shape once it is final. A decode step asks this of
+    every linear layer, and the checks and launch settings cost more host time than the launch.
+    A kept launch is used only while the layer holds the weight it was made for (a shallow copy
+    of a layer shares the attribute, and may hold other weights)."""
+    kept = layer.__dict__.get(_LAUNCHES)
+    if kept is None:
+        kept = {}
+        object.__setattr__(layer, _LAUNCHES, kept)  # past nn.Module's __setattr__, which would make it a parameter
+    key = (x.dtype, x.shape)
+    weight = layer["weight"]
+    hit = kept.get(key)
+    if hit is not None and hit[0] is weight:
+        return hit[1]
+    launch, final = make(layer, x)
+    if final:
+        kept[key] = (weight, launch)
+    return launch
+
+
+def _dense(layer: nn.Module, x: mx.array):
+    bias = layer.get("bias", None)
+    if few_row_matmul.serves(x, layer["weight"], bias):
+        return few_row_matmul.prepare(x, layer["weight"], bias), True
+    return None, True
+
+
+def _quantized_launch(layer: nn.Module, x: mx.array):
+    if few_row_quantized.serves_layer(layer, x):
+        return few_row_quantized.prepare(layer, x), True
+    return None, few_row_quantized.settled(layer, x)  # an unchecked setting may be served later
+
+
 def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:
     """The kernel over x's rows, in even slices past MAX_ROWS; `own(x)` where it does not serve."""
-    if few_row_quantized.serves_layer(layer, x):
-        return few_row_quantized.matmul(layer, x)
+    launch = _launch(layer, x, _quantized_launch)
+    if launch is not None:
+        return launch(x)
     rows = math.prod(x.shape[:-1])
     if rows <= few_row_matmul.MAX_ROWS:
         return own(x)
@@ -49,7 +89,8 @@ def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:
     sizes = [rows // count + (i < rows % count) for i in range(count)]  # each >= MAX_ROWS / 2
     flat = x.reshape(rows, x.shape[-1])
     pieces = mx.split(flat, list(accumulate(sizes[:-1])), axis=0)
-    if not all(few_row_quantized.serves_layer(layer, p) for p in pieces):
+    launches = [_launch(layer, p, _quantized_launch) for p in pieces]
+    if any(launch is None for launch in launches):
         return own(x)
-    out = mx.concatenate([few_row_quantized.matmul(layer, p) for p in pieces], axis=0)
+    out = mx.concatenate([launch(p) for launch, p in zip(launches, pieces)], axis=0)
     return out.reshape(*x.shape[:-1], out.shape[-1])

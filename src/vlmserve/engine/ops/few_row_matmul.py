@@ -204,21 +204,39 @@ def build(name: str, loop: str, mma: str, inputs: tuple[str, ...], with_bias: bo
     return cuda_kernels.kernel(f"{name}_{mma}{'_bias' if with_bias else ''}", inputs, source, output_names=("y",))
 
 
-def launch(kernel, x: mx.array, inputs: list[mx.array], n: int, k: int, template: list, shape=None) -> mx.array:
-    """Run a few-row kernel for y (..., N) in x's dtype; `shape` overrides launch_shape."""
-    mt, f, warps, u = shape or launch_shape(math.prod(x.shape[:-1]), n, k)
-    return kernel(
-        inputs=inputs,
-        template=[("T", x.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u), *template],
-        grid=(n // (16 * f) * 32 * warps, 1, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[x.shape[:-1] + (n,)],
-        output_dtypes=[x.dtype],
-    )[0]
+class Launch:
+    """A few-row kernel's launch for one input dtype and shape, worked out once: call it with the
+    input x (..., K) for y (..., N) in x's dtype. A decode step makes ~100 of these calls, and
+    on CUDA its time is mostly the host's, so what can be settled once is (few_row_linear)."""
+
+    __slots__ = ("kernel", "inputs", "n", "template", "grid", "threadgroup")
+
+    def __init__(self, kernel, x: mx.array, inputs: list[mx.array], n: int, k: int, template: list, shape=None):
+        """`inputs` are the kernel's after x; `shape` overrides launch_shape."""
+        mt, f, warps, u = shape or launch_shape(math.prod(x.shape[:-1]), n, k)
+        self.kernel, self.inputs, self.n = kernel, inputs, n
+        self.template = [("T", x.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u), *template]
+        self.grid = (n // (16 * f) * 32 * warps, 1, 1)
+        self.threadgroup = (32 * warps, 1, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.kernel(
+            inputs=[x, *self.inputs],
+            template=self.template,
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=[x.shape[:-1] + (self.n,)],
+            output_dtypes=[x.dtype],
+        )[0]
 
 
 def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None, shape=None) -> mx.array:
     """x (..., K) @ weight.T (+ bias) for a weight (N, K) and input `serves` accepts."""
+    return prepare(x, weight, bias, shape)(x)
+
+
+def prepare(x: mx.array, weight: mx.array, bias: mx.array | None = None, shape=None) -> Launch:
+    """`matmul`'s launch for inputs of x's dtype and shape."""
     n, k = weight.shape
     kernel = build("vlmserve_few_row_mm", _DENSE_LOOP, MMA_TYPES[weight.dtype], ("x", "w"), bias is not None)
-    return launch(kernel, x, [x, weight] + ([bias] if bias is not None else []), n, k, [], shape)
+    return Launch(kernel, x, [weight] + ([bias] if bias is not None else []), n, k, [], shape)

@@ -272,14 +272,26 @@ def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
 
 def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
     """x (..., K) @ dequantized(layer.weight).T (+ layer.bias) for a layer `serves_layer` accepts."""
+    return prepare(layer, x, shape)(x)
+
+
+def prepare(layer: nn.Module, x: mx.array, shape=None) -> dense.Launch:
+    """`matmul`'s launch for inputs of x's dtype and shape."""
     n, k = _dims(layer)
     bias = layer.get("bias", None)
     names = ("x", "w", "scales", "biases")
     kernel = dense.build("vlmserve_few_row_qmm", _QUANTIZED_LOOP, dense.MMA_TYPES[x.dtype], names, bias is not None)
     magic, off = _CODES[(x.dtype, layer.bits)]
-    inputs = [x, layer["weight"], layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
+    inputs = [layer["weight"], layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
     template = [("BITS", layer.bits), ("GS", layer.group_size), ("MAGIC", magic), ("OFF", off), ("VEC", VEC)]
-    return dense.launch(kernel, x, inputs, n, k, template, shape or launch_shape(x, n, k))
+    return dense.Launch(kernel, x, inputs, n, k, template, shape or launch_shape(x, n, k))
+
+
+def settled(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `serves_layer(layer, x)` is final: it can only change once the layer's setting is checked."""
+    if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, _dims(layer)[1]):
+        return True
+    return _setting(layer, x.dtype, math.prod(x.shape[:-1])) in _CHECKED
 
 
 def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
