@@ -196,9 +196,19 @@ def _setting(layer: nn.Module, dtype: mx.Dtype, rows: int) -> tuple:
 def serves_layer(layer: nn.Module, x: mx.array) -> bool:
     """An affine-quantized nn.QuantizedLinear / QuantizedEmbedding the kernel takes for input x:
     one whose setting `verify` checked on this device."""
+    return _verdict(layer, x) is True
+
+
+def settled(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `serves_layer(layer, x)` is final: it can only change once the layer's setting is checked."""
+    return _verdict(layer, x) is not None
+
+
+def _verdict(layer: nn.Module, x: mx.array) -> bool | None:
+    """Whether the kernel serves layer(x); None while the layer's setting is not checked yet."""
     if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, _dims(layer)[1]):
         return False
-    return _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1]))) is True
+    return _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1])))
 
 
 def verify(module: nn.Module) -> tuple[int, int]:
@@ -285,13 +295,6 @@ def prepare(layer: nn.Module, x: mx.array, shape=None) -> dense.Launch:
     inputs = [layer["weight"], layer["scales"], layer["biases"]] + ([bias] if bias is not None else [])
     template = [("BITS", layer.bits), ("GS", layer.group_size), ("MAGIC", magic), ("OFF", off), ("VEC", VEC)]
     return dense.Launch(kernel, x, inputs, n, k, template, shape or launch_shape(x, n, k))
-
-
-def settled(layer: nn.Module, x: mx.array) -> bool:
-    """Whether `serves_layer(layer, x)` is final: it can only change once the layer's setting is checked."""
-    if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, _dims(layer)[1]):
-        return True
-    return _setting(layer, x.dtype, math.prod(x.shape[:-1])) in _CHECKED
 
 
 def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
