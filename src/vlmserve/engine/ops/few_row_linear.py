@@ -24,7 +24,7 @@ _LAUNCHES = "_vlmserve_few_row_launches"
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
     """`layer(x)` for an nn.Linear or nn.QuantizedLinear."""
     if type(layer) is nn.Linear:
-        launch = _launch(layer, x, _dense)
+        launch = _launch(layer, x, _dense_launch)
         if launch is not None:
             return launch(x)
     elif isinstance(layer, nn.QuantizedLinear):  # many_row_dequantized's subclass too
@@ -35,7 +35,7 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
 def tied_logits(embedding: nn.Module, h: mx.array) -> mx.array:
     """`embedding.as_linear(h)`: the logits of a model whose output layer is its token embedding."""
     if type(embedding) is nn.Embedding:
-        launch = _launch(embedding, h, _dense)
+        launch = _launch(embedding, h, _dense_launch)
         if launch is not None:
             return launch(h)
     if type(embedding) is nn.QuantizedEmbedding:
@@ -64,7 +64,7 @@ def _launch(layer: nn.Module, x: mx.array, make):
     return launch
 
 
-def _dense(layer: nn.Module, x: mx.array):
+def _dense_launch(layer: nn.Module, x: mx.array):
     bias = layer.get("bias", None)
     if few_row_matmul.serves(x, layer["weight"], bias):
         return few_row_matmul.prepare(x, layer["weight"], bias), True
@@ -72,9 +72,9 @@ def _dense(layer: nn.Module, x: mx.array):
 
 
 def _quantized_launch(layer: nn.Module, x: mx.array):
-    if few_row_quantized.serves_layer(layer, x):
-        return few_row_quantized.prepare(layer, x), True
-    return None, few_row_quantized.settled(layer, x)  # an unchecked setting may be served later
+    served = few_row_quantized.verdict(layer, x)
+    launch = few_row_quantized.prepare(layer, x) if served else None
+    return launch, served is not None  # an unchecked setting may be served later
 
 
 def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:

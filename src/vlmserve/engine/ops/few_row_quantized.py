@@ -196,16 +196,12 @@ def _setting(layer: nn.Module, dtype: mx.Dtype, rows: int) -> tuple:
 def serves_layer(layer: nn.Module, x: mx.array) -> bool:
     """An affine-quantized nn.QuantizedLinear / QuantizedEmbedding the kernel takes for input x:
     one whose setting `verify` checked on this device."""
-    return _verdict(layer, x) is True
+    return verdict(layer, x) is True
 
 
-def settled(layer: nn.Module, x: mx.array) -> bool:
-    """Whether `serves_layer(layer, x)` is final: it can only change once the layer's setting is checked."""
-    return _verdict(layer, x) is not None
-
-
-def _verdict(layer: nn.Module, x: mx.array) -> bool | None:
-    """Whether the kernel serves layer(x); None while the layer's setting is not checked yet."""
+def verdict(layer: nn.Module, x: mx.array) -> bool | None:
+    """Whether the kernel serves layer(x); None while the layer's setting is not checked yet (the
+    answer may then change, once `check` has run)."""
     if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, _dims(layer)[1]):
         return False
     return _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1])))
