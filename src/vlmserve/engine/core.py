@@ -236,6 +236,8 @@ class EngineCore:
                 pieces=len(plan.pieces),
                 together=len(plan.group),
                 decode_rows=len(self.sched.running),
+                launch_host_ms=round(self.runner.host_ms["launch"], 3),
+                resolve_host_ms=round(self.runner.host_ms["resolve"], 3),
             )
 
         def what() -> str:

@@ -2,10 +2,12 @@
 bf16/fp16 weights (few_row_matmul) and affine-quantized ones (few_row_quantized); the
 layer's own call otherwise.
 
-A quantized layer over more rows than one launch takes (a step of 48 to 128 rows) runs the
-kernel on even slices of at most MAX_ROWS rows: at 32 rows MLX's quantized matmul took 3 to
-10 times the kernel's time per layer on the H100, so two or four launches still cost less.
-(Dense layers past MAX_ROWS keep MLX's matmul, which is as fast there.)"""
+A quantized layer over more rows than one launch takes (few_row_quantized.most_rows: 64 for a
+narrow layer, 32 for a wide one) runs the kernel on even slices: at 32 rows MLX's quantized
+matmul took 3 to 10 times the kernel's time per layer on the H100, so two or four launches
+still cost less. Until a narrow layer's 64-row launch is checked (built while the server is
+idle), its steps of 33 to 64 rows take two launches of 32. (Dense layers past
+few_row_matmul.MAX_ROWS keep MLX's matmul.)"""
 
 from __future__ import annotations
 
@@ -78,19 +80,21 @@ def _quantized_launch(layer: nn.Module, x: mx.array):
 
 
 def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:
-    """The kernel over x's rows, in even slices past MAX_ROWS; `own(x)` where it does not serve."""
+    """The kernel over x's rows: one launch where it serves them, else even slices of at most
+    64 rows, else of at most 32; `own(x)` where none serves."""
     launch = _launch(layer, x, _quantized_launch)
     if launch is not None:
         return launch(x)
     rows = math.prod(x.shape[:-1])
-    if rows <= few_row_matmul.MAX_ROWS:
-        return own(x)
-    count = -(-rows // few_row_matmul.MAX_ROWS)
-    sizes = [rows // count + (i < rows % count) for i in range(count)]  # each >= MAX_ROWS / 2
-    flat = x.reshape(rows, x.shape[-1])
-    pieces = mx.split(flat, list(accumulate(sizes[:-1])), axis=0)
-    launches = [_launch(layer, p, _quantized_launch) for p in pieces]
-    if any(launch is None for launch in launches):
-        return own(x)
-    out = mx.concatenate([launch(p) for launch, p in zip(launches, pieces)], axis=0)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    for most in (few_row_quantized.MAX_ROWS, few_row_matmul.MAX_ROWS):
+        if rows <= most:
+            continue
+        count = -(-rows // most)
+        sizes = [rows // count + (i < rows % count) for i in range(count)]  # each >= most / 2
+        flat = x.reshape(rows, x.shape[-1])
+        pieces = mx.split(flat, list(accumulate(sizes[:-1])), axis=0)
+        launches = [_launch(layer, p, _quantized_launch) for p in pieces]
+        if all(launch is not None for launch in launches):
+            out = mx.concatenate([launch(p) for launch, p in zip(launches, pieces)], axis=0)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+    return own(x)

@@ -174,8 +174,9 @@ def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
 
 
 def row_tiles(rows: int) -> int:
-    """8-row tiles per launch: two counts only (each build costs the server's start ~2 s of JIT)."""
-    return 1 if rows <= 8 else 4
+    """8-row tiles per launch: few counts (each is a build, ~1-2 s of JIT). Eight tiles (33-64 rows)
+    are taken by the quantized kernel only (few_row_quantized.most_rows)."""
+    return 1 if rows <= 8 else 4 if rows <= MAX_ROWS else 8
 
 
 def launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:

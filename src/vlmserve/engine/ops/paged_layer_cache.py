@@ -67,13 +67,19 @@ class PagedLayerCache:
         """keys, values (S, kv_heads, 1, dim): the step's new token per row."""
         if keys.shape[2] != 1:
             raise ValueError("PagedLayerCache takes one token per row (decode only)")
-        self.keys[self.write] = keys[:, :, 0, :]
-        self.values[self.write] = values[:, :, 0, :]
+        self.write_token(keys[:, :, 0, :], values[:, :, 0, :])
         index = self._gather_index()
         return (
             self.keys[index].transpose(0, 2, 1, 3),
             self.values[index].transpose(0, 2, 1, 3),
         )
+
+    def write_token(self, keys: mx.array, values: mx.array) -> None:
+        """keys, values (S, kv_heads, dim): the step's new token per row, into the pools. A step
+        whose attention reads the pools (the kernels) writes through this alone, with no view
+        of the new token to make first: a decode step pays the host's time per primitive."""
+        self.keys[self.write] = keys
+        self.values[self.write] = values
 
     def used_kernel(self) -> None:
         """Counted by an attention that read the pool itself (DecodeSteps learns from it)."""

@@ -99,6 +99,9 @@ class ModelRunner:
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
+        # Host time of the last decode step's launch (graph built and queued) and of reading
+        # back the step before it, in ms: the step trace reports them (is a step host-bound?).
+        self.host_ms = {"launch": 0.0, "resolve": 0.0}
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
         self._weights: dict = {}  # KV dtype -> budget blocks a block costs (_weight)
         self._grammar_factory = None
@@ -512,11 +515,13 @@ class ModelRunner:
         for seq in live:
             seq.cache_len += 1
         self.stats.decode_steps += 1
+        self.host_ms["launch"] = (time.perf_counter() - t0) * 1e3
         return rows, next_tokens, lp, t0
 
     def _resolve(self, inflight) -> None:
         rows, tokens, lp, t0 = inflight
         ids = tokens.tolist()
+        read_at = time.perf_counter()
         live = [(i, s) for i, s in enumerate(rows) if s is not None]
         if self.hooks:
             self.hooks.on_decode_step(time.perf_counter() - t0, len(live))
@@ -529,6 +534,7 @@ class ModelRunner:
                 log.exception("request %s failed on token %d", seq.req.request_id, ids[i])
                 self.finish(seq, FinishReason.ERROR, error=f"decoding the output failed: {type(exc).__name__}")
         self.remove_rows([s for _, s in live if s.finished and s in self.sched.running])
+        self.host_ms["resolve"] = (time.perf_counter() - read_at) * 1e3
 
     def remove_rows(self, gone: list[Sequence]) -> None:
         if not gone:

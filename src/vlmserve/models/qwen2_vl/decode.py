@@ -102,10 +102,11 @@ def mlp(module: nn.Module, x: mx.array, kernels: bool) -> mx.array:
 
 
 def rope_split(
-    qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int, kernel: bool
+    qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int, kernel: bool, kv_rows: bool = False
 ) -> tuple[mx.array, mx.array, mx.array]:
     """qkv (B, L, (Hq + 2 Hkv) D) (or (B, (Hq + 2 Hkv) D) when L is 1); cos, sin (B, L, D) -> rotated
-    q (B, Hq, L, D), k, v (B, Hkv, L, D)."""
+    q (B, Hq, L, D), k, v (B, Hkv, L, D). With `kv_rows` (the kernel, L of 1) k and v come as
+    (B, Hkv, D), the rows the paged cache writes (the same memory)."""
     batch, length = cos.shape[:2]
     dim = cos.shape[-1]
     if not kernel:  # mlx_vlm's own ops
@@ -116,17 +117,16 @@ def rope_split(
     run = cuda_kernels.kernel(
         "vlmserve_rope_split", ("qkv", "cos_t", "sin_t"), _ROPE_SPLIT_SOURCE, output_names=("q", "k", "v")
     )
+    if kv_rows and length != 1:
+        raise ValueError("kv_rows takes one position per row")
+    kv_shape = (batch, kv_heads, dim) if kv_rows else (batch, kv_heads, length, dim)
     return tuple(
         run(
             inputs=[qkv, cos, sin],
             template=[("T", qkv.dtype), ("D", dim), ("HQ", q_heads), ("HKV", kv_heads)],
             grid=(qkv.size, 1, 1),
             threadgroup=(dim, 1, 1),
-            output_shapes=[
-                (batch, q_heads, length, dim),
-                (batch, kv_heads, length, dim),
-                (batch, kv_heads, length, dim),
-            ],
+            output_shapes=[(batch, q_heads, length, dim), kv_shape, kv_shape],
             output_dtypes=[qkv.dtype] * 3,
         )
     )
@@ -151,14 +151,15 @@ def forward(
     for layer, cache in zip(model.layers, caches):
         attn = layer.self_attn
         q, k, v = rope_split(
-            qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels
+            qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels, kernels
         )
-        keys, values = cache.update_and_fetch(k, v)
         if kernels:
+            cache.write_token(k, v)
             out = decode_attention.attend(
                 q, cache, lengths, attn.scale, out_shape=(batch, 1, attn.n_heads * attn.head_dim)
             )
         else:
+            keys, values = cache.update_and_fetch(k, v)
             # The attention function the model's module calls (rebound or not), as its layer would.
             sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))

@@ -26,7 +26,7 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
         few_row_quantized.verify(quantized)  # on CUDA: checked, then served
         out = []
         for layer in (dense, quantized):
-            for rows in (1, 4, 33):  # 1 and 33 rows: never the kernel (MLX's gemv; cuBLAS's tiles)
+            for rows in (1, 4, 33):  # 1 row: never the kernel (MLX's gemv); 33: the quantized one only
                 x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
                 if layer is dense:
                     served = few_row_matmul.serves(x, layer.weight, layer.bias)
@@ -45,10 +45,9 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
     on_cuda, results = on_own_thread(work)
     assert len(results) == 6
     for i, (rows, served, ours, ref) in enumerate(results):
-        assert served == (on_cuda and rows == 4)
-        # A quantized layer past MAX_ROWS runs the kernel in slices (few_row_linear._quantized).
-        sliced = on_cuda and i >= 3 and rows == 33
-        if served or sliced:
+        # A narrow quantized layer's launch takes up to 64 rows (few_row_quantized.most_rows).
+        assert served == (on_cuda and (rows == 4 or (i >= 3 and rows == 33)))
+        if served:
             np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)
         else:
             np.testing.assert_array_equal(ours, ref)
@@ -62,11 +61,14 @@ def test_launch_shapes_fit_every_served_shape():
     from vlmserve.engine.ops import few_row_quantized
     from vlmserve.engine.ops.few_row_matmul import MAX_ROWS, MIN_ROWS, launch_shape
 
-    for m in range(MIN_ROWS, MAX_ROWS + 1):
+    for m in range(MIN_ROWS, few_row_quantized.MAX_ROWS + 1):
         x = mx.zeros((m, 1, 32))
         for n in (16, 48, 2048, 8192, 17920, 151936, 8208):
             for k in (32, 1536, 4096, 8960):
-                for mt, f, warps, u in (launch_shape(m, n, k), few_row_quantized.launch_shape(x, n, k)):
+                shapes = [launch_shape(m, n, k)] if m <= MAX_ROWS else []
+                if m <= few_row_quantized.most_rows(n):
+                    shapes.append(few_row_quantized.launch_shape(x, n, k))
+                for mt, f, warps, u in shapes:
                     assert mt * 8 >= m and n % (16 * f) == 0 and u >= 1 and warps * 32 <= 1024
                     # Past 8 warps, more than one tile or chunk in flight asked too many registers.
                     assert warps <= 8 or (f, u) == (1, 1)
@@ -130,7 +132,8 @@ def test_kernel_matches_float32_matmul(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
     """4 and 8 bits, groups of 32, 64 and 128, narrow, wide and deep layers, with and without
-    bias, one and four 8-row tiles: against x @ dequantize(W).T in float32. (Not against MLX's
+    bias, one, four and (narrow and deep layers) eight 8-row tiles: against x @ dequantize(W).T
+    in float32. (Not against MLX's
     own quantized_matmul: on the H100 with mlx-cuda 0.32.4 it disagreed with that reference
     for the (5, 1, 128) x (48, 128) case where this kernel agreed.)"""
 
@@ -154,9 +157,11 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
                 dense = nn.Linear(k, n, bias=with_bias)
                 dense.set_dtype(t)
                 layer = nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits)
-                assert few_row_quantized.verify(layer) == (2, 0)  # both tile counts pass the self-check
+                tiles = 3 if n < few_row_quantized.WIDE else 2
+                assert few_row_quantized.verify(layer) == (tiles, 0)  # every tile count passes the self-check
                 w = mx.dequantize(layer.weight, layer.scales, layer.biases, group, bits).astype(mx.float32)
-                for rows in (5, 32):  # 8-row tiles part filled (one tile; four)
+                # 8-row tiles part filled (one tile; four; eight)
+                for rows in (5, 32, 45)[:tiles]:
                     x = mx.random.normal((rows, 1, k), key=mx.random.key(rows + k)).astype(t)
                     assert few_row_quantized.serves_layer(layer, x)
                     ref = x.astype(mx.float32) @ w.T
@@ -171,7 +176,7 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
     results = on_own_thread(work)
     if results is None:
         pytest.skip("the kernel runs on CUDA only")
-    assert len(results) == (3 + 4) * 2
+    assert len(results) == (3 + 4) * 3 - 1  # the wide layer takes no 45-row launch
     _check(results, atol=1e-2, relative_to_output=True)
 
 
@@ -206,7 +211,7 @@ def test_a_quantized_setting_is_served_only_after_it_passed_its_check(monkeypatc
 
     before, (first, again), after = on_own_thread(work)
     assert before is False  # never served unchecked
-    assert first == again == ((2, 0) if agrees else (0, 2))
+    assert first == again == ((3, 0) if agrees else (0, 3))  # a narrow layer: 1, 4 and 8 row tiles
     assert after is agrees
 
 
@@ -248,15 +253,15 @@ def test_pending_lists_each_unchecked_setting_once_and_check_serves_it(monkeypat
         )
 
     count, before, after, left = on_own_thread(work)
-    assert count == 2 * 2  # two settings, two tile counts each
+    assert count == 2 * 3  # two (narrow) settings, three tile counts each
     assert before is False and after is True and left == []
 
 
-@pytest.mark.parametrize("rows", [33, 48, 64, 128])
-def test_a_quantized_layer_past_one_launch_runs_in_even_slices(monkeypatch, rows):
-    """Past MAX_ROWS rows, a checked quantized setting runs the kernel on even slices of at most
-    MAX_ROWS rows (each at least half of it) whose outputs, in order, are the whole answer. The
-    kernel is stood in for here, so this runs on any backend."""
+def _launches_for(monkeypatch, n: int, rows: int, checked_rows=None):
+    """The row counts of the kernel launches few_row_linear makes for a 4-bit (n x 64) layer over
+    `rows` rows once the settings at `checked_rows` (all: None) are checked, whether the output
+    equals the stand-in's answer over all rows at once, and its shape. The kernel is stood in
+    for, so this runs on any backend."""
 
     def work():
         import mlx.core as mx
@@ -275,20 +280,45 @@ def test_a_quantized_layer_past_one_launch_runs_in_even_slices(monkeypatch, rows
 
         monkeypatch.setattr(few_row_quantized, "matmul", stand_in)
         monkeypatch.setattr(few_row_quantized, "prepare", lambda layer, x, shape=None: lambda x: stand_in(layer, x))
-        dense = nn.Linear(64, 48, bias=False)
+        dense = nn.Linear(64, n, bias=False)
         dense.set_dtype(mx.bfloat16)
         layer = nn.QuantizedLinear.from_linear(dense, group_size=32, bits=4)
-        few_row_quantized.verify(layer)
+        for item in few_row_quantized.pending(layer):
+            if checked_rows is None or item[2] in checked_rows:
+                few_row_quantized.check(*item)
         calls.clear()
         x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows)).astype(mx.bfloat16)
         ours = few_row_linear.linear(layer, x)
         ref = stand_in(layer, x)
-        return calls[:-1], ours.shape, bool(mx.array_equal(ours, ref).item())
+        return [s[0] for s in calls[:-1]], ours.shape, bool(mx.array_equal(ours, ref).item())
 
-    slices, shape, equal = on_own_thread(work)
-    assert shape == (rows, 1, 48) and equal
-    sizes = [s[0] for s in slices]
-    assert sum(sizes) == rows and all(16 <= n <= 32 for n in sizes) and max(sizes) - min(sizes) <= 1
+    sizes, shape, equal = on_own_thread(work)
+    assert shape == (rows, 1, n) and equal
+    assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1  # even slices, in order
+    return sizes
+
+
+@pytest.mark.parametrize("rows", [33, 48, 64, 65, 100, 128])
+def test_a_narrow_quantized_layer_takes_64_rows_a_launch(monkeypatch, rows):
+    """A narrow layer's launch takes up to 64 rows (eight 8-row tiles); more run in even slices
+    of 32 to 64."""
+    sizes = _launches_for(monkeypatch, 48, rows)
+    assert sizes == [rows] if rows <= 64 else len(sizes) == -(-rows // 64) and all(32 <= s <= 64 for s in sizes)
+
+
+@pytest.mark.parametrize("rows", [33, 48, 64, 128])
+def test_a_wide_quantized_layer_runs_in_slices_of_at_most_32_rows(monkeypatch, rows):
+    """A wide layer (8192 outputs or more) keeps launches of up to 32 rows, in even slices of 16 to 32."""
+    sizes = _launches_for(monkeypatch, 8192, rows)
+    assert len(sizes) == -(-rows // 32) and all(16 <= s <= 32 for s in sizes)
+
+
+@pytest.mark.parametrize("rows", [48, 100])
+def test_until_the_64_row_launch_is_checked_slices_of_32_serve(monkeypatch, rows):
+    """Before its 64-row setting is checked (built while the server is idle), a narrow layer
+    runs in slices of at most 32 rows: the launches already checked."""
+    sizes = _launches_for(monkeypatch, 48, rows, checked_rows=(2, 32))
+    assert len(sizes) == -(-rows // 32) and all(16 <= s <= 32 for s in sizes)
 
 
 def test_the_quantized_kernel_takes_only_layers_its_loads_fit():

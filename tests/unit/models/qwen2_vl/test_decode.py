@@ -28,8 +28,12 @@ def test_rope_split_kernel_is_bit_identical(dtype):
         angles = mx.concatenate([angles, angles], axis=-1)
         cos, sin = mx.cos(angles).astype(t), mx.sin(angles).astype(t)
         ours = qwen_decode.rope_split(qkv, cos, sin, hq, hkv, kernel=True)
+        rows = qwen_decode.rope_split(qkv, cos, sin, hq, hkv, kernel=True, kv_rows=True)
         ref = qwen_decode.rope_split(qkv, cos, sin, hq, hkv, kernel=False)
-        return [(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))) for a, b in zip(ours, ref)]
+        # kv_rows: k and v as the (B, Hkv, D) rows the paged cache writes, the same values
+        rows = [rows[0], *(r[:, :, None, :] for r in rows[1:])]
+        pairs = [*zip(ours, ref), *zip(rows, ref)]
+        return [(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))) for a, b in pairs]
 
     result = on_own_thread(work)
     if result is None:
