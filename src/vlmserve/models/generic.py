@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,6 @@ from mlx_vlm.utils import load_model
 from vlmserve.engine.ops import (
     cuda_kernels,
     decode_attention,
-    few_row_quantized,
     fused_projections,
     many_row_dequantized,
     rope_rotation,
@@ -176,7 +176,7 @@ class GenericModel:
         self._pieces_work = kv_caches.all_plain(caches)
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's idle time (each build is ~1 s of JIT that no disk cache keeps).
-        self.kernel_checks: list[tuple] = []
+        self.kernel_checks: list[Callable[[], bool]] = []
         self.install_fast_paths()
         swapped = time.perf_counter()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
@@ -216,7 +216,7 @@ class GenericModel:
 
     def build_next_kernel(self) -> None:
         """Build and check one kernel the decode step may use; until it passes, MLX's op serves."""
-        few_row_quantized.check(*self.kernel_checks.pop(0))
+        self.kernel_checks.pop(0)()
 
     def _prompt_path_differs(self) -> bool:
         """Whether the language model reads a text token differently from its id than from the

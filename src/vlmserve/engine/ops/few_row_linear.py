@@ -2,12 +2,11 @@
 bf16/fp16 weights (few_row_matmul) and affine-quantized ones (few_row_quantized); the
 layer's own call otherwise.
 
-A quantized layer over more rows than one launch takes (few_row_quantized.most_rows: 64 for a
-narrow layer, 32 for a wide one) runs the kernel on even slices: at 32 rows MLX's quantized
-matmul took 3 to 10 times the kernel's time per layer on the H100, so two or four launches
-still cost less. Until a narrow layer's 64-row launch is checked (built while the server is
-idle), its steps of 33 to 64 rows take two launches of 32. (Dense layers past
-few_row_matmul.MAX_ROWS keep MLX's matmul.)"""
+A launch takes up to few_row_matmul.most_rows rows: 64 for a narrow layer (once that build is
+checked, while the server is idle), 32 for a wide one. A quantized layer over more rows runs
+the kernel on even slices (at 32 rows MLX's quantized matmul took 3 to 10 times the kernel's
+time per layer on the H100, so two or four launches still cost less); a dense one takes MLX's
+matmul."""
 
 from __future__ import annotations
 
@@ -68,9 +67,9 @@ def _launch(layer: nn.Module, x: mx.array, make):
 
 def _dense_launch(layer: nn.Module, x: mx.array):
     bias = layer.get("bias", None)
-    if few_row_matmul.serves(x, layer["weight"], bias):
-        return few_row_matmul.prepare(x, layer["weight"], bias), True
-    return None, True
+    served = few_row_matmul.verdict(x, layer["weight"], bias)
+    launch = few_row_matmul.prepare(x, layer["weight"], bias) if served else None
+    return launch, served is not None  # an unchecked build may serve later
 
 
 def _quantized_launch(layer: nn.Module, x: mx.array):
@@ -86,7 +85,7 @@ def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:
     if launch is not None:
         return launch(x)
     rows = math.prod(x.shape[:-1])
-    for most in (few_row_quantized.MAX_ROWS, few_row_matmul.MAX_ROWS):
+    for most in (few_row_matmul.NARROW_MAX_ROWS, few_row_matmul.MAX_ROWS):
         if rows <= most:
             continue
         count = -(-rows // most)

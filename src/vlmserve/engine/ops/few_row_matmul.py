@@ -4,7 +4,8 @@ On CUDA a compiled decode step is bound by the host's cost per primitive, and ML
 matmul is the dearest one to launch: each call builds cuBLASLt descriptors, asks for a
 heuristic and is captured into the step's graph, whatever the size: 14-22 µs of host time
 against 7 µs for this kernel on the hosts measured.
-A step has ~4 matmuls per layer. This kernel computes Y = X @ W^T (+ bias) for 2 to 32 rows with tensor-core
+A step has ~4 matmuls per layer. This kernel computes Y = X @ W^T (+ bias) for 2 to 64 rows (32 for
+a wide layer; past 32, once `check` passed the build on the device) with tensor-core
 `mma.sync` (bf16 / fp16 in, float32 accumulation): each warp streams 16·F rows of W
 straight from memory, 16 bytes per lane, for every WARPS-th chunk of 32 inputs, and the
 block's warps then add their partial sums in a fixed order (deterministic).
@@ -18,15 +19,21 @@ float32 summation order (not bit for bit). Other backends, dtypes and shapes kee
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from vlmserve.engine.ops import cuda_kernels
 
-# One row: MLX's own gemv is as fast. Past 32 rows, a B=64 step got slower with the kernel on the H100.
+log = logging.getLogger(__name__)
+
+# One row: MLX's own gemv is as fast. A launch takes up to MAX_ROWS rows of any layer, and up to
+# NARROW_MAX_ROWS of a narrow one (fewer than WIDE outputs) once that build is checked (`check`).
 MIN_ROWS, MAX_ROWS = 2, 32
+NARROW_MAX_ROWS, WIDE = 64, 8192
 
 MMA_TYPES = {mx.bfloat16: "bf16", mx.float16: "f16"}
 
@@ -153,29 +160,47 @@ def enabled() -> bool:
     return _SWITCHED_ON and cuda_kernels.enabled()
 
 
-def rows_served(x: mx.array, k: int) -> bool:
-    """An input (..., K) whose rows (all axes but the last) number MIN_ROWS to MAX_ROWS."""
-    return x.ndim >= 1 and x.shape[-1] == k and MIN_ROWS <= math.prod(x.shape[:-1]) <= MAX_ROWS
+def most_rows(n: int) -> int:
+    """The most rows one launch takes for a layer of n outputs. On the H100 a 64-row launch of a
+    narrow 2B layer (4-bit) took 7.9 µs against 2 x 5.7 for two launches of 32, and a decode
+    step pays the host's time per launch on top (cuBLAS's matmul ~20 µs of it a call); a wide
+    layer's took longer than two (gate-up 35 against 2 x 16 µs, the logits 209 against 2 x 80)."""
+    return NARROW_MAX_ROWS if n < WIDE else MAX_ROWS
+
+
+def rows_served(x: mx.array, n: int, k: int) -> bool:
+    """An input (..., K) whose rows (all axes but the last) number MIN_ROWS to most_rows(n)."""
+    return x.ndim >= 1 and x.shape[-1] == k and MIN_ROWS <= math.prod(x.shape[:-1]) <= most_rows(n)
 
 
 def bias_served(bias: mx.array | None, n: int, dtype: mx.Dtype) -> bool:
     return bias is None or (bias.shape == (n,) and bias.dtype == dtype)
 
 
-def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
-    """On CUDA with the kernels on: a bf16/fp16 weight (N, K) with N % 16 == 0 and K % 32 == 0,
-    and an input of the same dtype whose rows number MIN_ROWS to MAX_ROWS."""
+def _weight_fits(weight: mx.array, bias: mx.array | None) -> bool:
+    """On CUDA with the kernels on: a bf16/fp16 weight (N, K) with N % 16 == 0 and K % 32 == 0."""
     if not enabled() or weight.ndim != 2 or weight.dtype not in MMA_TYPES:
         return False
     n, k = weight.shape
-    if n % 16 or k % 32 or x.dtype != weight.dtype:
+    return not (n % 16 or k % 32) and bias_served(bias, n, weight.dtype)
+
+
+def verdict(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool | None:
+    """Whether the kernel serves x @ weight.T (+ bias) for an input of the weight's dtype:
+    up to MAX_ROWS rows wherever the weight fits; past that, up to most_rows(N) once `check`
+    passed the build on this device (None until it has run)."""
+    if not _weight_fits(weight, bias) or x.dtype != weight.dtype or not rows_served(x, *weight.shape):
         return False
-    return bias_served(bias, n, weight.dtype) and rows_served(x, k)
+    rows = math.prod(x.shape[:-1])
+    return True if rows <= MAX_ROWS else _CHECKED.get(_setting(weight, bias, rows))
+
+
+def serves(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
+    return verdict(x, weight, bias) is True
 
 
 def row_tiles(rows: int) -> int:
-    """8-row tiles per launch: few counts (each is a build, ~1-2 s of JIT). Eight tiles (33-64 rows)
-    are taken by the quantized kernel only (few_row_quantized.most_rows)."""
+    """8-row tiles per launch: few counts (each is a build, ~1-2 s of JIT)."""
     return 1 if rows <= 8 else 4 if rows <= MAX_ROWS else 8
 
 
@@ -186,13 +211,74 @@ def launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     want several feature tiles per warp (X is read fewer times), deep ones many warps per block,
     narrow ones all their loads in flight at once."""
     mt = row_tiles(m)
-    wide, deep = n >= 8192, k >= 4096
+    wide, deep = n >= WIDE, k >= 4096
     if wide:
         f = next(f for f in (4, 2, 1) if n % (16 * f) == 0)
         return mt, f, 4, 1
     # Deep layers: 16 warps, not the 32 that timed 20% faster, so a build never asks more than
-    # 128 registers a thread (a 1024-thread block gets 64; past that the launch fails).
-    return (mt, 1, 16, 1) if deep else (mt, 1, 8, 8)
+    # 128 registers a thread (a 1024-thread block gets 64; past that the launch fails). Eight
+    # row tiles keep two chunks in flight, not eight: each holds a 16-byte load per tile.
+    return (mt, 1, 16, 1) if deep else (mt, 1, 8, 8 if mt <= 4 else 2)
+
+
+# Builds past MAX_ROWS rows checked on this device: (K, dtype, bias, launch shape) -> passed.
+_CHECKED: dict[tuple, bool] = {}
+
+
+def _setting(weight: mx.array, bias: mx.array | None, rows: int) -> tuple:
+    n, k = weight.shape
+    return k, weight.dtype, bias is not None, launch_shape(rows, n, k)
+
+
+def pending(module: nn.Module) -> list[tuple[nn.Linear, int]]:
+    """(layer, rows) for each build past MAX_ROWS rows that the dense linear layers under `module`
+    would take and that is not checked yet: a build (~1 s of JIT on CUDA) and a check apiece."""
+    if not enabled():
+        return []
+    todo, seen = [], set()
+    for name, layer in module.named_modules():
+        # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
+        if type(layer) is not nn.Linear or "_alone" in name.split("."):
+            continue
+        weight, bias = layer["weight"], layer.get("bias", None)
+        if not _weight_fits(weight, bias) or most_rows(weight.shape[0]) < NARROW_MAX_ROWS:
+            continue
+        setting = _setting(weight, bias, NARROW_MAX_ROWS)
+        if setting not in _CHECKED and setting not in seen:
+            seen.add(setting)
+            todo.append((layer, NARROW_MAX_ROWS))
+    return todo
+
+
+def check(layer: nn.Linear, rows: int) -> bool:
+    """Build and check the kernel this layer takes at `rows` (once per build) against a float32
+    matmul, on its first output features (N is a launch size, not part of the build); until it
+    passes, MLX's matmul serves those rows."""
+    weight, bias = layer["weight"], layer.get("bias", None)
+    setting = _setting(weight, bias, rows)
+    if setting not in _CHECKED:
+        _CHECKED[setting] = _agrees(weight, bias, rows)
+        if not _CHECKED[setting]:
+            log.warning("the few-row kernel disagrees for %s: MLX's matmul serves it", setting)
+    return _CHECKED[setting]
+
+
+def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:
+    n, k = weight.shape
+    shape = launch_shape(rows, n, k)
+    keep = min(n, 16 * shape[1] * 8)  # eight blocks' features
+    w, b = weight[:keep], None if bias is None else bias[:keep]
+    x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(weight.dtype)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    if b is not None:
+        ref = ref + b.astype(mx.float32)
+    try:
+        ours = matmul(x, w, b, shape).astype(mx.float32)
+        scale = mx.abs(ref).max()
+        return bool(mx.all(mx.abs(ours - ref) <= 1e-2 * scale + 1e-2 * mx.abs(ref)).item())
+    except Exception:  # noqa: BLE001 - a build or launch this device refuses: MLX's matmul serves it
+        log.warning("the few-row kernel failed to run on this device", exc_info=True)
+        return False
 
 
 @functools.cache

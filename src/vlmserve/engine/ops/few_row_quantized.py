@@ -156,23 +156,6 @@ _CODES = {
 
 VEC = 2  # 32-bit words a lane loads per weight row and step: 8 bytes (4 and 16 bytes timed slower)
 
-# One launch takes up to MAX_ROWS rows of a narrow layer (eight 8-row tiles) and up to
-# dense.MAX_ROWS of a wide one (WIDE outputs or more); more rows run in slices (few_row_linear).
-MAX_ROWS, WIDE = 64, 8192
-
-
-def most_rows(n: int) -> int:
-    """The most rows one launch takes for a layer of n outputs. On the H100 a 64-row launch of a
-    narrow 2B layer took 7.9 µs against 2 x 5.7 for two launches of 32, and a decode step pays
-    the host's time per launch (and for the slices and the concatenation) on top; a wide
-    layer's took longer than two (gate-up 35 against 2 x 16 µs, the logits 209 against 2 x 80)."""
-    return MAX_ROWS if n < WIDE else dense.MAX_ROWS
-
-
-def rows_served(x: mx.array, n: int, k: int) -> bool:
-    """An input (..., K) whose rows number dense.MIN_ROWS to most_rows(n)."""
-    return x.ndim >= 1 and x.shape[-1] == k and dense.MIN_ROWS <= math.prod(x.shape[:-1]) <= most_rows(n)
-
 
 def _wide(bits: int) -> int:
     """Inputs one step of the main loop covers: the 4 lanes of a row group, VEC words each."""
@@ -219,7 +202,7 @@ def serves_layer(layer: nn.Module, x: mx.array) -> bool:
 def verdict(layer: nn.Module, x: mx.array) -> bool | None:
     """Whether the kernel serves layer(x); None while the layer's setting is not checked yet (the
     answer may then change, once `check` has run)."""
-    if not dense.enabled() or not _fits(layer, x.dtype) or not rows_served(x, *_dims(layer)):
+    if not dense.enabled() or not _fits(layer, x.dtype) or not dense.rows_served(x, *_dims(layer)):
         return False
     return _CHECKED.get(_setting(layer, x.dtype, math.prod(x.shape[:-1])))
 
@@ -268,8 +251,8 @@ def _candidates(module: nn.Module):
             continue
         dtype = layer["scales"].dtype
         if _fits(layer, dtype):
-            for rows in (dense.MIN_ROWS, dense.MAX_ROWS, MAX_ROWS):
-                if rows <= most_rows(_dims(layer)[0]):
+            for rows in (dense.MIN_ROWS, dense.MAX_ROWS, dense.NARROW_MAX_ROWS):
+                if rows <= dense.most_rows(_dims(layer)[0]):
                     yield layer, dtype, rows
 
 

@@ -13,13 +13,14 @@ Each is tested equal to `GenericModel`'s path.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
-from vlmserve.engine.ops import cuda_kernels, few_row_quantized
+from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized
 from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions, rows_at
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
@@ -76,8 +77,10 @@ class QwenVLModel(GenericModel):
         # positions instead of a one-token step: equal to bf16 rounding, as the decode step's
         # kernels are. Elsewhere mlx_vlm.generate's split stays, bit for bit.
         self.samples_in_prefill = self.fast_prefill and cuda_kernels.enabled()
-        if self.fast_decode:  # its decode sends quantized layers to the few-row kernel
-            self.kernel_checks = few_row_quantized.pending(self.language_model)
+        if self.fast_decode:  # its decode sends its linear layers to the few-row kernels
+            lm = self.language_model
+            self.kernel_checks = [partial(few_row_quantized.check, *item) for item in few_row_quantized.pending(lm)]
+            self.kernel_checks += [partial(few_row_matmul.check, *item) for item in few_row_matmul.pending(lm)]
 
     def pixel_dtype(self) -> str | None:
         # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast

@@ -93,3 +93,74 @@ def test_a_copy_holding_other_weights_makes_its_own_launch(monkeypatch):
     assert other_shape == (4, 1, 32) and layer_shape == (4, 1, 48)
     assert other_equal and layer_equal
     assert count == 3  # the layer, its copy, the layer again (the copy's launch took the shared key)
+
+
+def _dense_stand_ins(monkeypatch, agrees: bool, made: list):
+    import mlx.core as mx
+
+    from vlmserve.engine.ops import few_row_matmul
+
+    monkeypatch.setattr(few_row_matmul, "enabled", lambda: True)
+    monkeypatch.setattr(few_row_matmul, "_CHECKED", {})
+
+    def reference(x, w, b=None):
+        y = x.astype(mx.float32) @ w.astype(mx.float32).T
+        return (y if b is None else y + b.astype(mx.float32)).astype(x.dtype)
+
+    def prepare(x, w, b=None, shape=None):
+        made.append(x.shape)
+        return lambda x: reference(x, w, b)
+
+    monkeypatch.setattr(
+        few_row_matmul, "matmul", lambda x, w, b=None, shape=None: reference(x, w, b) + (0 if agrees else 1)
+    )
+    monkeypatch.setattr(few_row_matmul, "prepare", prepare)
+    return reference
+
+
+def _dense(n, k=64, bias=False):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    layer = nn.Linear(k, n, bias=bias)
+    layer.set_dtype(mx.bfloat16)
+    return layer
+
+
+def test_a_dense_launch_past_32_rows_serves_only_once_its_build_is_checked(monkeypatch):
+    """33 to 64 rows of a narrow dense layer take the kernel only after `check` passed its build
+    (listed by `pending` once per build, for the idle time); until then, and where the check
+    fails, the layer's own matmul serves. Wide layers never list such a build."""
+
+    def work(agrees):
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import few_row_linear, few_row_matmul
+
+        made = []
+        reference = _dense_stand_ins(monkeypatch, agrees, made)
+        model = nn.Sequential(_dense(48), _dense(48, bias=True), _dense(32), _dense(8192))
+        narrow = model.layers[0]
+        x = mx.random.normal((48, 1, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+        before = few_row_matmul.verdict(x, narrow.weight), few_row_linear.linear(narrow, x)
+        todo = few_row_matmul.pending(model)
+        for layer, rows in todo:
+            few_row_matmul.check(layer, rows)
+        after = few_row_matmul.verdict(x, narrow.weight), few_row_linear.linear(narrow, x)
+        wide = few_row_matmul.verdict(mx.zeros((48, 1, 64), mx.bfloat16), model.layers[3].weight)
+        equal = bool(mx.array_equal(after[1], reference(x, narrow.weight)).item())
+        own = bool(mx.array_equal(before[1], narrow(x)).item())
+        listed = [(id(layer), r) for layer, r in todo]
+        return before[0], listed, [id(m) for m in model.layers], after[0], made, wide, equal, own
+
+    before, todo, ids, after, made, wide, equal, own = on_own_thread(lambda: work(True))
+    assert before is None and own  # unchecked: not served yet, the layer's matmul ran
+    # One build per (K, dtype, bias, launch): the 48- and 32-wide layers without bias share theirs,
+    # the one with bias has its own, the wide one none.
+    assert len(todo) == 2 and {r for _, r in todo} == {64}
+    assert {i for i, _ in todo} in ({ids[0], ids[1]}, {ids[2], ids[1]})
+    assert after is True and made == [(48, 1, 64)] and equal  # checked: the launch serves
+    assert wide is False
+    refused = on_own_thread(lambda: work(False))
+    assert refused[3] is False and refused[4] == []  # a build that disagrees is never served

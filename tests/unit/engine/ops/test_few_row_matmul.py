@@ -45,7 +45,8 @@ def test_linear_is_the_layers_call_where_the_kernel_does_not_serve():
     on_cuda, results = on_own_thread(work)
     assert len(results) == 6
     for i, (rows, served, ours, ref) in enumerate(results):
-        # A narrow quantized layer's launch takes up to 64 rows (few_row_quantized.most_rows).
+        # A narrow quantized layer's launch takes up to 64 rows once checked (few_row_matmul.most_rows);
+        # a dense one's too, once its own check ran (not here: the dense layer keeps MLX's matmul).
         assert served == (on_cuda and (rows == 4 or (i >= 3 and rows == 33)))
         if served:
             np.testing.assert_allclose(ours, ref, atol=2e-2, rtol=2e-2)
@@ -59,17 +60,17 @@ def test_launch_shapes_fit_every_served_shape():
     import mlx.core as mx
 
     from vlmserve.engine.ops import few_row_quantized
-    from vlmserve.engine.ops.few_row_matmul import MAX_ROWS, MIN_ROWS, launch_shape
+    from vlmserve.engine.ops.few_row_matmul import MIN_ROWS, NARROW_MAX_ROWS, launch_shape, most_rows
 
-    for m in range(MIN_ROWS, few_row_quantized.MAX_ROWS + 1):
+    for m in range(MIN_ROWS, NARROW_MAX_ROWS + 1):
         x = mx.zeros((m, 1, 32))
         for n in (16, 48, 2048, 8192, 17920, 151936, 8208):
+            if m > most_rows(n):
+                continue
             for k in (32, 1536, 4096, 8960):
-                shapes = [launch_shape(m, n, k)] if m <= MAX_ROWS else []
-                if m <= few_row_quantized.most_rows(n):
-                    shapes.append(few_row_quantized.launch_shape(x, n, k))
-                for mt, f, warps, u in shapes:
+                for mt, f, warps, u in (launch_shape(m, n, k), few_row_quantized.launch_shape(x, n, k)):
                     assert mt * 8 >= m and n % (16 * f) == 0 and u >= 1 and warps * 32 <= 1024
+                    assert u * mt <= 32  # the dense loop holds a 16-byte load per chunk in flight and tile
                     # Past 8 warps, more than one tile or chunk in flight asked too many registers.
                     assert warps <= 8 or (f, u) == (1, 1)
                     assert max(1, warps // 2) * f * mt * 4 * 32 * 4 <= 48 * 1024
@@ -98,10 +99,11 @@ def _check(results, atol: float, relative_to_output: bool = False) -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_kernel_matches_float32_matmul(dtype):
     """Narrow, wide (N >= 8192) and deep (K >= 4096) layers, with and without bias, at row
-    counts that do and do not fill the 8-row tiles."""
+    counts that do and do not fill the 8-row tiles (eight tiles: narrow and deep layers only)."""
 
     def work():
         import mlx.core as mx
+        import mlx.nn as nn
 
         from vlmserve.engine.ops import cuda_kernels, few_row_matmul
 
@@ -112,9 +114,13 @@ def test_kernel_matches_float32_matmul(dtype):
         for n, k in ((48, 64), (8192, 96), (32, 4096)):
             w = (mx.random.normal((n, k), key=mx.random.key(n)) * k**-0.5).astype(t)
             bias = (mx.random.normal((n,), key=mx.random.key(k)) * 0.1).astype(t)
-            for rows in (2, 5, 8, 17, 32):
+            for rows in (2, 5, 8, 17, 32, 45, 64)[: 7 if n < few_row_matmul.WIDE else 5]:
                 x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(t)
                 for b in (None, bias):
+                    if rows > few_row_matmul.MAX_ROWS:  # eight row tiles: served once checked
+                        layer = nn.Linear(k, n, bias=b is not None)
+                        layer.update({"weight": w, **({"bias": b} if b is not None else {})})
+                        assert few_row_matmul.check(layer, rows)
                     assert few_row_matmul.serves(x, w, b)
                     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
                     if b is not None:
@@ -141,7 +147,7 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
         import mlx.core as mx
         import mlx.nn as nn
 
-        from vlmserve.engine.ops import cuda_kernels, few_row_quantized
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized
 
         if not cuda_kernels.enabled():
             return None
@@ -157,7 +163,7 @@ def test_quantized_kernel_matches_the_dequantized_float32_matmul(dtype):
                 dense = nn.Linear(k, n, bias=with_bias)
                 dense.set_dtype(t)
                 layer = nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits)
-                tiles = 3 if n < few_row_quantized.WIDE else 2
+                tiles = 3 if n < few_row_matmul.WIDE else 2
                 assert few_row_quantized.verify(layer) == (tiles, 0)  # every tile count passes the self-check
                 w = mx.dequantize(layer.weight, layer.scales, layer.biases, group, bits).astype(mx.float32)
                 # 8-row tiles part filled (one tile; four; eight)
