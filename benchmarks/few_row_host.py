@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from vlmserve.engine.ops import few_row_linear, few_row_quantized
+from vlmserve.engine.ops import few_row_linear, few_row_matmul, few_row_quantized
 
 
 def _per_call_us(fn, calls: int) -> tuple[float, float, float]:
@@ -55,7 +55,9 @@ def main() -> None:
         for rows in args.rows:
             x = mx.random.normal((rows, k)).astype(mx.bfloat16)
             mx.eval(x)
-            few_row_quantized.check(quantized, mx.bfloat16, min(rows, 32))
+            few_row_quantized.check(quantized, mx.bfloat16, min(rows, few_row_matmul.most_rows(n)))
+            if rows > few_row_matmul.MAX_ROWS:  # the dense kernel's build past 32 rows serves once checked
+                few_row_matmul.check(dense, min(rows, few_row_matmul.most_rows(n)))
             for name, fn in _ways(dense, quantized, x).items():
                 build, encode, total = _per_call_us(fn, args.calls)
                 print(f"{shape} rows={rows} {name:12s} build {build:6.1f}  encode {encode:6.1f}  total {total:6.1f} us")

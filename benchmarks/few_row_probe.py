@@ -67,7 +67,7 @@ def main() -> None:
                 "mlx quant": per_call_us(lambda x, q: q(x), args.calls, x, quants),
                 "ours quant": per_call_us(lambda x, q: few_row_quantized.matmul(q, x), args.calls, x, quants),
             }
-            mt = 1 if rows <= 8 else 4
+            mt = few_row_matmul.row_tiles(rows)
             for f, warps, u in alternatives:
                 if n % (16 * f) == 0:
                     shape = (mt, f, warps, u)

@@ -203,6 +203,7 @@ class EngineCore:
         trace = self._trace
         if trace is not None:
             trace.start()
+            self.runner.take_host_ms()  # what earlier steps spent is not this step's
         started = time.perf_counter()
         self.stats.steps += 1
         if self._step_memory is not None:
@@ -236,8 +237,7 @@ class EngineCore:
                 pieces=len(plan.pieces),
                 together=len(plan.group),
                 decode_rows=len(self.sched.running),
-                launch_host_ms=round(self.runner.host_ms["launch"], 3),
-                resolve_host_ms=round(self.runner.host_ms["resolve"], 3),
+                **{f"{k}_host_ms": round(v, 3) for k, v in self.runner.take_host_ms().items()},
             )
 
         def what() -> str:

@@ -86,7 +86,7 @@ def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:
         return launch(x)
     rows = math.prod(x.shape[:-1])
     for most in (few_row_matmul.NARROW_MAX_ROWS, few_row_matmul.MAX_ROWS):
-        if rows <= most:
+        if rows <= most or most > few_row_matmul.most_rows(layer["weight"].shape[0]):
             continue
         count = -(-rows // most)
         sizes = [rows // count + (i < rows % count) for i in range(count)]  # each >= most / 2

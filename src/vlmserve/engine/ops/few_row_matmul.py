@@ -205,7 +205,7 @@ def row_tiles(rows: int) -> int:
 
 
 def launch_shape(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(MT, F, WARPS, U) for m <= MAX_ROWS rows: 8-row tiles, 16-feature tiles per warp, warps
+    """(MT, F, WARPS, U) for m <= most_rows(n) rows: 8-row tiles, 16-feature tiles per warp, warps
     splitting K, chunks in flight. Chosen by the kernel's own time on the H100 for each layer
     shape of a 2B-parameter decode step, one call at a time as a step runs them: wide layers
     want several feature tiles per warp (X is read fewer times), deep ones many warps per block,

@@ -1,7 +1,7 @@
 """The few-row matmul (few_row_matmul.py) over an affine-quantized weight: 4 or 8 bits, groups
 of 32, 64 or 128, bf16 or fp16 scales and biases, as MLX's QuantizedLinear stores them.
 
-MLX's quantized matmul for a decode step's 2-32 rows is a general tiled GEMM on CUDA, dear
+MLX's quantized matmul for a decode step's 2-64 rows is a general tiled GEMM on CUDA, dear
 to launch and to run at that size. Here the dense kernel's structure stays (warps split K,
 tensor-core `mma.sync`, a fixed-order reduction), and each lane turns the codes it loaded into
 weights before the multiply:
@@ -208,7 +208,7 @@ def verdict(layer: nn.Module, x: mx.array) -> bool | None:
 
 
 def verify(module: nn.Module) -> tuple[int, int]:
-    """Check the kernel once per quantized layer setting under `module`, at both tile counts,
+    """Check the kernel once per quantized layer setting under `module`, at each tile count,
     against x @ dequantize(W).T in float32 (activations in the scales' dtype, as a quantized
     model runs); only settings that pass are served. On the MLX thread, before any decode step
     is compiled. Returns (layers' settings passed, refused), counted per layer."""
@@ -296,7 +296,8 @@ def prepare(layer: nn.Module, x: mx.array, shape=None) -> dense.Launch:
 
 def launch_shape(x: mx.array, n: int, k: int) -> tuple[int, int, int, int]:
     """(MT, F, WARPS, U) as in few_row_matmul.launch_shape, chosen by the kernel's time per call
-    on the H100 (benchmarks/few_row_cuda.py) for a 2B model's layers at 8 and 32 rows: four
+    on the H100 (benchmarks/few_row_cuda.py) for a 2B model's layers at 8 and 32 rows (and kept
+    at 64, where it ran one narrow layer's rows faster than two launches of 32): four
     feature tiles per warp for wide layers (X is read by fewer blocks), one for the others, with
     16 warps splitting K (their loads in flight at once). 16 warps take one tile and one step
     in flight: more asks too many registers for a 512-thread block."""

@@ -99,8 +99,8 @@ class ModelRunner:
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
-        # Host time of the last decode step's launch (graph built and queued) and of reading
-        # back the step before it, in ms: the step trace reports them (is a step host-bound?).
+        # Host time, in ms, spent launching decode steps (graphs built and queued) and handing out
+        # their tokens once read back, since `take_host_ms`: the step trace reports them.
         self.host_ms = {"launch": 0.0, "resolve": 0.0}
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
         self._weights: dict = {}  # KV dtype -> budget blocks a block costs (_weight)
@@ -515,7 +515,7 @@ class ModelRunner:
         for seq in live:
             seq.cache_len += 1
         self.stats.decode_steps += 1
-        self.host_ms["launch"] = (time.perf_counter() - t0) * 1e3
+        self.host_ms["launch"] += (time.perf_counter() - t0) * 1e3
         return rows, next_tokens, lp, t0
 
     def _resolve(self, inflight) -> None:
@@ -534,7 +534,12 @@ class ModelRunner:
                 log.exception("request %s failed on token %d", seq.req.request_id, ids[i])
                 self.finish(seq, FinishReason.ERROR, error=f"decoding the output failed: {type(exc).__name__}")
         self.remove_rows([s for _, s in live if s.finished and s in self.sched.running])
-        self.host_ms["resolve"] = (time.perf_counter() - read_at) * 1e3
+        self.host_ms["resolve"] += (time.perf_counter() - read_at) * 1e3
+
+    def take_host_ms(self) -> dict[str, float]:
+        """The host times gathered since the last call (see `host_ms`), which start again from 0."""
+        taken, self.host_ms = self.host_ms, dict.fromkeys(self.host_ms, 0.0)
+        return taken
 
     def remove_rows(self, gone: list[Sequence]) -> None:
         if not gone:

@@ -105,20 +105,20 @@ def rope_split(
     qkv: mx.array, cos: mx.array, sin: mx.array, q_heads: int, kv_heads: int, kernel: bool, kv_rows: bool = False
 ) -> tuple[mx.array, mx.array, mx.array]:
     """qkv (B, L, (Hq + 2 Hkv) D) (or (B, (Hq + 2 Hkv) D) when L is 1); cos, sin (B, L, D) -> rotated
-    q (B, Hq, L, D), k, v (B, Hkv, L, D). With `kv_rows` (the kernel, L of 1) k and v come as
-    (B, Hkv, D), the rows the paged cache writes (the same memory)."""
+    q (B, Hq, L, D), k, v (B, Hkv, L, D). With `kv_rows` (L of 1) k and v come as (B, Hkv, D),
+    the rows the paged cache writes (from the kernel, the same memory: no view to make)."""
     batch, length = cos.shape[:2]
     dim = cos.shape[-1]
+    if kv_rows and length != 1:
+        raise ValueError("kv_rows takes one position per row")
     if not kernel:  # mlx_vlm's own ops
         q, k, v = mx.split(qkv, [q_heads * dim, (q_heads + kv_heads) * dim], axis=-1)
         q, k, v = (t.reshape(batch, length, -1, dim).transpose(0, 2, 1, 3) for t in (q, k, v))
         q, k = apply_multimodal_rotary_pos_emb(q, k, cos, sin, style="chunked", unsqueeze_dim=1)
-        return q, k, v
+        return (q, k[:, :, 0, :], v[:, :, 0, :]) if kv_rows else (q, k, v)
     run = cuda_kernels.kernel(
         "vlmserve_rope_split", ("qkv", "cos_t", "sin_t"), _ROPE_SPLIT_SOURCE, output_names=("q", "k", "v")
     )
-    if kv_rows and length != 1:
-        raise ValueError("kv_rows takes one position per row")
     kv_shape = (batch, kv_heads, dim) if kv_rows else (batch, kv_heads, length, dim)
     return tuple(
         run(

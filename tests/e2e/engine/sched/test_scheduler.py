@@ -711,6 +711,10 @@ def test_a_step_trace_records_every_step_with_its_phases(monkeypatch, tmp_path):
         assert first["embedded"] == 1 and first["images"] == 1 and first["prefill_tokens"] > 0
         assert first["embed_ms"] > 0 and first["prefill_ms"] > 0
         assert sum(s["decode_rows"] > 0 for s in steps) >= 4  # the first token rides a decode step, then 4 more
+        # The host's share of a decode phase: a step with rows left launched one, within its phase.
+        decoding = [s for s in steps if s["decode_rows"] > 0]
+        assert all(0 < s["launch_host_ms"] <= s["decode_ms"] + 0.01 for s in decoding)
+        assert all(s["resolve_host_ms"] >= 0 for s in steps)
     finally:
         server.stop()
 

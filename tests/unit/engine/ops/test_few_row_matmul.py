@@ -309,7 +309,10 @@ def test_a_narrow_quantized_layer_takes_64_rows_a_launch(monkeypatch, rows):
     """A narrow layer's launch takes up to 64 rows (eight 8-row tiles); more run in even slices
     of 32 to 64."""
     sizes = _launches_for(monkeypatch, 48, rows)
-    assert sizes == [rows] if rows <= 64 else len(sizes) == -(-rows // 64) and all(32 <= s <= 64 for s in sizes)
+    if rows <= 64:
+        assert sizes == [rows]
+    else:
+        assert len(sizes) == -(-rows // 64) and all(32 <= s <= 64 for s in sizes)
 
 
 @pytest.mark.parametrize("rows", [33, 48, 64, 128])
