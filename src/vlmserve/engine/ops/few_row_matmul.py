@@ -255,12 +255,7 @@ def check(layer: nn.Linear, rows: int) -> bool:
     matmul, on its first output features (N is a launch size, not part of the build); until it
     passes, MLX's matmul serves those rows."""
     weight, bias = layer["weight"], layer.get("bias", None)
-    setting = _setting(weight, bias, rows)
-    if setting not in _CHECKED:
-        _CHECKED[setting] = _agrees(weight, bias, rows)
-        if not _CHECKED[setting]:
-            log.warning("the few-row kernel disagrees for %s: MLX's matmul serves it", setting)
-    return _CHECKED[setting]
+    return settle(_CHECKED, _setting(weight, bias, rows), lambda: _agrees(weight, bias, rows), "few-row kernel")
 
 
 def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:
@@ -272,12 +267,27 @@ def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     if b is not None:
         ref = ref + b.astype(mx.float32)
+    return agrees_with(lambda: matmul(x, w, b, shape), ref, "few-row kernel")
+
+
+def settle(checked: dict, setting: tuple, agrees, what: str) -> bool:
+    """`checked[setting]`, first set to agrees() (a build and a check, once per setting)."""
+    if setting not in checked:
+        checked[setting] = agrees()
+        if not checked[setting]:
+            log.warning("the %s disagrees for %s: MLX's matmul serves it", what, setting)
+    return checked[setting]
+
+
+def agrees_with(run, ref: mx.array, what: str) -> bool:
+    """Whether run() (a kernel) is within bf16/fp16 rounding of the float32 reference `ref`; a
+    build or launch the device refuses disagrees."""
     try:
-        ours = matmul(x, w, b, shape).astype(mx.float32)
+        ours = run().astype(mx.float32)
         scale = mx.abs(ref).max()
         return bool(mx.all(mx.abs(ours - ref) <= 1e-2 * scale + 1e-2 * mx.abs(ref)).item())
     except Exception:  # noqa: BLE001 - a build or launch this device refuses: MLX's matmul serves it
-        log.warning("the few-row kernel failed to run on this device", exc_info=True)
+        log.warning("the %s failed to run on this device", what, exc_info=True)
         return False
 
 

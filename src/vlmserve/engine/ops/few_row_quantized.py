@@ -25,15 +25,12 @@ and the dense bf16 kernel 6.8-28 µs (`benchmarks/few_row_cuda.py`).
 from __future__ import annotations
 
 import copy
-import logging
 import math
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.ops import few_row_matmul as dense
-
-log = logging.getLogger(__name__)
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -162,6 +159,8 @@ def _wide(bits: int) -> int:
     return 4 * VEC * 32 // bits
 
 
+_WHAT = "quantized few-row kernel"  # in the log
+
 # Layer settings checked on this device (verify): (N, K, bits, group, dtypes, bias, 8-row tiles) -> passed.
 _CHECKED: dict[tuple, bool] = {}
 
@@ -232,12 +231,7 @@ def pending(module: nn.Module) -> list[tuple[nn.Module, mx.Dtype, int]]:
 
 def check(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
     """Build and check this layer's setting at `rows` (once); until then MLX's matmul serves it."""
-    setting = _setting(layer, dtype, rows)
-    if setting not in _CHECKED:
-        _CHECKED[setting] = _agrees(layer, dtype, rows)
-        if not _CHECKED[setting]:
-            log.warning("the quantized few-row kernel disagrees for %s: MLX's matmul serves it", setting)
-    return _CHECKED[setting]
+    return dense.settle(_CHECKED, _setting(layer, dtype, rows), lambda: _agrees(layer, dtype, rows), _WHAT)
 
 
 def _candidates(module: nn.Module):
@@ -268,13 +262,7 @@ def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     if "bias" in part:
         ref = ref + part["bias"].astype(mx.float32)
-    try:
-        ours = matmul(part, x, shape).astype(mx.float32)
-        scale = mx.abs(ref).max()
-        return bool(mx.all(mx.abs(ours - ref) <= 1e-2 * scale + 1e-2 * mx.abs(ref)).item())
-    except Exception:  # noqa: BLE001 - a build or launch this device refuses: MLX's matmul serves it
-        log.warning("the quantized few-row kernel failed to run on this device", exc_info=True)
-        return False
+    return dense.agrees_with(lambda: matmul(part, x, shape), ref, _WHAT)
 
 
 def matmul(layer: nn.Module, x: mx.array, shape=None) -> mx.array:
