@@ -233,20 +233,42 @@ def _setting(weight: mx.array, bias: mx.array | None, rows: int) -> tuple:
 def pending(module: nn.Module) -> list[tuple[nn.Linear, int]]:
     """(layer, rows) for each build past MAX_ROWS rows that the dense linear layers under `module`
     would take and that is not checked yet: a build (~1 s of JIT on CUDA) and a check apiece."""
+    return unchecked(_candidates(module), _layer_setting, _CHECKED)
+
+
+def _layer_setting(layer: nn.Linear, rows: int) -> tuple:
+    return _setting(layer["weight"], layer.get("bias", None), rows)
+
+
+def _candidates(module: nn.Module):
+    """(layer, rows) for each dense linear layer under `module` the kernel fits whose launches
+    take eight row tiles (a narrow one)."""
     if not enabled():
-        return []
-    todo, seen = [], set()
+        return
+    for layer in decode_layers(module):
+        if type(layer) is not nn.Linear or not _weight_fits(layer["weight"], layer.get("bias", None)):
+            continue
+        if most_rows(layer["weight"].shape[0]) == NARROW_MAX_ROWS:
+            yield layer, NARROW_MAX_ROWS
+
+
+def decode_layers(module: nn.Module):
+    """The modules under `module` a decode step may call: all but a fused projection's own parts
+    (`_alone`), which serve only inputs a decode step never gives them."""
     for name, layer in module.named_modules():
-        # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
-        if type(layer) is not nn.Linear or "_alone" in name.split("."):
-            continue
-        weight, bias = layer["weight"], layer.get("bias", None)
-        if not _weight_fits(weight, bias) or most_rows(weight.shape[0]) < NARROW_MAX_ROWS:
-            continue
-        setting = _setting(weight, bias, NARROW_MAX_ROWS)
-        if setting not in _CHECKED and setting not in seen:
+        if "_alone" not in name.split("."):
+            yield layer
+
+
+def unchecked(candidates, setting_of, checked: dict) -> list[tuple]:
+    """The candidates (each the arguments of a check) whose setting is not in `checked` yet, one
+    per setting."""
+    todo, seen = [], set()
+    for item in candidates:
+        setting = setting_of(*item)
+        if setting not in checked and setting not in seen:
             seen.add(setting)
-            todo.append((layer, NARROW_MAX_ROWS))
+            todo.append(item)
     return todo
 
 
@@ -255,7 +277,7 @@ def check(layer: nn.Linear, rows: int) -> bool:
     matmul, on its first output features (N is a launch size, not part of the build); until it
     passes, MLX's matmul serves those rows."""
     weight, bias = layer["weight"], layer.get("bias", None)
-    return settle(_CHECKED, _setting(weight, bias, rows), lambda: _agrees(weight, bias, rows), "few-row kernel")
+    return settle(_CHECKED, _layer_setting(layer, rows), lambda: _agrees(weight, bias, rows), "few-row kernel")
 
 
 def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:

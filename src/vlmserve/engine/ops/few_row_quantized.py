@@ -220,13 +220,7 @@ def verify(module: nn.Module) -> tuple[int, int]:
 def pending(module: nn.Module) -> list[tuple[nn.Module, mx.Dtype, int]]:
     """The settings under `module` not checked yet, one (layer, activation dtype, rows) each: a
     build (~1 s of JIT on CUDA, never cached on disk by MLX) and a check apiece (`check`)."""
-    todo, seen = [], set()
-    for layer, dtype, rows in _candidates(module):
-        setting = _setting(layer, dtype, rows)
-        if setting not in _CHECKED and setting not in seen:
-            seen.add(setting)
-            todo.append((layer, dtype, rows))
-    return todo
+    return dense.unchecked(_candidates(module), _setting, _CHECKED)
 
 
 def check(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
@@ -239,9 +233,8 @@ def _candidates(module: nn.Module):
     at each tile count its launches take."""
     if not dense.enabled():
         return
-    for name, layer in module.named_modules():
-        # A fused projection's own parts (`_alone`) serve only inputs a decode step never gives them.
-        if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "_alone" in name.split("."):
+    for layer in dense.decode_layers(module):
+        if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
         dtype = layer["scales"].dtype
         if _fits(layer, dtype):
