@@ -20,6 +20,7 @@ import numpy as np
 
 from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
+from vlmserve.engine.ops import kernel_disk_cache
 from vlmserve.engine.ops.cuda_kernels import on_cuda
 from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
@@ -434,6 +435,13 @@ class EngineCore:
         if runs:
             log.info("warmed %d vision-tower shapes in %.1f s", runs, time.perf_counter() - t0)
         self._note_peak(lambda: "warm-up")
+        cached = kernel_disk_cache.filer()
+        if cached is not None and (cached.found or cached.queued):
+            log.info(
+                "vlmserve's CUDA kernels: %d read from the kernel cache, %d compiled (filed for the next start)",
+                cached.found,
+                cached.queued,
+            )
         if self.model.kernels_pending():
             log.info(
                 "%d decode kernels to build while idle (until then, MLX's ops serve)", self.model.kernels_pending()

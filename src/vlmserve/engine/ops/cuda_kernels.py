@@ -13,6 +13,8 @@ import os
 
 import mlx.core as mx
 
+from vlmserve.engine.ops.kernel_disk_cache import CachedKernel
+
 # Read once: these are asked on every linear layer's call of a step, and neither changes while a
 # process runs (the environment is the operator's, set before start).
 _SWITCHED_ON = os.environ.get("VLMSERVE_CUDA_KERNELS", "1") != "0"
@@ -43,17 +45,20 @@ def kernel(
     ensure_row_contiguous: bool = True,
     shared_memory: int = 0,
 ):
-    """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread).
-    Without `ensure_row_contiguous` the kernel reads views in place (through `<name>_strides`);
+    """The `mx.fast.cuda_kernel` for this source, built once (on first use, on the MLX thread;
+    a restart reads the build from the kernel cache: kernel_disk_cache). Without
+    `ensure_row_contiguous` the kernel reads views in place (through `<name>_strides`);
     `shared_memory` is the dynamic shared memory of each launch, in bytes."""
-    return mx.fast.cuda_kernel(
+    source = compact(source)
+    built = mx.fast.cuda_kernel(
         name=name,
         input_names=list(input_names),
         output_names=list(output_names),
-        source=compact(source),
+        source=source,
         ensure_row_contiguous=ensure_row_contiguous,
         shared_memory=shared_memory,
     )
+    return CachedKernel(built, name, input_names, output_names, source)
 
 
 def compact(source: str) -> str:

@@ -1,0 +1,331 @@
+"""vlmserve's own CUDA kernels in MLX's kernel cache, so a restart does not compile them again.
+
+MLX compiles each `mx.fast.cuda_kernel` with NVRTC at its first use in a process (about half
+a second to a second each; a 2B model's warm-up meets about ten) and, unlike its own kernels,
+never files the result in its kernel cache (MLX_PTX_CACHE_DIR). It does look there first, under
+a module name it derives from the kernel's generated source. So at a kernel's first use this
+module derives that source and name as MLX does; when the cache lacks it, a process of its own
+(nvrtc_build) compiles the same source with MLX's NVRTC, options and include paths and files
+the cubin under that name, off every request's path. The next start loads it from disk.
+
+Only the headers MLX compiles into its library (its `device/utils.cuh`, which every such
+kernel includes) are not on disk; the kernels here use nothing of it but the Shape and Strides
+types of their parameters, which the stand-in below declares exactly as MLX does (with MLX's
+shipped config.h for MAX_NDIM). A kernel that uses more fails to compile there and is simply
+left to MLX's own compile, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+_MASK = (1 << 64) - 1
+_MUL = 0xC6A4A7935BD1E995
+_SEED = 0xC70F6907
+
+
+def _shift_mix(v: int) -> int:
+    return v ^ (v >> 47)
+
+
+def cxx_string_hash(data: bytes) -> int:
+    """std::hash<std::string> of libstdc++ on a 64-bit platform (its _Hash_bytes), which MLX
+    uses to name a custom kernel's module."""
+    n = len(data)
+    aligned = n & ~7
+    h = (_SEED ^ (n * _MUL)) & _MASK
+    for i in range(0, aligned, 8):
+        word = int.from_bytes(data[i : i + 8], "little")
+        h ^= (_shift_mix((word * _MUL) & _MASK) * _MUL) & _MASK
+        h = (h * _MUL) & _MASK
+    if n & 7:
+        h ^= int.from_bytes(data[aligned:], "little")
+        h = (h * _MUL) & _MASK
+    h = (_shift_mix(h) * _MUL) & _MASK
+    return _shift_mix(h)
+
+
+_CUDA_TYPES = {
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+    mx.float64: "double",
+}
+# How a dtype template argument reads in the kernel's name (MLX's get_type_string).
+_TYPE_NAMES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.float64: "double",
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+}
+
+_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+_UTILS_STAND_IN = """#pragma once
+#include "mlx/backend/cuda/device/config.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+"""
+_MAX_FILE_NAME = 245  # MLX splits longer module names into directories
+
+
+def _template_value(value) -> str:
+    if isinstance(value, bool):
+        return "_t" if value else "_f"
+    if isinstance(value, int):
+        return f"_{value}"
+    return "_" + _TYPE_NAMES[value]
+
+
+def generated_source(
+    name: str,
+    source: str,
+    input_names: tuple[str, ...],
+    inputs: list,
+    output_names: tuple[str, ...],
+    output_dtypes: list,
+    template: list,
+    header: str = "",
+) -> tuple[str, str]:
+    """(kernel name, whole source) of a cuda_kernel call, as MLX's build_kernel writes them."""
+    kernel_name = "custom_kernel_" + name + "".join(_template_value(v) for _, v in template)
+    parts = [_DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"]
+    parts.append(f"__global__ void {kernel_name}(\n")
+    for n, x in zip(input_names, inputs):
+        parts.append(f"    const {_CUDA_TYPES[x.dtype]}* {n},\n")
+        if x.ndim > 0:
+            if n + "_shape" in source:
+                parts.append(f"    const __grid_constant__ Shape {n}_shape,\n")
+            if n + "_strides" in source:
+                parts.append(f"    const __grid_constant__ Strides {n}_strides,\n")
+            if n + "_ndim" in source:
+                parts.append(f"    const __grid_constant__ int {n}_ndim,\n")
+    for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
+        parts.append(f"    {_CUDA_TYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
+    if template:
+        for n, v in template:
+            if isinstance(v, bool):
+                parts.append(f"  constexpr bool {n} = {'true' if v else 'false'};\n")
+            elif isinstance(v, int):
+                parts.append(f"  constexpr int {n} = {v};\n")
+            else:
+                parts.append(f"  using {n} = {_CUDA_TYPES[v]};\n")
+        parts.append("\n")
+    parts.append(source)
+    parts.append("\n}\n\n} // namespace mlx::core::cu\n")
+    return kernel_name, "".join(parts)
+
+
+def module_path(cache_dir: Path, module_name: str) -> Path:
+    """Where MLX's kernel cache keeps a module (MLX's get_ptx_path)."""
+    path, offset = cache_dir, 0
+    if len(module_name) > _MAX_FILE_NAME:
+        while len(module_name) - offset > _MAX_FILE_NAME:
+            path = path / module_name[offset : offset + _MAX_FILE_NAME]
+            offset += _MAX_FILE_NAME
+    return path / (module_name[offset:] + ".ptx")
+
+
+def _include_paths() -> list[str]:
+    """MLX's NVRTC include paths: its bundled headers, CCCL, the CUDA runtime's headers."""
+    root = Path(mx.__file__).resolve().parent.parent  # the mlx package
+    paths = [root / "include", root / "include" / "cccl"]
+    nvidia = root.parent / "nvidia"
+    runtime = next(
+        (nvidia / d / "include" for d in ("cu13", "cuda_runtime") if (nvidia / d / "include").is_dir()), None
+    )
+    if runtime is None:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        runtime = Path(home) / "include"
+    paths.append(runtime)
+    return [f"--include-path={p}" for p in paths if p.is_dir()]
+
+
+def _nvrtc_options() -> list[str]:
+    info = mx.device_info()
+    major, minor = int(info.get("compute_capability_major", 0)), int(info.get("compute_capability_minor", 0))
+    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *_include_paths()]
+
+
+class _Filer:
+    """Collects the kernels the cache lacks and files them from a background process."""
+
+    def __init__(self, cache_dir: Path):
+        self.cache_dir = cache_dir
+        self.found = 0  # kernels this process found in the cache
+        self.filed = 0
+        self._jobs: list[dict] = []
+        self._queued: set[str] = set()
+        self._lock = threading.Lock()
+        self._filing = threading.Lock()  # one build process at a time
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._options: list[str] | None = None
+
+    @property
+    def queued(self) -> int:
+        """Kernels this process compiled that the cache lacked (filed, or being filed)."""
+        return len(self._queued)
+
+    def note(self, module_name: str, kernel_name: str, source: str) -> None:
+        path = module_path(self.cache_dir, module_name)
+        if path.exists():
+            self.found += 1
+            return
+        if self._options is None:
+            self._options = _nvrtc_options()
+        job = {
+            "path": str(path),
+            "kernel": "mlx::core::cu::" + kernel_name,
+            "source": source,
+            "options": self._options,
+            "headers": {"mlx/backend/cuda/device/utils.cuh": _UTILS_STAND_IN},
+        }
+        with self._lock:
+            if job["path"] in self._queued:
+                return
+            self._queued.add(job["path"])
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vlmserve-kernel-filer", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            while True:  # let a burst of first uses (a warm-up, a new shape) gather into one process
+                self._wake.clear()
+                if not self._wake.wait(1.0):
+                    break
+            with self._lock:
+                jobs, self._jobs = self._jobs, []
+            self._file(jobs)
+
+    def flush(self) -> None:
+        """File what is pending now, on this thread, and wait for a filing under way."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        self._file(jobs)
+
+    def _file(self, jobs: list[dict]) -> None:
+        with self._filing:
+            if jobs:
+                self._build(jobs)
+
+    def _build(self, jobs: list[dict]) -> None:
+        t0 = time.perf_counter()
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(jobs, f)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "vlmserve.engine.ops.nvrtc_build", f.name],
+                capture_output=True,
+                text=True,
+                timeout=60 + 30 * len(jobs),
+            )
+            result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            result = {}
+            done = None
+        finally:
+            os.unlink(f.name)
+        if not result:
+            log.warning(
+                "could not file %d CUDA kernels in the kernel cache (each start compiles them): %s",
+                len(jobs),
+                (done.stderr[-500:] if done is not None else "the build process did not run"),
+            )
+            return
+        self.filed += result["built"]
+        log.info(
+            "filed %d of vlmserve's CUDA kernels in the kernel cache for the next start (%d failed) in %.1f s",
+            result["built"],
+            result["failed"],
+            time.perf_counter() - t0,
+        )
+
+
+_FILER: _Filer | None = None
+
+
+def filer() -> _Filer | None:
+    """The process's filer, when MLX's kernel cache has a directory of its own (`vlmserve serve` names one)."""
+    global _FILER
+    if _FILER is None and os.environ.get("MLX_PTX_CACHE_DIR"):
+        _FILER = _Filer(Path(os.environ["MLX_PTX_CACHE_DIR"]))
+    return _FILER
+
+
+class CachedKernel:
+    """An `mx.fast.cuda_kernel` whose builds go to MLX's kernel cache (see the module's doc).
+
+    A build is one (input dtypes and ranks, output dtypes, template arguments) combination:
+    each is derived and looked up once per process, so a launch costs one dict lookup more."""
+
+    def __init__(self, kernel, name: str, input_names, output_names, source: str):
+        self._kernel = kernel
+        self._name = name
+        self._input_names = tuple(input_names)
+        self._output_names = tuple(output_names)
+        self._source = source
+        self._seen: set = set()
+
+    def __call__(self, *, inputs, output_dtypes, template=None, **kwargs):
+        key = (
+            tuple((x.dtype, x.ndim > 0) if isinstance(x, mx.array) else type(x) for x in inputs),
+            tuple(output_dtypes),
+            tuple(template) if template else (),
+        )
+        if key not in self._seen:
+            self._seen.add(key)
+            self._note(inputs, output_dtypes, template or [])
+        return self._kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
+
+    def _note(self, inputs, output_dtypes, template) -> None:
+        target = filer()
+        if target is None or not all(isinstance(x, mx.array) for x in inputs):
+            return  # scalars become arrays of MLX's choosing: left to MLX's compile
+        try:
+            kernel_name, source = generated_source(
+                self._name, self._source, self._input_names, inputs, self._output_names, output_dtypes, template
+            )
+        except KeyError:  # a dtype MLX names differently: left to MLX's compile
+            return
+        module_name = f"{kernel_name}_{cxx_string_hash(source.encode()):x}"
+        target.note(module_name, kernel_name, source)

@@ -1,0 +1,190 @@
+"""vlmserve's CUDA kernels in MLX's kernel cache: the module name MLX looks for, and the round trip."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from support.helpers import on_own_thread
+
+
+def test_the_hash_is_libstdcxx_std_hash_of_a_string():
+    from vlmserve.engine.ops.kernel_disk_cache import cxx_string_hash
+
+    # printf("%zx", std::hash<std::string>{}(s)) with g++ / libstdc++ on x86-64
+    expected = {
+        b"": 0x553E93901E462A6E,
+        b"a": 0x454DDEE488C1ED6B,
+        b"abcdefg": 0xDEEE6830A3AF82AF,
+        b"abcdefgh": 0x783DB3E38DB898BB,
+        b"hello world, kernels": 0xB687B31624E94FA1,
+        bytes((i * 7 + 3) % 256 for i in range(5000)): 0x435E4D1A9BA2DD7C,
+    }
+    for data, value in expected.items():
+        assert cxx_string_hash(data) == value, data[:20]
+
+
+def test_the_generated_source_is_mlxs():
+    """Inputs with and without shape parameters, a 0-d input, two outputs, every kind of template
+    argument: the text MLX's build_kernel writes, and the kernel name it derives."""
+
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.ops.kernel_disk_cache import generated_source
+
+        x = mx.zeros((2, 3), dtype=mx.bfloat16)
+        n = mx.array(3, dtype=mx.int32)
+        source = "out[0] = x[x_strides[0]] + n[0];\n"
+        return generated_source(
+            "demo",
+            source,
+            ("x", "n"),
+            [x, n],
+            ("out", "aux"),
+            [mx.float32, mx.uint32],
+            [("T", mx.bfloat16), ("D", 64), ("CAUSAL", True), ("SPLIT", False)],
+        )
+
+    name, source = on_own_thread(work)
+    assert name == "custom_kernel_demo_bfloat16_t_64_t_f"
+    assert source == (
+        '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        "__global__ void custom_kernel_demo_bfloat16_t_64_t_f(\n"
+        "    const __nv_bfloat16* x,\n"
+        "    const __grid_constant__ Strides x_strides,\n"
+        "    const int32_t* n,\n"
+        "    float* out,\n"
+        "    uint32_t* aux) {\n"
+        "  using T = __nv_bfloat16;\n"
+        "  constexpr int D = 64;\n"
+        "  constexpr bool CAUSAL = true;\n"
+        "  constexpr bool SPLIT = false;\n"
+        "\n"
+        "out[0] = x[x_strides[0]] + n[0];\n"
+        "\n}\n\n} // namespace mlx::core::cu\n"
+    )
+
+
+def test_module_paths_split_long_names_as_mlx_does(tmp_path):
+    from vlmserve.engine.ops.kernel_disk_cache import module_path
+
+    assert module_path(tmp_path, "k_1f") == tmp_path / "k_1f.ptx"
+    name = "a" * 245 + "b" * 245 + "c" * 10
+    assert module_path(tmp_path, name) == tmp_path / ("a" * 245) / ("b" * 245) / ("c" * 10 + ".ptx")
+    exact = "d" * 245
+    assert module_path(tmp_path, exact) == tmp_path / (exact + ".ptx")
+
+
+def test_a_module_is_filed_as_mlx_reads_it(tmp_path):
+    from vlmserve.engine.ops.nvrtc_build import write_module
+
+    path = tmp_path / "sub" / "custom_kernel_x_12ab.ptx"
+    lowered = "_ZN3mlx4core2cu15custom_kernel_xEv"
+    write_module(path, b"\x7fELF-cubin", {"mlx::core::cu::custom_kernel_x": lowered})
+    assert path.read_bytes() == b"\x7fELF-cubin"
+    assert path.with_suffix(".txt").read_text() == f"mlx::core::cu::custom_kernel_x\t{lowered}\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["custom_kernel_x_12ab.ptx", "custom_kernel_x_12ab.txt"]
+
+
+def test_each_build_is_looked_up_once_and_only_missing_ones_are_queued(tmp_path, monkeypatch):
+    """A build is (input dtypes and ranks, output dtypes, template): the second launch of one costs
+    no lookup; a build already in the cache is counted, not queued."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+        kdc._FILER = None
+        launches = []
+        body = "out[0] = x[0];\n"
+        kernel = kdc.CachedKernel(lambda **kw: launches.append(kw) or ["y"], "demo", ("x",), ("out",), body)
+        x16, x32 = mx.zeros((4,), dtype=mx.bfloat16), mx.zeros((4,), dtype=mx.float32)
+        call = dict(output_shapes=[(4,)], grid=(4, 1, 1), threadgroup=(4, 1, 1))
+        for x in (x16, x16, x32):
+            kernel(inputs=[x], output_dtypes=[x.dtype], template=[("T", x.dtype)], **call)
+        filer = kdc.filer()
+        queued = [job["path"] for job in filer._jobs]
+        # A build whose module is on disk already is only counted.
+        name, source = kdc.generated_source("demo", body, ("x",), [x16], ("out",), [mx.bfloat16], [("T", mx.int8)])
+        path = kdc.module_path(tmp_path, f"{name}_{kdc.cxx_string_hash(source.encode()):x}")
+        path.write_bytes(b"cubin")
+        kernel(inputs=[x16], output_dtypes=[mx.bfloat16], template=[("T", mx.int8)], **call)
+        filer._jobs.clear()
+        kdc._FILER = None
+        return len(launches), queued, filer.found
+
+    monkeypatch.setattr("vlmserve.engine.ops.kernel_disk_cache._nvrtc_options", lambda: ["--stand-in"])
+    monkeypatch.setattr("vlmserve.engine.ops.kernel_disk_cache._Filer._run", lambda self: None)
+    launches, queued, found = on_own_thread(work)
+    assert launches == 4
+    assert len(queued) == 2 and len(set(queued)) == 2
+    assert all(p.startswith(str(tmp_path)) and "custom_kernel_demo_" in p for p in queued)
+    assert found == 1
+
+
+_ROUND_TRIP = textwrap.dedent(
+    """
+    import json, sys
+    import mlx.core as mx
+    import numpy as np
+    from vlmserve.engine.ops import cuda_kernels, kernel_disk_cache as kdc
+
+    source = "int i = threadIdx.x; out[i] = static_cast<float>(x[i * x_strides[0]]) * SCALE + BUMP;"
+    if sys.argv[1] == "tamper":  # file another body under this kernel's module name
+        from vlmserve.engine.ops import nvrtc_build
+        x = mx.zeros((64,), dtype=mx.bfloat16)
+        template = [("SCALE", 2), ("BUMP", 0)]
+        name, whole = kdc.generated_source(
+            "rt", cuda_kernels.compact(source), ("x",), [x], ("out",), [mx.float32], template
+        )
+        path = kdc.module_path(kdc.filer().cache_dir, f"{name}_{kdc.cxx_string_hash(whole.encode()):x}")
+        headers = {"mlx/backend/cuda/device/utils.cuh": kdc._UTILS_STAND_IN}
+        binary, lowered = nvrtc_build.compile_cubin(
+            nvrtc_build.load_library(), whole.replace("+ BUMP", "+ 1000.0f"), "t.cu",
+            ["mlx::core::cu::" + name], kdc._nvrtc_options(), headers,
+        )
+        nvrtc_build.write_module(path, binary, lowered)
+    kernel = cuda_kernels.kernel("rt", ("x",), source, ensure_row_contiguous=False)
+    x = mx.arange(128, dtype=mx.bfloat16)[::2]
+    y = kernel(inputs=[x], output_shapes=[(64,)], output_dtypes=[mx.float32], grid=(64, 1, 1), threadgroup=(64, 1, 1),
+               template=[("SCALE", 2), ("BUMP", 0)])[0]
+    out = np.array(y).tolist()
+    filer = kdc.filer()
+    found = filer.found
+    filer.flush()
+    print(json.dumps({"out": out, "found": found, "filed": filer.filed}))
+    """
+)
+
+
+@pytest.mark.gpu
+def test_a_restart_loads_the_filed_kernel_and_it_computes_the_same(tmp_path):
+    """First run: MLX compiles, the filer files it; second run: MLX finds and loads it (same output).
+    Then a cubin of another body filed under the kernel's name is what MLX runs: the name matches."""
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run(mode: str, cache: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _ROUND_TRIP, mode],
+            env={**env, "MLX_PTX_CACHE_DIR": str(tmp_path / cache)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run("plain", "cache"), run("plain", "cache")
+    assert first["found"] == 0 and first["filed"] == 1
+    assert second["found"] == 1 and second["filed"] == 0
+    assert first["out"] == second["out"] == [2.0 * (2 * i) for i in range(64)]
+    tampered = run("tamper", "other")
+    assert tampered["found"] == 1
+    assert tampered["out"] == [2.0 * (2 * i) + 1000.0 for i in range(64)]
