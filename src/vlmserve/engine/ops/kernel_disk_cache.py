@@ -273,6 +273,8 @@ class _Filer:
             )
             return
         self.filed += result["built"]
+        if result["failed"]:  # such kernels are compiled by MLX at each start, as before
+            log.warning("%d CUDA kernels could not be filed: %s", result["failed"], done.stderr[-1000:])
         log.info(
             "filed %d of vlmserve's CUDA kernels in the kernel cache for the next start (%d failed) in %.1f s",
             result["built"],
