@@ -162,7 +162,7 @@ def module_path(cache_dir: Path, module_name: str) -> Path:
 
 def _include_paths() -> list[str]:
     """MLX's NVRTC include paths: its bundled headers, CCCL, the CUDA runtime's headers."""
-    root = Path(mx.__file__).resolve().parent.parent  # the mlx package
+    root = Path(mx.__file__).resolve().parent  # the mlx package (MLX's library is in its lib/)
     paths = [root / "include", root / "include" / "cccl"]
     nvidia = root.parent / "nvidia"
     runtime = next(
