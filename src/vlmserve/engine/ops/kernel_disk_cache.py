@@ -9,10 +9,10 @@ module derives that source and name as MLX does; when the cache lacks it, a proc
 the cubin under that name, off every request's path. The next start loads it from disk.
 
 Only the headers MLX compiles into its library (its `device/utils.cuh`, which every such
-kernel includes) are not on disk; the kernels here use nothing of it but the Shape and Strides
-types of their parameters, which the stand-in below declares exactly as MLX does (with MLX's
-shipped config.h for MAX_NDIM). A kernel that uses more fails to compile there and is simply
-left to MLX's own compile, as before.
+kernel includes) are not on disk. The kernels here use nothing of it but the CUDA and libcu++
+headers it includes and the Shape and Strides types of their parameters, which the stand-in
+below includes and declares as MLX does (with MLX's shipped config.h for MAX_NDIM). A kernel
+that uses more fails to compile there and is left to MLX's own compile at each start.
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ _UTILS_STAND_IN = """#pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/array>
+#include <cuda/std/cmath>
+#include <cuda/std/complex>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
 namespace mlx::core::cu {
 using Shape = cuda::std::array<int32_t, MAX_NDIM>;
 using Strides = cuda::std::array<int64_t, MAX_NDIM>;
