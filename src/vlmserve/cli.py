@@ -69,7 +69,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GB",
         help="memory a scheduler step's temporaries may take above the weights, KV and caches in use before "
-        "MLX waits for the GPU to free some (default: 1/32 of the device's memory, 1 to 4 GiB; 0: no bound)",
+        "MLX waits for the GPU to free some (default: 1/80 of the device's memory, 1 to 2 GiB; 0: no bound)",
     )
     p.add_argument(
         "--mlx-cache-limit-gb",

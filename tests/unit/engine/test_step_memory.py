@@ -22,12 +22,12 @@ def test_the_allowance_is_the_operators_or_a_share_of_the_device(monkeypatch):
     from vlmserve.engine import memory
 
     assert memory.working_memory_bytes(1.5) == int(1.5 * GIB)
-    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * GIB)
-    assert memory.working_memory_bytes(None) == 80 * GIB // 32
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 120 * GIB)
+    assert memory.working_memory_bytes(None) == 120 * GIB // 80
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 8 * GIB)
     assert memory.working_memory_bytes(None) == GIB  # at least 1 GiB
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 512 * GIB)
-    assert memory.working_memory_bytes(None) == 4 * GIB  # at most 4 GiB
+    assert memory.working_memory_bytes(None) == 2 * GIB  # at most 2 GiB
     with pytest.raises(ValueError, match="--working-memory"):
         memory.working_memory_bytes(-1)  # a limit below the memory in use would stall every step
 
