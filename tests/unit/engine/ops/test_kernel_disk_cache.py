@@ -188,3 +188,43 @@ def test_a_restart_loads_the_filed_kernel_and_it_computes_the_same(tmp_path):
     tampered = run("tamper", "other")
     assert tampered["found"] == 1
     assert tampered["out"] == [2.0 * (2 * i) + 1000.0 for i in range(64)]
+
+
+def test_the_build_process_files_what_compiles_and_skips_the_rest(tmp_path, monkeypatch):
+    """A module already filed is not compiled again; one that fails to compile files nothing."""
+    from vlmserve.engine.ops import nvrtc_build
+
+    compiled = []
+
+    def compile_cubin(lib, source, file_name, names, options, headers):
+        compiled.append(source)
+        if "broken" in source:
+            raise nvrtc_build.NvrtcError("compile failed: error: identifier is undefined")
+        return b"cubin:" + source.encode(), {names[0]: "_Z" + names[0]}
+
+    monkeypatch.setattr(nvrtc_build, "load_library", lambda: None)
+    monkeypatch.setattr(nvrtc_build, "compile_cubin", compile_cubin)
+    (tmp_path / "filed.ptx").write_bytes(b"earlier")
+    jobs = [
+        {"path": str(tmp_path / name), "kernel": f"k_{source}", "source": source, "options": [], "headers": {}}
+        for name, source in (("filed.ptx", "old"), ("new.ptx", "fine"), ("bad.ptx", "broken"))
+    ]
+    assert nvrtc_build.run_jobs(jobs) == (1, 1)
+    assert compiled == ["fine", "broken"]
+    assert (tmp_path / "filed.ptx").read_bytes() == b"earlier"
+    assert (tmp_path / "new.ptx").read_bytes() == b"cubin:fine"
+    assert (tmp_path / "new.txt").read_text() == "k_fine\t_Zk_fine\n"
+    assert not (tmp_path / "bad.ptx").exists() and not (tmp_path / "bad.txt").exists()
+
+
+def test_a_build_process_that_cannot_run_costs_only_a_warning(tmp_path, caplog):
+    """Where NVRTC is missing (no CUDA here) or the kernel does not compile, the filer logs why
+    and files nothing."""
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    filer = kdc._Filer(tmp_path)
+    job = {"path": str(tmp_path / "k.ptx"), "kernel": "k", "source": "", "options": [], "headers": {}}
+    with caplog.at_level("WARNING"):
+        filer._file([job])
+    assert filer.filed == 0 and not (tmp_path / "k.ptx").exists()
+    assert "could not file 1 CUDA kernels" in caplog.text or "1 CUDA kernels could not be filed" in caplog.text
