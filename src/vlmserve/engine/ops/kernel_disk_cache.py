@@ -73,21 +73,7 @@ _CUDA_TYPES = {
     mx.float64: "double",
 }
 # How a dtype template argument reads in the kernel's name (MLX's get_type_string).
-_TYPE_NAMES = {
-    mx.float32: "float",
-    mx.float16: "float16_t",
-    mx.bfloat16: "bfloat16_t",
-    mx.float64: "double",
-    mx.bool_: "bool",
-    mx.int8: "int8_t",
-    mx.int16: "int16_t",
-    mx.int32: "int32_t",
-    mx.int64: "int64_t",
-    mx.uint8: "uint8_t",
-    mx.uint16: "uint16_t",
-    mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t",
-}
+_TYPE_NAMES = {**_CUDA_TYPES, mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 
 _DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _UTILS_STAND_IN = """#pragma once
