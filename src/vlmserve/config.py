@@ -36,7 +36,7 @@ class ServerConfig:
     # Run each decode step as one mx.compile'd graph ("auto": on GPU). CUDA decode is bound by
     # per-kernel launch cost, which fusion and graph replay cut; on CPU the fused-kernel JIT costs more.
     compile_decode: str = "auto"
-    working_memory_gb: float | None = None  # a step's allowance (None: 1/80 of the device, 1-2 GiB)
+    working_memory_gb: float | None = None  # a step's temporaries (None: 1/80 of the device, 1-2 GiB)
     mlx_cache_limit_gb: float = 8.0  # MLX keeps freed buffers for reuse; bound that pool
     release_cache_after_idle_s: float = 60.0  # then hand that pool back (the next request re-allocates)
     default_max_tokens: int = 512

@@ -438,7 +438,7 @@ class EngineCore:
         cached = kernel_disk_cache.filer()
         if cached is not None and (cached.found or cached.queued):
             log.info(
-                "vlmserve's CUDA kernels: %d read from the kernel cache, %d compiled (filed for the next start)",
+                "vlmserve's CUDA kernels: %d found in the kernel cache, %d compiled (queued for it)",
                 cached.found,
                 cached.queued,
             )

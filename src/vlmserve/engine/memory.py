@@ -47,9 +47,8 @@ def kv_budget_bytes(kv_cache_memory_gb: float | None, utilization: float) -> int
 
 def working_memory_bytes(working_memory_gb: float | None) -> int:
     """What one step may hold beyond the memory in use when it starts (StepMemoryBound): the
-    operator's figure, else an 80th of the device's memory, within 1 to 2 GiB. On an H100 (80 GB)
-    1 GiB peaked ~0.6 GiB lower than 2.5 GiB at 64 concurrent image requests (~2 GiB lower on
-    the mixed workload), at the same throughput within run-to-run spread."""
+    operator's figure, else an 80th of the device's memory, within 1 to 2 GiB (docs/benchmarks.md
+    has the peaks and throughput that chose it)."""
     if working_memory_gb is not None:
         if working_memory_gb < 0:
             raise ValueError(f"--working-memory must be 0 (no bound) or more, not {working_memory_gb}")

@@ -13,7 +13,7 @@ import os
 
 import mlx.core as mx
 
-from vlmserve.engine.ops.kernel_disk_cache import CachedKernel
+from vlmserve.engine.ops import kernel_disk_cache
 
 # Read once: these are asked on every linear layer's call of a step, and neither changes while a
 # process runs (the environment is the operator's, set before start).
@@ -58,7 +58,9 @@ def kernel(
         ensure_row_contiguous=ensure_row_contiguous,
         shared_memory=shared_memory,
     )
-    return CachedKernel(built, name, input_names, output_names, source)
+    if kernel_disk_cache.filer() is None:
+        return built
+    return kernel_disk_cache.CachedKernel(built, name, input_names, output_names, source)
 
 
 def compact(source: str) -> str:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -150,34 +150,55 @@ def module_path(cache_dir: Path, module_name: str) -> Path:
     return path / (module_name[offset:] + ".ptx")
 
 
-def _include_paths() -> list[str]:
-    """MLX's NVRTC include paths: its bundled headers, CCCL, the CUDA runtime's headers."""
+def names_builds_by_source() -> bool:
+    """MLX names a custom kernel's module by a hash of its source from 0.32.1 on; before, by
+    name and template only, which this module does not file under."""
+    found = [int(n) for n in re.findall(r"\d+", mx.__version__)[:3]]
+    return tuple(found) >= (0, 32, 1)
+
+
+def loaded_nvrtc() -> Path | None:
+    """The NVRTC library this process loaded (MLX links it): the filer compiles with the very
+    same one, so a cubin never comes from another CUDA release than MLX's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if "/libnvrtc.so" in path and "builtins" not in path:
+            return Path(path)
+    return None
+
+
+def _include_paths(nvrtc: Path) -> list[str]:
+    """MLX's NVRTC include paths: its bundled headers, CCCL, then the CUDA runtime headers of
+    its CUDA release (the nvidia wheel's, else CUDA_HOME's, CUDA_PATH's or /usr/local/cuda's)."""
     root = Path(mx.__file__).resolve().parent  # the mlx package (MLX's library is in its lib/)
     paths = [root / "include", root / "include" / "cccl"]
-    nvidia = root.parent / "nvidia"
-    runtime = next(
-        (nvidia / d / "include" for d in ("cu13", "cuda_runtime") if (nvidia / d / "include").is_dir()), None
-    )
-    if runtime is None:
+    major = re.search(r"\.so\.(\d+)", nvrtc.name)
+    runtime = root.parent / "nvidia" / ("cu13" if major and int(major[1]) >= 13 else "cuda_runtime") / "include"
+    if not runtime.is_dir():
         home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
         runtime = Path(home) / "include"
     paths.append(runtime)
     return [f"--include-path={p}" for p in paths if p.is_dir()]
 
 
-def _nvrtc_options() -> list[str]:
+def _nvrtc_options(nvrtc: Path) -> list[str]:
     info = mx.device_info()
     major, minor = int(info.get("compute_capability_major", 0)), int(info.get("compute_capability_minor", 0))
     arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-    return ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *_include_paths()]
+    return ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *_include_paths(nvrtc)]
 
 
 class _Filer:
     """Collects the kernels the cache lacks and files them from a background process."""
 
-    def __init__(self, cache_dir: Path):
+    def __init__(self, cache_dir: Path, nvrtc: Path):
         self.cache_dir = cache_dir
-        self.found = 0  # kernels this process found in the cache
+        self.nvrtc = nvrtc
+        self.found = 0  # builds this process found on disk (MLX reads them instead of compiling)
         self.filed = 0
         self._jobs: list[dict] = []
         self._queued: set[str] = set()
@@ -189,7 +210,7 @@ class _Filer:
 
     @property
     def queued(self) -> int:
-        """Kernels this process compiled that the cache lacked (filed, or being filed)."""
+        """Builds this process compiled that the cache lacked (queued for it)."""
         return len(self._queued)
 
     def note(self, module_name: str, kernel_name: str, source: str) -> None:
@@ -198,8 +219,9 @@ class _Filer:
             self.found += 1
             return
         if self._options is None:
-            self._options = _nvrtc_options()
+            self._options = _nvrtc_options(self.nvrtc)
         job = {
+            "nvrtc": str(self.nvrtc),
             "path": str(path),
             "kernel": "mlx::core::cu::" + kernel_name,
             "source": source,
@@ -240,26 +262,24 @@ class _Filer:
 
     def _build(self, jobs: list[dict]) -> None:
         t0 = time.perf_counter()
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(jobs, f)
+        done, result = None, {}
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "vlmserve.engine.ops.nvrtc_build", f.name],
+                [sys.executable, "-m", "vlmserve.engine.ops.nvrtc_build"],
+                input=json.dumps(jobs),
                 capture_output=True,
                 text=True,
                 timeout=60 + 30 * len(jobs),
             )
-            result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+            if done.returncode == 0:
+                result = json.loads(done.stdout.strip().splitlines()[-1])
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            result = {}
-            done = None
-        finally:
-            os.unlink(f.name)
+            pass
         if not result:
             log.warning(
                 "could not file %d CUDA kernels in the kernel cache (each start compiles them): %s",
                 len(jobs),
-                (done.stderr[-500:] if done is not None else "the build process did not run"),
+                done.stderr[-500:] if done is not None else "the build process did not run",
             )
             return
         self.filed += result["built"]
@@ -274,21 +294,35 @@ class _Filer:
 
 
 _FILER: _Filer | None = None
+_OFF = False  # set when filing cannot work here, or failed: MLX compiles at each start, as before
 
 
 def filer() -> _Filer | None:
-    """The process's filer, when MLX's kernel cache has a directory of its own (`vlmserve serve` names one)."""
-    global _FILER
-    if _FILER is None and os.environ.get("MLX_PTX_CACHE_DIR"):
-        _FILER = _Filer(Path(os.environ["MLX_PTX_CACHE_DIR"]))
+    """The process's filer: when MLX's kernel cache has a directory of its own (`vlmserve
+    serve` names one), MLX names builds by their source, and its NVRTC is found."""
+    global _FILER, _OFF
+    if _FILER is None and not _OFF:
+        cache, nvrtc = os.environ.get("MLX_PTX_CACHE_DIR"), loaded_nvrtc()
+        if cache and nvrtc is not None and names_builds_by_source():
+            _FILER = _Filer(Path(cache), nvrtc)
+        else:
+            _OFF = True
     return _FILER
+
+
+def switch_off(reason: BaseException) -> None:
+    global _FILER, _OFF
+    if not _OFF:
+        log.warning("vlmserve's CUDA kernels are not filed in the kernel cache (each start compiles them): %r", reason)
+    _FILER, _OFF = None, True
 
 
 class CachedKernel:
     """An `mx.fast.cuda_kernel` whose builds go to MLX's kernel cache (see the module's doc).
 
-    A build is one (input dtypes and ranks, output dtypes, template arguments) combination:
-    each is derived and looked up once per process, so a launch costs one dict lookup more."""
+    Each template is looked up once per process (a tuple's hash a launch). Builds that differ
+    only in their inputs' or outputs' dtypes under one template are filed for the first only;
+    MLX compiles the others at each start, as before."""
 
     def __init__(self, kernel, name: str, input_names, output_names, source: str):
         self._kernel = kernel
@@ -299,11 +333,7 @@ class CachedKernel:
         self._seen: set = set()
 
     def __call__(self, *, inputs, output_dtypes, template=None, **kwargs):
-        key = (
-            tuple((x.dtype, x.ndim > 0) if isinstance(x, mx.array) else type(x) for x in inputs),
-            tuple(output_dtypes),
-            tuple(template) if template else (),
-        )
+        key = tuple(template) if template else ()
         if key not in self._seen:
             self._seen.add(key)
             self._note(inputs, output_dtypes, template or [])
@@ -317,7 +347,8 @@ class CachedKernel:
             kernel_name, source = generated_source(
                 self._name, self._source, self._input_names, inputs, self._output_names, output_dtypes, template
             )
-        except KeyError:  # a dtype MLX names differently: left to MLX's compile
-            return
-        module_name = f"{kernel_name}_{cxx_string_hash(source.encode()):x}"
-        target.note(module_name, kernel_name, source)
+            target.note(f"{kernel_name}_{cxx_string_hash(source.encode()):x}", kernel_name, source)
+        except KeyError:  # a dtype this module does not name: left to MLX's compile
+            pass
+        except Exception as e:  # noqa: BLE001 - filing is an optimisation; a launch must never fail for it
+            switch_off(e)

@@ -1,21 +1,21 @@
 """Compile CUDA sources to cubins with NVRTC, in a process of its own, for MLX's kernel cache.
 
 Run by kernel_disk_cache (never imported by the engine's hot path): it reads a JSON list of
-jobs, compiles each with the NVRTC library MLX itself uses, and files each cubin where MLX's
-kernel cache looks for it. No MLX import here: importing MLX would open a CUDA context (about
-half a GiB of device memory) that compiling does not need.
+jobs on stdin, compiles each with the NVRTC library MLX itself loaded, and files each cubin
+where MLX's kernel cache looks for it. No MLX import here: importing MLX would open a CUDA
+context (about half a GiB of device memory) that compiling does not need.
 
-    python -m vlmserve.engine.ops.nvrtc_build JOBS.json
+    python -m vlmserve.engine.ops.nvrtc_build < JOBS.json
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,24 +26,13 @@ class NvrtcError(RuntimeError):
     pass
 
 
-def _library_candidates() -> list[str]:
-    """libnvrtc from the NVIDIA wheels beside MLX's (site-packages/nvidia/*/lib), then the system's."""
-    found = []
-    for root in sys.path:
-        found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")))
-    found += ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
-    return [f for f in found if "builtins" not in os.path.basename(f)]
-
-
-def load_library() -> ctypes.CDLL:
-    for name in _library_candidates():
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        return lib
-    raise NvrtcError("no NVRTC library found")
+def load_library(path: str) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise NvrtcError(f"cannot load {path}: {e}") from e
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
 
 
 def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
@@ -113,22 +102,34 @@ def write_module(path: Path, binary: bytes, lowered: dict[str, str]) -> None:
         (path.with_suffix(".txt"), "".join(f"{k}\t{v}\n" for k, v in lowered.items()).encode()),
         (path, binary),
     ):
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{target.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
 
 def run_jobs(jobs: list[dict]) -> tuple[int, int]:
-    """Compile and file each job ({path, kernel, source, options, headers}); (built, failed)."""
-    lib = load_library()
+    """Compile and file each job ({nvrtc, path, kernel, source, options, headers}); (built, failed)."""
+    libraries: dict[str, ctypes.CDLL] = {}
     built = failed = 0
     for job in jobs:
         path = Path(job["path"])
         if path.exists():
             continue
         try:
+            if job["nvrtc"] not in libraries:
+                libraries[job["nvrtc"]] = load_library(job["nvrtc"])
             binary, lowered = compile_cubin(
-                lib, job["source"], path.stem + ".cu", [job["kernel"]], job["options"], job["headers"]
+                libraries[job["nvrtc"]],
+                job["source"],
+                path.stem + ".cu",
+                [job["kernel"]],
+                job["options"],
+                job["headers"],
             )
             write_module(path, binary, lowered)
         except (NvrtcError, OSError) as e:  # a kernel MLX compiles itself at each start, as before
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     t0 = time.perf_counter()
-    built, failed = run_jobs(json.loads(Path(argv[0]).read_text()))
+    built, failed = run_jobs(json.loads(Path(argv[0]).read_text() if argv else sys.stdin.read()))
     print(json.dumps({"built": built, "failed": failed, "seconds": round(time.perf_counter() - t0, 2)}))
     return 0
 

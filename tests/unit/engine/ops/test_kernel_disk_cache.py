@@ -91,17 +91,29 @@ def test_a_module_is_filed_as_mlx_reads_it(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["custom_kernel_x_12ab.ptx", "custom_kernel_x_12ab.txt"]
 
 
-def test_each_build_is_looked_up_once_and_only_missing_ones_are_queued(tmp_path, monkeypatch):
-    """A build is (input dtypes and ranks, output dtypes, template): the second launch of one costs
-    no lookup; a build already in the cache is counted, not queued."""
+@pytest.fixture
+def filing_here(tmp_path, monkeypatch):
+    """A process whose MLX files kernels (a CUDA build of 0.32.1 or later) into tmp_path."""
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kdc, "_FILER", None)
+    monkeypatch.setattr(kdc, "_OFF", False)
+    monkeypatch.setattr(kdc, "loaded_nvrtc", lambda: tmp_path / "libnvrtc.so.13")
+    monkeypatch.setattr(kdc, "names_builds_by_source", lambda: True)
+    monkeypatch.setattr(kdc, "_nvrtc_options", lambda nvrtc: ["--stand-in"])
+    monkeypatch.setattr(kdc._Filer, "_run", lambda self: None)  # no background filing
+    return kdc
+
+
+def test_each_template_is_looked_up_once_and_only_missing_builds_are_queued(filing_here, tmp_path):
+    """The second launch of a template costs no lookup; a build already in the cache is counted,
+    not queued."""
+    kdc = filing_here
 
     def work():
         import mlx.core as mx
 
-        from vlmserve.engine.ops import kernel_disk_cache as kdc
-
-        kdc._FILER = None
         launches = []
         body = "out[0] = x[0];\n"
         kernel = kdc.CachedKernel(lambda **kw: launches.append(kw) or ["y"], "demo", ("x",), ("out",), body)
@@ -110,23 +122,62 @@ def test_each_build_is_looked_up_once_and_only_missing_ones_are_queued(tmp_path,
         for x in (x16, x16, x32):
             kernel(inputs=[x], output_dtypes=[x.dtype], template=[("T", x.dtype)], **call)
         filer = kdc.filer()
-        queued = [job["path"] for job in filer._jobs]
-        # A build whose module is on disk already is only counted.
+        queued = [(job["path"], job["nvrtc"]) for job in filer._jobs]
         name, source = kdc.generated_source("demo", body, ("x",), [x16], ("out",), [mx.bfloat16], [("T", mx.int8)])
-        path = kdc.module_path(tmp_path, f"{name}_{kdc.cxx_string_hash(source.encode()):x}")
-        path.write_bytes(b"cubin")
+        kdc.module_path(tmp_path, f"{name}_{kdc.cxx_string_hash(source.encode()):x}").write_bytes(b"cubin")
         kernel(inputs=[x16], output_dtypes=[mx.bfloat16], template=[("T", mx.int8)], **call)
-        filer._jobs.clear()
-        kdc._FILER = None
-        return len(launches), queued, filer.found
+        return len(launches), queued, filer.found, len(filer._jobs)
 
-    monkeypatch.setattr("vlmserve.engine.ops.kernel_disk_cache._nvrtc_options", lambda: ["--stand-in"])
-    monkeypatch.setattr("vlmserve.engine.ops.kernel_disk_cache._Filer._run", lambda self: None)
-    launches, queued, found = on_own_thread(work)
+    launches, queued, found, still_queued = on_own_thread(work)
     assert launches == 4
-    assert len(queued) == 2 and len(set(queued)) == 2
-    assert all(p.startswith(str(tmp_path)) and "custom_kernel_demo_" in p for p in queued)
-    assert found == 1
+    assert len(queued) == 2 and len({path for path, _ in queued}) == 2
+    assert all(path.startswith(str(tmp_path)) and "custom_kernel_demo_" in path for path, _ in queued)
+    assert {nvrtc for _, nvrtc in queued} == {str(tmp_path / "libnvrtc.so.13")}  # MLX's own NVRTC
+    assert found == 1 and still_queued == 2
+
+
+def test_a_launch_never_fails_for_the_filer(filing_here, monkeypatch):
+    """A cache directory that cannot be read, say: the launch runs, and filing stops for the process."""
+    kdc = filing_here
+
+    def unreadable(self, *args):
+        raise PermissionError("cache directory not readable")
+
+    monkeypatch.setattr(kdc._Filer, "note", unreadable)
+
+    def work():
+        import mlx.core as mx
+
+        kernel = kdc.CachedKernel(lambda **kw: ["launched"], "demo", ("x",), ("out",), "out[0] = x[0];\n")
+        x = mx.zeros((4,), dtype=mx.float32)
+        launch = dict(output_shapes=[(4,)], grid=(4, 1, 1), threadgroup=(4, 1, 1))
+        out = kernel(inputs=[x], output_dtypes=[mx.float32], **launch)
+        return out, kdc.filer()
+
+    out, filer_after = on_own_thread(work)
+    assert out == ["launched"] and filer_after is None
+
+
+def test_nothing_is_filed_where_mlx_would_not_read_it(tmp_path, monkeypatch):
+    """No cache directory of its own, no NVRTC loaded, or an MLX that names builds otherwise."""
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    nvrtc = tmp_path / "libnvrtc.so.13"
+    for cache, loaded, by_source, expected in (
+        (str(tmp_path), nvrtc, True, True),
+        (None, nvrtc, True, False),
+        (str(tmp_path), None, True, False),
+        (str(tmp_path), nvrtc, False, False),
+    ):
+        monkeypatch.setattr(kdc, "_FILER", None)
+        monkeypatch.setattr(kdc, "_OFF", False)
+        if cache:
+            monkeypatch.setenv("MLX_PTX_CACHE_DIR", cache)
+        else:
+            monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+        monkeypatch.setattr(kdc, "loaded_nvrtc", lambda loaded=loaded: loaded)
+        monkeypatch.setattr(kdc, "names_builds_by_source", lambda by_source=by_source: by_source)
+        assert (kdc.filer() is not None) is expected, (cache, loaded, by_source)
 
 
 _ROUND_TRIP = textwrap.dedent(
@@ -146,9 +197,10 @@ _ROUND_TRIP = textwrap.dedent(
         )
         path = kdc.module_path(kdc.filer().cache_dir, f"{name}_{kdc.cxx_string_hash(whole.encode()):x}")
         headers = {"mlx/backend/cuda/device/utils.cuh": kdc._UTILS_STAND_IN}
+        nvrtc = kdc.loaded_nvrtc()
         binary, lowered = nvrtc_build.compile_cubin(
-            nvrtc_build.load_library(), whole.replace("+ BUMP", "+ 1000.0f"), "t.cu",
-            ["mlx::core::cu::" + name], kdc._nvrtc_options(), headers,
+            nvrtc_build.load_library(str(nvrtc)), whole.replace("+ BUMP", "+ 1000.0f"), "t.cu",
+            ["mlx::core::cu::" + name], kdc._nvrtc_options(nvrtc), headers,
         )
         nvrtc_build.write_module(path, binary, lowered)
     kernel = cuda_kernels.kernel("rt", ("x",), source, ensure_row_contiguous=False)
@@ -202,29 +254,78 @@ def test_the_build_process_files_what_compiles_and_skips_the_rest(tmp_path, monk
             raise nvrtc_build.NvrtcError("compile failed: error: identifier is undefined")
         return b"cubin:" + source.encode(), {names[0]: "_Z" + names[0]}
 
-    monkeypatch.setattr(nvrtc_build, "load_library", lambda: None)
+    def load_library(path):
+        if "missing" in path:
+            raise nvrtc_build.NvrtcError(f"cannot load {path}")
+        return object()
+
+    monkeypatch.setattr(nvrtc_build, "load_library", load_library)
     monkeypatch.setattr(nvrtc_build, "compile_cubin", compile_cubin)
     (tmp_path / "filed.ptx").write_bytes(b"earlier")
     jobs = [
-        {"path": str(tmp_path / name), "kernel": f"k_{source}", "source": source, "options": [], "headers": {}}
-        for name, source in (("filed.ptx", "old"), ("new.ptx", "fine"), ("bad.ptx", "broken"))
+        {"nvrtc": nvrtc, "path": str(tmp_path / name), "kernel": f"k_{source}", "source": source}
+        | {"options": [], "headers": {}}
+        for nvrtc, name, source in (
+            ("/lib/libnvrtc.so.13", "filed.ptx", "old"),
+            ("/lib/libnvrtc.so.13", "new.ptx", "fine"),
+            ("/lib/libnvrtc.so.13", "bad.ptx", "broken"),
+            ("/missing/libnvrtc.so.13", "lost.ptx", "fine too"),
+        )
     ]
-    assert nvrtc_build.run_jobs(jobs) == (1, 1)
+    assert nvrtc_build.run_jobs(jobs) == (1, 2)
     assert compiled == ["fine", "broken"]
     assert (tmp_path / "filed.ptx").read_bytes() == b"earlier"
     assert (tmp_path / "new.ptx").read_bytes() == b"cubin:fine"
     assert (tmp_path / "new.txt").read_text() == "k_fine\t_Zk_fine\n"
-    assert not (tmp_path / "bad.ptx").exists() and not (tmp_path / "bad.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["filed.ptx", "new.ptx", "new.txt"]
 
 
-def test_a_build_process_that_cannot_run_costs_only_a_warning(tmp_path, caplog):
-    """Where NVRTC is missing (no CUDA here) or the kernel does not compile, the filer logs why
-    and files nothing."""
+def test_a_build_process_that_cannot_start_costs_only_a_warning(tmp_path, caplog, monkeypatch):
     from vlmserve.engine.ops import kernel_disk_cache as kdc
 
-    filer = kdc._Filer(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
     job = {"path": str(tmp_path / "k.ptx"), "kernel": "k", "source": "", "options": [], "headers": {}}
     with caplog.at_level("WARNING"):
         filer._file([job])
     assert filer.filed == 0 and not (tmp_path / "k.ptx").exists()
-    assert "could not file 1 CUDA kernels" in caplog.text or "1 CUDA kernels could not be filed" in caplog.text
+    assert "could not file 1 CUDA kernels" in caplog.text and "did not run" in caplog.text
+
+
+_VERBOSE = textwrap.dedent(
+    """
+    import json
+    import mlx.core as mx
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    source = (
+        "int i = threadIdx.x;\\n"
+        "out[i] = static_cast<float>(x[i * x_strides[1]]) * D + (C ? n[0] : 0) + x_ndim * 0 + x_shape[0] * 0;\\n"
+        "aux[i] = S ? 1u : 2u;\\n"
+    )
+    names, outputs = ("x", "n"), ("out", "aux")
+    kernel = mx.fast.cuda_kernel(name="probe", input_names=list(names), output_names=list(outputs), source=source)
+    x, n = mx.ones((4, 2), dtype=mx.bfloat16), mx.array(3, dtype=mx.int32)
+    template = [("T", mx.bfloat16), ("D", 5), ("C", True), ("S", False)]
+    dtypes = [mx.float32, mx.uint32]
+    out = kernel(inputs=[x, n], output_shapes=[(4,), (4,)], output_dtypes=dtypes, grid=(4, 1, 1),
+                 threadgroup=(4, 1, 1), template=template, verbose=True)
+    mx.eval(out)
+    name, whole = kdc.generated_source("probe", source, names, [x, n], outputs, dtypes, template)
+    print("\\nOURS " + json.dumps({"name": name, "source": whole, "out": [a.tolist() for a in out]}), flush=True)
+    """
+)
+
+
+@pytest.mark.gpu
+def test_the_generated_source_is_what_mlx_prints():
+    """MLX's own text (cuda_kernel's verbose print) for shape, strides and ndim parameters, a
+    0-d input, two outputs and dtype, int and bool template arguments."""
+    done = subprocess.run([sys.executable, "-c", _VERBOSE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed, ours = done.stdout.split("\nOURS ")
+    ours = json.loads(ours)
+    header, _, rest = printed.partition("```\n")
+    assert f"`{ours['name']}`" in header
+    assert rest[: rest.rindex("\n```")] == ours["source"]
+    assert ours["out"] == [[8.0] * 4, [2] * 4]
