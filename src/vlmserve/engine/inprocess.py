@@ -68,7 +68,14 @@ class Engine:
         choose_cuda_graphs(self.config.cuda_graphs)  # takes effect unless this process already ran GPU work
         if cuda_kernels.on_cuda():
             entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
-            log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
+            if entries:
+                log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
+            else:  # MLX builds each of its kernels at first use, one after another: say why this start is slow
+                log.info(
+                    "kernel cache: %s is empty: this start builds the GPU kernels (a minute or two for a "
+                    "small model); later starts on this machine read them from there",
+                    ptx,
+                )
         self.worker.start()
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)
