@@ -85,12 +85,12 @@ def _quantized(layer: nn.Module, x: mx.array, own) -> mx.array:
     if launch is not None:
         return launch(x)
     rows = math.prod(x.shape[:-1])
+    flat = x.reshape(rows, x.shape[-1])
     for most in (few_row_matmul.NARROW_MAX_ROWS, few_row_matmul.MAX_ROWS):
         if rows <= most or most > few_row_matmul.most_rows(layer["weight"].shape[0]):
             continue
         count = -(-rows // most)
         sizes = [rows // count + (i < rows % count) for i in range(count)]  # each >= most / 2
-        flat = x.reshape(rows, x.shape[-1])
         pieces = mx.split(flat, list(accumulate(sizes[:-1])), axis=0)
         launches = [_launch(layer, p, _quantized_launch) for p in pieces]
         if all(launch is not None for launch in launches):

@@ -140,15 +140,14 @@ def run_jobs(jobs: list[dict]) -> tuple[int, int]:
     return built, failed
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         os.nice(10)  # a background chore: the server's own threads come first
     except OSError:
         pass
     t0 = time.perf_counter()
-    built, failed = run_jobs(json.loads(Path(argv[0]).read_text() if argv else sys.stdin.read()))
+    built, failed = run_jobs(json.loads(sys.stdin.read()))
     print(json.dumps({"built": built, "failed": failed, "seconds": round(time.perf_counter() - t0, 2)}))
     return 0
 
