@@ -162,9 +162,14 @@ class Engine:
 
     # ---- what the server asks of any engine (engine/client.py) ----------------------------
     async def warm_up(self, prompts: list[PreparedRequest]) -> None:
+        await self.run_on_worker(self.warm_up_on_worker, prompts)
+
+    def warm_up_on_worker(self, prompts: list[PreparedRequest]) -> None:
+        """Wait for the kernel builds started beside the load (their kernels are then in the
+        cache), then warm up: on the worker thread, in this process or an engine process."""
         builds, self._prebuild = self._prebuild, []
-        await asyncio.to_thread(kernel_prebuild.wait, builds, PREBUILD_TIMEOUT_S)
-        await self.run_on_worker(self.core.warm_up, prompts)
+        kernel_prebuild.wait(builds, PREBUILD_TIMEOUT_S)
+        self.core.warm_up(prompts)
 
     def abandon(self, message: str) -> int:
         waiting, self._waiting = self._waiting, {}
@@ -191,8 +196,8 @@ class Engine:
         return self.core.cache_gauges() if self.core is not None else CacheGauges()
 
     async def stop(self) -> None:
-        for proc in self._prebuild:  # kernel builds never waited for (no warm-up): they end with the engine
-            proc.kill()
+        for build in self._prebuild:  # never waited for (no warm-up): they end with the engine
+            build.kill()
         self._prebuild = []
         if self.core is not None and self.worker.is_alive():
             try:  # a hung worker never answers: end what waits on it here instead

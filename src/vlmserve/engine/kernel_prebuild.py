@@ -5,10 +5,10 @@ bits, group size, mode and row class (its tiles take 16, 32 or 64 rows; fewer th
 another kernel), at about 30 s each with an empty kernel cache. Warm-up needs every class, so
 built one after another on the engine's thread they made up most of a first start. Each build
 depends on nothing but those settings, so small processes build them side by side, each on
-tiny arrays, into the kernel cache the engine reads (MLX_PTX_CACHE_DIR); the engine waits for
-them before its warm-up. A marker per kernel in that (MLX-versioned) cache skips the ones a
-previous run built. Anything that goes wrong here costs only time: the engine builds what is
-missing itself.
+tiny arrays, each into a directory of its own that is then filed into the kernel cache the
+engine reads (kernel_staging.py); the engine waits for them before its warm-up. A marker per
+kernel in that (MLX-versioned) cache skips the ones a previous run built. Anything that goes
+wrong here costs only time: the engine builds what is missing itself.
 
     python -m vlmserve.engine.kernel_prebuild --bits 4 --group-size 64 --mode affine --dtype bfloat16 --rows 16
 """
@@ -19,10 +19,10 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from vlmserve.engine.kernel_staging import StagedBuild, finish_all
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _marker(cache_dir: Path, dtype: str, bits: int, group: int, mode: str, rows:
     return cache_dir / "vlmserve-prebuilt" / f"qmm-{dtype}-{mode}-b{bits}-g{group}-m{rows}"
 
 
-def start(model_path: Path) -> list[subprocess.Popen]:
+def start(model_path: Path) -> list[StagedBuild]:
     """Start a build process per kernel this model's config calls for and no earlier run built;
     returns them (an empty list: nothing to build, or not possible here)."""
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
@@ -71,58 +71,29 @@ def start(model_path: Path) -> list[subprocess.Popen]:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return []
-    dtype, procs = activation_dtype(config), []
+    dtype, builds = activation_dtype(config), []
     for bits, group, mode in settings(config):
         for rows in ROW_CLASSES:
             if _marker(Path(cache), dtype, bits, group, mode, rows).exists():
                 continue
-            args = [
-                "--bits",
-                str(bits),
-                "--group-size",
-                str(group),
-                "--mode",
-                mode,
-                "--dtype",
-                dtype,
-                "--rows",
-                str(rows),
-            ]
+            args = ["--bits", str(bits), "--group-size", str(group), "--mode", mode, "--dtype", dtype]
             try:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", __name__, *args],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.PIPE,
-                    )
-                )
+                builds.append(StagedBuild(__name__, [*args, "--rows", str(rows)], Path(cache), "qmm"))
             except OSError:
                 log.warning("could not start a kernel build process", exc_info=True)
-    return procs
+    return builds
 
 
-def wait(procs: list[subprocess.Popen], timeout: float) -> None:
+def wait(builds: list[StagedBuild], timeout: float) -> None:
     """Wait for the build processes (at most `timeout` s in all; stragglers are stopped) and log the outcome."""
-    if not procs:
+    if not builds:
         return
-    t0 = time.perf_counter()
-    failed = 0
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            failed += 1
-            continue
-        if proc.returncode:
-            failed += 1
-            log.warning("a kernel build process failed: %s", (err or b"").decode(errors="replace")[-500:])
+    failed, waited = finish_all(builds, timeout)
     log.info(
         "quantized matmul kernels: %d built in parallel processes (%d failed), waited %.1f s",
-        len(procs) - failed,
+        len(builds) - failed,
         failed,
-        time.perf_counter() - t0,
+        waited,
     )
 
 

@@ -176,7 +176,7 @@ class EngineServer:
     def _call(self, call: msg.Call) -> None:
         if call.name not in CALLS:
             raise KeyError(call.name)
-        future = self.engine.worker.submit(getattr(self.engine.core, call.name), *call.args)
+        future = self.engine.worker.submit(CALLS[call.name](self.engine), *call.args)
 
         def answer(done) -> None:
             exc = done.exception()
@@ -188,8 +188,11 @@ class EngineServer:
         future.add_done_callback(answer)
 
 
-# Jobs the server may run on the worker: EngineCore's methods of these names.
-CALLS = frozenset({"warm_up", "fail_all"})
+# Jobs the server may run on the worker, by name.
+CALLS = {
+    "warm_up": lambda engine: engine.warm_up_on_worker,  # the kernel builds beside the load first
+    "fail_all": lambda engine: engine.core.fail_all,
+}
 
 
 def main(conn, config: ServerConfig) -> None:
