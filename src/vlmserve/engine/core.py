@@ -20,7 +20,7 @@ import numpy as np
 
 from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
-from vlmserve.engine.ops import kernel_disk_cache
+from vlmserve.engine.ops import kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.ops.cuda_kernels import on_cuda
 from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
@@ -100,6 +100,7 @@ class EngineCore:
         self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
         self._kernels_due: float | None = None  # when pending kernels are built under load (_kernels_overdue)
         self._kernel_seconds = 0.0
+        self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes compiled while idle (idle_work)
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
@@ -252,6 +253,8 @@ class EngineCore:
         self._note_peak(what)
         if self._kernels_overdue():
             self._build_kernel()
+        if self.kernel_builds is not None and self.kernel_builds.ready():  # a load of a second or less, once
+            self._take_built_kernels()
         took = time.perf_counter() - started
         if took >= SLOW_STEP_S:  # a step this long stalls every stream: say what it ran
             log.warning(
@@ -377,7 +380,10 @@ class EngineCore:
             memory=dict(self._memory),
             feature_queries=features.queries if features is not None else 0,
             feature_hits=features.hits if features is not None else 0,
-            warmup_pending=len(self._shapes_to_warm) + len(self._lengths_to_warm) + self.model.kernels_pending(),
+            warmup_pending=len(self._shapes_to_warm)
+            + len(self._lengths_to_warm)
+            + self.model.kernels_pending()
+            + (self.kernel_builds.pending() if self.kernel_builds is not None else 0),
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
@@ -401,8 +407,8 @@ class EngineCore:
                 jobs.append((f"warmup-len-{length}", PreparedRequest(prompt_ids=np.full(length + 1, filler, np.int32))))
             # A prompt longer than a chunk, or one continuing a cached prefix, is prefilled in pieces
             # of any row count, and kernels are picked by row class (MLX's quantized matmul on CUDA
-            # builds one per power of two from 16 to 64 rows, ~30 s each with an empty kernel
-            # cache): one prompt per class for the piece after a full chunk.
+            # has one per power of two from 16 to 64 rows; kernel_prebuild builds them, and they
+            # load here once built): one prompt per class for the piece after a full chunk.
             chunk = self.sched.prefill_chunk
             rows = 2
             while rows <= bucket and chunk + rows + 2 <= self.info.context_length:
@@ -470,14 +476,19 @@ class EngineCore:
                 )
 
     def has_idle_work(self) -> bool:
-        """Warm-up left for idle time: kernels not built yet, decode shapes not compiled yet,
-        prompt piece lengths not run yet."""
+        """Warm-up left for idle time: kernels built by side processes to take, kernels not built
+        yet, decode shapes not compiled yet, prompt piece lengths not run yet."""
+        if self.kernel_builds is not None and self.kernel_builds.ready():
+            return True
         return bool(self._shapes_to_warm or self._lengths_to_warm) or self.model.kernels_pending() > 0
 
     def idle_work(self) -> None:
-        """One piece of the warm-up left for idle time: build one kernel, else compile one decode
-        shape (a second or so each on CUDA), else run one prompt piece length; a request that
-        arrives meanwhile waits for it."""
+        """One piece of the warm-up left for idle time: take the kernels side processes built,
+        else build one kernel, else compile one decode shape (a second or so each on CUDA), else
+        run one prompt piece length; a request that arrives meanwhile waits for it."""
+        if self.kernel_builds is not None and self.kernel_builds.ready():
+            self._take_built_kernels()
+            return
         if self.model.kernels_pending():
             self._build_kernel()
             return
@@ -537,6 +548,21 @@ class EngineCore:
             self.runner.batches.retrace()
             self._kernels_due = None
             log.info("decode kernels built and checked in %.1f s", self._kernel_seconds)
+
+    def _take_built_kernels(self) -> None:
+        """Load one setting's kernels the side processes built; the layers that ran dequantized
+        meanwhile take them from the next step on (decode steps traced meanwhile trace again)."""
+        builds = self.kernel_builds
+        try:
+            setting = builds.take_one()
+        except Exception:  # noqa: BLE001 - that setting stays dequantized, as if its build had failed
+            log.warning("loading built quantized matmul kernels failed; those layers stay dequantized", exc_info=True)
+            setting = None
+        if setting is not None:
+            many_row_dequantized.release(setting)
+            self.runner.batches.retrace()
+        if not builds.pending():
+            self.kernel_builds = None
 
     def _kernels_overdue(self) -> bool:
         """Kernels still unbuilt KERNEL_GRACE_S after warm-up: a server busy since then gets no

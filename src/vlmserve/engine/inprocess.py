@@ -17,7 +17,7 @@ from vlmserve.cuda_graphs import choose_cuda_graphs
 from vlmserve.engine import kernel_prebuild
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
-from vlmserve.engine.ops import cuda_kernels
+from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.thread_guard import GUARD
@@ -37,7 +37,7 @@ from vlmserve.protocol import (
 
 log = logging.getLogger(__name__)
 
-PREBUILD_TIMEOUT_S = 240.0  # the kernel build processes past this are stopped; warm-up builds the rest
+PREBUILD_TIMEOUT_S = 240.0  # the kernel build processes past this are stopped (see kernel_prebuild)
 
 
 def _worker_unavailable() -> EngineError:
@@ -86,6 +86,9 @@ class Engine:
             self._prebuild = kernel_prebuild.start(self.model_path)
             if self._prebuild:
                 log.info("building %d quantized matmul kernels in parallel processes", len(self._prebuild))
+                # Until they are built, layers many_row_dequantized serves run dequantized (from the
+                # load's probes on); _load_on_worker lets go of what it does not serve.
+                many_row_dequantized.hold({b.setting for b in self._prebuild if b.mode == "affine"})
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await self.run_on_worker(self._load_on_worker)
 
@@ -95,8 +98,26 @@ class Engine:
             GUARD.watch_model(core.model.model)
         self.info = core.info
         core.flush_events = self._flush
+        self._build_in_background(core)
         self.core = core
         self.worker.core = core
+
+    def _build_in_background(self, core: EngineCore) -> None:
+        """Hand the kernel builds whose layers run dequantized meanwhile to the worker, which takes
+        their kernels as they come (kernel_prebuild.Background); the rest are waited for before warm-up."""
+        serves = many_row_dequantized.installed(core.model.model)
+        later = [b for b in self._prebuild if serves and b.setting in many_row_dequantized.held()]
+        self._prebuild = [b for b in self._prebuild if b not in later]
+        for b in self._prebuild:
+            many_row_dequantized.release(b.setting)
+        if later:
+            core.kernel_builds = kernel_prebuild.Background(later, PREBUILD_TIMEOUT_S)
+            log.info(
+                "%d quantized matmul kernels build in the background; until they are built, quantized "
+                "layers run dequantized over %d rows or more",
+                len(later),
+                many_row_dequantized.QMM_MIN_ROWS,
+            )
 
     @property
     def healthy(self) -> bool:
@@ -165,8 +186,9 @@ class Engine:
         await self.run_on_worker(self.warm_up_on_worker, prompts)
 
     def warm_up_on_worker(self, prompts: list[PreparedRequest]) -> None:
-        """Wait for the kernel builds started beside the load (their kernels are then in the
-        cache), then warm up: on the worker thread, in this process or an engine process."""
+        """Wait for the kernel builds started beside the load that nothing serves without (their
+        kernels are then in the cache), then warm up: on the worker thread, in this process or
+        an engine process."""
         builds, self._prebuild = self._prebuild, []
         kernel_prebuild.wait(builds, PREBUILD_TIMEOUT_S)
         self.core.warm_up(prompts)
@@ -205,5 +227,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - timed out, or the worker is gone
                 self.abandon("the server is shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
+        if self.core is not None and self.core.kernel_builds is not None:  # the worker took them; it has stopped
+            self.core.kernel_builds.stop()
         if self.config.thread_guard and self.worker.ident is not None:
             GUARD.release(self.worker.ident)

@@ -1,14 +1,17 @@
-"""Build MLX's quantized-matmul kernels in parallel processes while the engine loads.
+"""Build MLX's quantized-matmul kernels in parallel processes while the engine loads and serves.
 
 On CUDA, MLX compiles its quantized matmul at first use, one kernel per activation dtype,
 bits, group size, mode and row class (its tiles take 16, 32 or 64 rows; fewer than 8 rows take
-another kernel), at about 30 s each with an empty kernel cache. Warm-up needs every class, so
-built one after another on the engine's thread they made up most of a first start. Each build
-depends on nothing but those settings, so small processes build them side by side, each on
-tiny arrays, each into a directory of its own that is then filed into the kernel cache the
-engine reads (kernel_staging.py); the engine waits for them before its warm-up. A marker per
-kernel in that (MLX-versioned) cache skips the ones a previous run built. Anything that goes
-wrong here costs only time: the engine builds what is missing itself.
+a matrix-vector kernel compiled into MLX), at about 30 s each with an empty kernel cache. Each
+build depends on nothing but those settings, so small processes build them side by side, each
+on tiny arrays, each into a directory of its own that is then filed into the kernel cache the
+engine reads (kernel_staging.py). A marker per kernel in that (MLX-versioned) cache skips the
+ones a previous run built.
+
+The engine does not wait for builds of the settings whose layers many_row_dequantized.py
+serves: until a setting's builds are done, those layers run on their dequantized weight
+(`hold`), and the worker takes the kernels in between steps (`Background`). It waits for the
+others before its warm-up. Anything that goes wrong here costs only time.
 
     python -m vlmserve.engine.kernel_prebuild --bits 4 --group-size 64 --mode affine --dtype bfloat16 --rows 16
 """
@@ -20,13 +23,15 @@ import json
 import logging
 import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from vlmserve.engine.kernel_staging import StagedBuild, finish_all
 
 log = logging.getLogger(__name__)
 
-ROW_CLASSES = (1, 16, 32, 64)  # one row (decode), then each tile height of the matmul kernel
+ROW_CLASSES = (16, 32, 64)  # each tile height of the matmul kernel
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
@@ -61,7 +66,29 @@ def _marker(cache_dir: Path, dtype: str, bits: int, group: int, mode: str, rows:
     return cache_dir / "vlmserve-prebuilt" / f"qmm-{dtype}-{mode}-b{bits}-g{group}-m{rows}"
 
 
-def start(model_path: Path) -> list[StagedBuild]:
+@dataclass
+class KernelBuild:
+    """One build process: the kernel of (bits, group size, mode) at `rows` for `dtype` activations."""
+
+    bits: int
+    group: int
+    mode: str
+    dtype: str
+    rows: int
+    staged: StagedBuild
+
+    @property
+    def setting(self) -> tuple[int, int]:
+        return self.bits, self.group
+
+    def finish(self, timeout: float) -> bool:
+        return self.staged.finish(timeout)
+
+    def kill(self) -> None:
+        self.staged.kill()
+
+
+def start(model_path: Path) -> list[KernelBuild]:
     """Start a build process per kernel this model's config calls for and no earlier run built;
     returns them (an empty list: nothing to build, or not possible here)."""
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
@@ -78,13 +105,15 @@ def start(model_path: Path) -> list[StagedBuild]:
                 continue
             args = ["--bits", str(bits), "--group-size", str(group), "--mode", mode, "--dtype", dtype]
             try:
-                builds.append(StagedBuild(__name__, [*args, "--rows", str(rows)], Path(cache), "qmm"))
+                staged = StagedBuild(__name__, [*args, "--rows", str(rows)], Path(cache), "qmm")
             except OSError:
                 log.warning("could not start a kernel build process", exc_info=True)
+            else:
+                builds.append(KernelBuild(bits, group, mode, dtype, rows, staged))
     return builds
 
 
-def wait(builds: list[StagedBuild], timeout: float) -> None:
+def wait(builds: list[KernelBuild], timeout: float) -> None:
     """Wait for the build processes (at most `timeout` s in all; stragglers are stopped) and log the outcome."""
     if not builds:
         return
@@ -95,6 +124,69 @@ def wait(builds: list[StagedBuild], timeout: float) -> None:
         failed,
         waited,
     )
+
+
+class Background:
+    """Builds the engine does not wait for. Their settings' layers run dequantized meanwhile
+    (many_row_dequantized.hold, done by the caller); once every build of a setting has exited,
+    the worker files its kernels, loads each (a tiny matmul reads it from the cache) and lets
+    the quantized matmul serve again. A setting whose build failed or ran past `timeout` stays
+    dequantized: its kernels are never compiled on the request path."""
+
+    def __init__(self, builds: list[KernelBuild], timeout: float):
+        self.timeout = timeout
+        self._by_setting: dict[tuple[int, int], list[KernelBuild]] = {}
+        for b in builds:
+            self._by_setting.setdefault(b.setting, []).append(b)
+
+    def pending(self) -> int:
+        """Settings not taken yet."""
+        return len(self._by_setting)
+
+    def _due(self, builds: list[KernelBuild]) -> bool:
+        return all(b.staged.done() or time.monotonic() - b.staged.started > self.timeout for b in builds)
+
+    def ready(self) -> bool:
+        """Whether a setting's builds are all over (`take_one` has work)."""
+        return any(self._due(builds) for builds in self._by_setting.values())
+
+    def take_one(self) -> tuple[int, int] | None:
+        """On the MLX thread: file and load one finished setting's kernels; returns the setting
+        if they now serve, None if it stays dequantized (or none was finished)."""
+        setting = next((s for s, builds in self._by_setting.items() if self._due(builds)), None)
+        if setting is None:
+            return None
+        builds = self._by_setting.pop(setting)
+        took = max(time.monotonic() - b.staged.started for b in builds)
+        # Ended ones only have their output read; one past the timeout is stopped.
+        failed = sum(not b.finish(10.0 if b.staged.done() else 0.0) for b in builds)
+        if failed:
+            log.warning(
+                "quantized matmul kernels for %d-bit, group %d: %d of %d builds failed or timed out; "
+                "those layers keep running dequantized over 8 rows or more",
+                *setting,
+                failed,
+                len(builds),
+            )
+            return None
+        t0 = time.perf_counter()
+        for b in builds:
+            build(b.bits, b.group, b.mode, b.dtype, b.rows)
+        log.info(
+            "quantized matmul kernels for %d-bit, group %d: %d built in parallel processes in %.1f s, "
+            "loaded in %.2f s; they serve from now on",
+            *setting,
+            len(builds),
+            took,
+            time.perf_counter() - t0,
+        )
+        return setting
+
+    def stop(self) -> None:
+        for builds in self._by_setting.values():
+            for b in builds:
+                b.kill()
+        self._by_setting.clear()
 
 
 def build(bits: int, group: int, mode: str, dtype: str, rows: int) -> None:

@@ -78,6 +78,7 @@ class StagedBuild:
 
     def __init__(self, module: str, args: list[str], shared: Path, tag: str):
         self.shared = shared
+        self.started = time.monotonic()
         self.private = make_private(shared, tag)
         env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.private))
         try:
@@ -87,6 +88,10 @@ class StagedBuild:
         except OSError:
             self.discard()
             raise
+
+    def done(self) -> bool:
+        """Whether the process has exited (`finish` then returns at once)."""
+        return self.proc.poll() is not None
 
     def finish(self, timeout: float) -> bool:
         """Wait up to `timeout` s (then stop it); publish what a successful run built. True: it succeeded."""

@@ -40,9 +40,11 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         noted=[],
         _kernels_due=None,
         _kernel_seconds=0.0,
+        kernel_builds=None,
     )
     core._note_peak = core.noted.append
     core._build_kernel = lambda: EngineCore._build_kernel(core)
+    core._take_built_kernels = lambda: EngineCore._take_built_kernels(core)
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     return core, EngineCore
 
@@ -120,3 +122,41 @@ def test_kernels_left_past_the_grace_period_are_due_even_without_an_idle_turn():
     assert engine_core._kernels_overdue(core)
     engine_core._build_kernel(core)
     assert not engine_core._kernels_overdue(core) and core._kernels_due is None
+
+
+class _Background:
+    """kernel_prebuild.Background's stand-in: settings whose builds have ended, taken in order
+    (None: that one failed and stays dequantized)."""
+
+    def __init__(self, ended, log):
+        self.ended, self.log = list(ended), log
+
+    def pending(self):
+        return len(self.ended)
+
+    def ready(self):
+        return bool(self.ended)
+
+    def take_one(self):
+        setting = self.ended.pop(0)
+        self.log.append(("took", setting))
+        return setting
+
+
+def test_kernels_side_processes_built_are_taken_first_and_their_layers_leave_the_dequantized_path():
+    from vlmserve.engine.ops import many_row_dequantized
+
+    log = []
+    core, engine_core = _core(lambda rows, width: log.append(("shape", rows)) or True, kernels=["k"], log=log)
+    core.kernel_builds = _Background([(4, 64), None], log)
+    many_row_dequantized.hold({(4, 64), (8, 64)})
+    try:
+        engine_core.idle_work(core)
+        assert log == [("took", (4, 64)), "retrace"] and many_row_dequantized.held() == {(8, 64)}
+        engine_core.idle_work(core)  # a failed setting: nothing to retrace, and it stays held
+        assert log[2:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
+        assert core.kernel_builds is None  # all taken
+        engine_core.idle_work(core)
+        assert log[3:] == ["k", "retrace"]  # then the model's own kernels, as before
+    finally:
+        many_row_dequantized.release((8, 64))

@@ -39,7 +39,7 @@ def tied_logits(embedding: nn.Module, h: mx.array) -> mx.array:
         launch = _launch(embedding, h, _dense_launch)
         if launch is not None:
             return launch(h)
-    if type(embedding) is nn.QuantizedEmbedding:
+    if isinstance(embedding, nn.QuantizedEmbedding):  # many_row_dequantized's subclass too
         return _quantized(embedding, h, embedding.as_linear)
     return embedding.as_linear(h)
 

@@ -12,6 +12,12 @@ The outputs differ from MLX's quantized matmul by rounding only (the same dequan
 summed in another order); installed on CUDA only, where no test compares them to mlx_vlm's
 bit for bit.
 
+While MLX's quantized matmul kernels for a setting (bits, group size) are still being built by
+side processes after a first start (engine/kernel_prebuild.py: ~30 s each with an empty kernel
+cache), calls of 8 rows or more that would take them run dequantized too (`hold`, `release`):
+no request waits for that build. Fewer rows take MLX's quantized matrix-vector kernel, which
+is compiled into MLX.
+
 The weight is dequantized by a kernel of its own where vlmserve's CUDA kernels run (4 or 8 bits,
 bf16 or fp16 scales): each thread turns one 32-bit word of codes into 8 or 4 weights, written
 in one 16- or 8-byte store, computing scale * q + bias in float32 and rounding once.
@@ -27,6 +33,32 @@ import mlx.nn as nn
 from vlmserve.engine.ops import cuda_kernels
 
 MIN_ROWS = 256  # below this the quantized matmul is as fast (and decode steps stay quantized)
+QMM_MIN_ROWS = 8  # from here MLX's quantized matmul takes its compiled-at-first-use kernel
+
+# (bits, group size) whose MLX quantized matmul kernels are not built yet: see the docstring.
+_UNBUILT: set[tuple[int, int]] = set()
+
+
+def hold(settings) -> None:
+    """Run calls of QMM_MIN_ROWS rows or more dequantized for these (bits, group size) settings."""
+    _UNBUILT.update(settings)
+
+
+def release(setting: tuple[int, int]) -> None:
+    """MLX's kernels for this setting are built: its quantized matmul serves again."""
+    _UNBUILT.discard(setting)
+
+
+def held() -> frozenset[tuple[int, int]]:
+    return frozenset(_UNBUILT)
+
+
+def _dequantized(layer: nn.Module, x: mx.array) -> bool:
+    """Whether layer(x) runs on the dequantized weight."""
+    rows = math.prod(x.shape[:-1])
+    if rows >= MIN_ROWS:
+        return True
+    return bool(_UNBUILT) and rows >= QMM_MIN_ROWS and (layer.bits, layer.group_size) in _UNBUILT
 
 
 class ManyRowDequantizedLinear(nn.QuantizedLinear):
@@ -34,12 +66,22 @@ class ManyRowDequantizedLinear(nn.QuantizedLinear):
     computes calls over MIN_ROWS rows or more with its weight dequantized."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if math.prod(x.shape[:-1]) < MIN_ROWS:
+        if not _dequantized(self, x):
             return super().__call__(x)
         y = x @ dequantize(self).astype(x.dtype).T
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+class ManyRowDequantizedEmbedding(nn.QuantizedEmbedding):
+    """An nn.QuantizedEmbedding whose `as_linear` (the logits of a model whose output layer is its
+    token embedding) is computed as ManyRowDequantizedLinear's calls are."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _dequantized(self, x):
+            return super().as_linear(x)
+        return x @ dequantize(self).astype(x.dtype).T
 
 
 _DEQUANTIZE = """
@@ -95,11 +137,20 @@ def dequantize(layer: nn.Module) -> mx.array:
     )[0]
 
 
+_SWAPS = {nn.QuantizedLinear: ManyRowDequantizedLinear, nn.QuantizedEmbedding: ManyRowDequantizedEmbedding}
+
+
 def install(module: nn.Module) -> int:
-    """Swap every affine-quantized linear layer under `module`; returns how many."""
+    """Swap every affine-quantized linear layer and embedding under `module`; returns how many."""
     count = 0
     for _, layer in module.named_modules():
-        if type(layer) is nn.QuantizedLinear and getattr(layer, "mode", "affine") == "affine":
-            layer.__class__ = ManyRowDequantizedLinear
+        swap = _SWAPS.get(type(layer))
+        if swap is not None and getattr(layer, "mode", "affine") == "affine":
+            layer.__class__ = swap
             count += 1
     return count
+
+
+def installed(module: nn.Module) -> bool:
+    """Whether `install` swapped any layer under `module`."""
+    return any(type(layer) in _SWAPS.values() for _, layer in module.named_modules())

@@ -44,6 +44,62 @@ def test_many_rows_dequantize_few_rows_stay_quantized():
     np.testing.assert_allclose(many, many_ref, rtol=1e-4, atol=1e-4)  # the same values as quantized
 
 
+def test_while_a_settings_kernels_are_built_its_calls_of_8_rows_or_more_run_dequantized():
+    """many_row_dequantized.hold: a layer and a tied output embedding of a held (bits, group) run
+    8 rows or more on the dequantized weight, fewer rows on MLX's quantized matmul; a setting not
+    held, and the held one once released, take the quantized matmul again."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import many_row_dequantized
+
+        mx.random.seed(1)
+        layer = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+        embedding = nn.QuantizedEmbedding(96, 128, group_size=64, bits=4)
+        reference = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
+        reference.update(layer.parameters())
+        tied = nn.QuantizedEmbedding(96, 128, group_size=64, bits=4)
+        tied.update(embedding.parameters())
+        assert many_row_dequantized.install(nn.Sequential(layer, embedding)) == 2
+        assert isinstance(embedding, nn.QuantizedEmbedding)
+
+        def dense(module, x):
+            w = mx.dequantize(module["weight"], module["scales"], module["biases"], group_size=64, bits=4)
+            return np.array(x @ w.T)
+
+        rows8, rows7 = mx.random.normal((1, 8, 128)), mx.random.normal((7, 128))
+        out, dequantized, own = {}, [], many_row_dequantized.dequantize
+        # On the CPU both paths give the same bits: count which one ran.
+        many_row_dequantized.dequantize = lambda module: dequantized.append(module) or own(module)
+        try:
+            many_row_dequantized.hold({(8, 64)})
+            out["other setting held"] = np.array(layer(rows8)), np.array(reference(rows8))
+            many_row_dequantized.hold({(4, 64)})
+            out["held, 8 rows"] = np.array(layer(rows8)), dense(layer, rows8)
+            out["held, 7 rows"] = np.array(layer(rows7)), np.array(reference(rows7))
+            out["held, tied, 8 rows"] = np.array(embedding.as_linear(rows8)), dense(embedding, rows8)
+            out["held, tied, 7 rows"] = np.array(embedding.as_linear(rows7)), np.array(tied.as_linear(rows7))
+            many_row_dequantized.release((4, 64))
+            out["released, 8 rows"] = np.array(layer(rows8)), np.array(reference(rows8))
+            out["released, tied, 8 rows"] = np.array(embedding.as_linear(rows8)), np.array(tied.as_linear(rows8))
+            out["still held"] = many_row_dequantized.held()
+            out["dequantized"] = [type(m).__name__ for m in dequantized]
+        finally:
+            many_row_dequantized.dequantize = own
+            many_row_dequantized.release((4, 64))
+            many_row_dequantized.release((8, 64))
+        return out
+
+    out = on_own_thread(work)
+    assert out.pop("still held") == frozenset({(8, 64)})
+    # Only the held setting's calls of 8 rows: the layer's, then the tied embedding's.
+    assert out.pop("dequantized") == ["ManyRowDequantizedLinear", "ManyRowDequantizedEmbedding"]
+    for what, (got, expected) in out.items():
+        assert np.array_equal(got, expected), what
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_dequantize_kernel_gives_mlxs_weights(dtype):
