@@ -40,7 +40,6 @@ WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
 IDLE_PIECE_MAX_S = 0.25  # idle warm-up runs no prompt piece longer than this (an arriving request waits)
-KERNEL_GRACE_S = 30.0  # kernels left for idle time are built between busy steps after this
 
 
 def _pixel_shapes(prepared: PreparedRequest) -> list[tuple[int, ...]]:
@@ -98,7 +97,6 @@ class EngineCore:
         self._memory: dict[str, int] = {}  # MLX's memory figures, read on the worker (step_memory)
         self._memory_read = 0.0
         self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
-        self._kernels_due: float | None = None  # when pending kernels are built under load (_kernels_overdue)
         self._kernel_seconds = 0.0
         self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes compiled while idle (idle_work)
@@ -251,8 +249,6 @@ class EngineCore:
             )
 
         self._note_peak(what)
-        if self._kernels_overdue():
-            self._build_kernel()
         if self.kernel_builds is not None and self.kernel_builds.ready():  # a load of a second or less, once
             self._take_built_kernels()
         took = time.perf_counter() - started
@@ -448,20 +444,7 @@ class EngineCore:
                 cached.found,
                 cached.queued,
             )
-        if self.model.kernels_pending():
-            log.info(
-                "%d decode kernels to build while idle (until then, MLX's ops serve)", self.model.kernels_pending()
-            )
-            self._kernels_due = time.monotonic() + KERNEL_GRACE_S
-        capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
-        # Bounded whatever --max-num-seqs is: bigger batches and longer rows are traced when they
-        # come, on their second step (DecodeSteps). These are traced after /ready, while idle.
-        self._shapes_to_warm = self.runner.batches.shapes_to_warm(min(self.sched.max_num_seqs, WARM_SLOTS), capacity)
-        if self._shapes_to_warm:
-            log.info(
-                "%d decode shapes to compile while idle (until then, steps of those shapes run eagerly)",
-                len(self._shapes_to_warm),
-            )
+        self._warm_decode(min(self.sched.max_num_seqs, WARM_SLOTS))
         # On CUDA a padded length's first run costs tens of ms (the matmuls' setup per shape);
         # elsewhere nothing measured does, and the forwards would only keep the worker busy.
         if on_cuda() and self.model.prefills_pieces and prompts:
@@ -474,6 +457,37 @@ class EngineCore:
                     self._lengths_to_warm[0],
                     self._lengths_to_warm[-1],
                 )
+
+    def _warm_decode(self, rows: int) -> None:
+        """Build and check the decode step's kernels, then trace the compiled step at every row
+        bucket up to `rows` and every KV width prompts of two prefill chunks take: before ready,
+        as on a first start each costs seconds of compiling that every stream would wait for.
+        vlmserve's kernels among them compile side by side in build processes (queued at load
+        for the checks, by a trace that is not run for the steps), and are then read from the
+        kernel cache; MLX's own fused kernels compile here. Bounded whatever --max-num-seqs is:
+        bigger batches and longer rows are traced when they come, on their second step."""
+        t0 = time.perf_counter()
+        filer = kernel_disk_cache.filer()
+        if self.model.kernels_pending():
+            if filer is not None:
+                filer.flush()
+            while self.model.kernels_pending():
+                self._build_kernel()
+        capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
+        shapes = self.runner.batches.shapes_to_warm(rows, capacity)
+        if not shapes:
+            return
+        try:
+            if filer is not None:
+                for n, width in shapes:
+                    self.runner.batches.note_builds(n, width)
+                filer.flush()
+        except Exception:  # noqa: BLE001 - only a head start: the traces below build what is missing
+            log.warning("queueing the decode step's kernel builds failed", exc_info=True)
+        self._shapes_to_warm = shapes
+        while self._shapes_to_warm:
+            self._warm_next_shape()
+        log.info("decode step: kernels checked and %d shapes compiled in %.1f s", len(shapes), time.perf_counter() - t0)
 
     def has_idle_work(self) -> bool:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built
@@ -495,6 +509,10 @@ class EngineCore:
         if not self._shapes_to_warm:
             self._warm_piece_length()
             return
+        self._warm_next_shape()
+
+    def _warm_next_shape(self) -> None:
+        """Trace the compiled decode step at the next shape to warm."""
         rows, width = self._shapes_to_warm[0]  # taken off once compiled: warmup_pending counts it meanwhile
         t0 = time.perf_counter()
         try:
@@ -506,7 +524,7 @@ class EngineCore:
         self._shapes_to_warm.pop(0)
         if traced:
             log.info(
-                "compiled the decode step for %d rows x %d blocks while idle in %.2f s (%d to go)",
+                "compiled the decode step for %d rows x %d blocks in %.2f s (%d to go)",
                 rows,
                 width,
                 time.perf_counter() - t0,
@@ -546,12 +564,13 @@ class EngineCore:
         self._kernel_seconds += time.perf_counter() - t0
         if not self.model.kernels_pending():
             self.runner.batches.retrace()
-            self._kernels_due = None
             log.info("decode kernels built and checked in %.1f s", self._kernel_seconds)
 
     def _take_built_kernels(self) -> None:
         """Load one setting's kernels the side processes built; the layers that ran dequantized
-        meanwhile take them from the next step on (decode steps traced meanwhile trace again)."""
+        meanwhile take them from the next prompt on. Compiled decode steps are not traced again
+        (that would compile on the request path): their linear layers run the few-row kernels,
+        and one that does not keeps the dequantized weight it was traced with."""
         builds = self.kernel_builds
         try:
             setting = builds.take_one()
@@ -560,14 +579,8 @@ class EngineCore:
             setting = None
         if setting is not None:
             many_row_dequantized.release(setting)
-            self.runner.batches.retrace()
         if not builds.pending():
             self.kernel_builds = None
-
-    def _kernels_overdue(self) -> bool:
-        """Kernels still unbuilt KERNEL_GRACE_S after warm-up: a server busy since then gets no
-        idle turn, so steps build them one at a time (a pause of a second or so each, once)."""
-        return self._kernels_due is not None and time.monotonic() >= self._kernels_due  # cleared after the last
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken

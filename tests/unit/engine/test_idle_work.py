@@ -38,12 +38,12 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         ),
         model=_Model(kernels, log, fail),
         noted=[],
-        _kernels_due=None,
         _kernel_seconds=0.0,
         kernel_builds=None,
     )
     core._note_peak = core.noted.append
     core._build_kernel = lambda: EngineCore._build_kernel(core)
+    core._warm_next_shape = lambda: EngineCore._warm_next_shape(core)
     core._take_built_kernels = lambda: EngineCore._take_built_kernels(core)
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     return core, EngineCore
@@ -111,19 +111,6 @@ def test_a_kernel_that_fails_to_build_is_skipped_and_the_rest_go_on(caplog):
     assert log == ["mlp", "retrace"] and "nvrtc refused qkv" in caplog.text
 
 
-def test_kernels_left_past_the_grace_period_are_due_even_without_an_idle_turn():
-    import time
-
-    core, engine_core = _core(lambda rows, width: True, ["qkv"])
-    assert not engine_core._kernels_overdue(core)  # no warm-up has set a deadline
-    core._kernels_due = time.monotonic() + 60
-    assert not engine_core._kernels_overdue(core)
-    core._kernels_due = time.monotonic() - 1
-    assert engine_core._kernels_overdue(core)
-    engine_core._build_kernel(core)
-    assert not engine_core._kernels_overdue(core) and core._kernels_due is None
-
-
 class _Background:
     """kernel_prebuild.Background's stand-in: settings whose builds have ended, taken in order
     (None: that one failed and stays dequantized)."""
@@ -152,11 +139,30 @@ def test_kernels_side_processes_built_are_taken_first_and_their_layers_leave_the
     many_row_dequantized.hold({(4, 64), (8, 64)})
     try:
         engine_core.idle_work(core)
-        assert log == [("took", (4, 64)), "retrace"] and many_row_dequantized.held() == {(8, 64)}
-        engine_core.idle_work(core)  # a failed setting: nothing to retrace, and it stays held
-        assert log[2:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
+        assert log == [("took", (4, 64))] and many_row_dequantized.held() == {(8, 64)}
+        engine_core.idle_work(core)  # a failed setting stays held
+        assert log[1:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
         assert core.kernel_builds is None  # all taken
         engine_core.idle_work(core)
-        assert log[3:] == ["k", "retrace"]  # then the model's own kernels, as before
+        assert log[2:] == ["k", "retrace"]  # then the model's own kernels, as before
     finally:
         many_row_dequantized.release((8, 64))
+
+
+def test_warm_up_checks_the_decode_kernels_then_compiles_every_warm_shape_with_their_builds_filed_first(monkeypatch):
+    """Before ready: the builds queued at load are filed, then the kernels are checked (reading
+    them), then each warm shape is traced unrun (queueing its builds), those are filed, and only
+    then is each shape compiled."""
+    from vlmserve.engine.ops import kernel_disk_cache
+
+    log = []
+    core, engine_core = _core(lambda rows, width: log.append(("compile", rows)) or True, ["qkv", "mlp"], log)
+    core._shapes_to_warm = []
+    core.runner.batches.shapes_to_warm = lambda rows, capacity: [(n, 32) for n in (1, 2, 4) if n <= rows]
+    core.runner.batches.note_builds = lambda rows, width: log.append(("note", rows))
+    core.info = SimpleNamespace(context_length=4096)
+    core.sched = SimpleNamespace(prefill_chunk=512)
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: SimpleNamespace(flush=lambda: log.append("flush")))
+    engine_core._warm_decode(core, 2)
+    assert log == ["flush", "qkv", "mlp", "retrace", ("note", 1), ("note", 2), "flush", ("compile", 1), ("compile", 2)]
+    assert core._shapes_to_warm == [] and not engine_core.has_idle_work(core)

@@ -280,16 +280,29 @@ def check(layer: nn.Linear, rows: int) -> bool:
     return settle(_CHECKED, _layer_setting(layer, rows), lambda: _agrees(weight, bias, rows), "few-row kernel")
 
 
-def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:
+def _check_inputs(weight: mx.array, bias: mx.array | None, rows: int):
+    """(x, weight part, bias part, launch shape) of the check at `rows`: eight blocks' features."""
     n, k = weight.shape
     shape = launch_shape(rows, n, k)
-    keep = min(n, 16 * shape[1] * 8)  # eight blocks' features
-    w, b = weight[:keep], None if bias is None else bias[:keep]
+    keep = min(n, 16 * shape[1] * 8)
     x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(weight.dtype)
+    return x, weight[:keep], None if bias is None else bias[:keep], shape
+
+
+def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:
+    x, w, b, shape = _check_inputs(weight, bias, rows)
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     if b is not None:
         ref = ref + b.astype(mx.float32)
     return agrees_with(lambda: matmul(x, w, b, shape), ref, "few-row kernel")
+
+
+def prefetch(items) -> None:
+    """Queue the builds the checks of `items` ((layer, rows), from `pending`) will take, so that
+    they compile in side processes before the checks run (kernel_disk_cache)."""
+    for layer, rows in items:
+        x, w, b, shape = _check_inputs(layer["weight"], layer.get("bias", None), rows)
+        prepare(x, w, b, shape).note(x)
 
 
 def settle(checked: dict, setting: tuple, agrees, what: str) -> bool:
@@ -337,6 +350,12 @@ class Launch:
         self.template = [("T", x.dtype), ("K", k), ("MT", mt), ("F", f), ("WARPS", warps), ("U", u), *template]
         self.grid = (n // (16 * f) * 32 * warps, 1, 1)
         self.threadgroup = (32 * warps, 1, 1)
+
+    def note(self, x: mx.array) -> None:
+        """Queue this launch's build for the kernel cache ahead of its first use (kernel_disk_cache)."""
+        note = getattr(self.kernel, "note", None)
+        if note is not None:
+            note(inputs=[x, *self.inputs], output_dtypes=[x.dtype], template=self.template)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.kernel(

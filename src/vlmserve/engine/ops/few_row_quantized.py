@@ -243,14 +243,28 @@ def _candidates(module: nn.Module):
                     yield layer, dtype, rows
 
 
-def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
-    """The kernel build this layer takes at `rows`, run on its first output features (up to eight
-    blocks' worth: N is a launch size, not part of the build), against the float32 reference."""
+def _check_inputs(layer: nn.Module, dtype: mx.Dtype, rows: int):
+    """(x, the layer cut to its first eight blocks' features, launch shape) of the check at `rows`."""
     n, k = _dims(layer)
     x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(dtype)
     shape = launch_shape(x, n, k)
     part = copy.copy(layer)
     part.update({name: v[: min(n, 16 * shape[1] * 8)] for name, v in layer.items() if isinstance(v, mx.array)})
+    return x, part, shape
+
+
+def prefetch(items) -> None:
+    """Queue the builds the checks of `items` ((layer, dtype, rows), from `pending`) will take,
+    so that they compile in side processes before the checks run (kernel_disk_cache)."""
+    for layer, dtype, rows in items:
+        x, part, shape = _check_inputs(layer, dtype, rows)
+        prepare(part, x, shape).note(x)
+
+
+def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:
+    """The kernel build this layer takes at `rows`, run on its first output features (up to eight
+    blocks' worth: N is a launch size, not part of the build), against the float32 reference."""
+    x, part, shape = _check_inputs(layer, dtype, rows)
     w = mx.dequantize(part["weight"], part["scales"], part["biases"], layer.group_size, layer.bits)
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T
     if "bias" in part:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -261,36 +262,52 @@ class _Filer:
                 self._build(jobs)
 
     def _build(self, jobs: list[dict]) -> None:
+        """Compile `jobs` in up to _PROCESSES processes side by side (a build is a second or two
+        of one core); log what was filed."""
         t0 = time.perf_counter()
-        done, result = None, {}
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "vlmserve.engine.ops.nvrtc_build"],
-                input=json.dumps(jobs),
-                capture_output=True,
-                text=True,
-                timeout=60 + 30 * len(jobs),
+        count = max(1, min(len(jobs), _PROCESSES))
+        with ThreadPoolExecutor(count) as pool:
+            outcomes = list(pool.map(_build_in_process, [jobs[i::count] for i in range(count)]))
+        built = sum(result["built"] for result, _ in outcomes if result)
+        failed = sum(result["failed"] for result, _ in outcomes if result)
+        for (result, errors), part in zip(outcomes, (jobs[i::count] for i in range(count))):
+            if not result:
+                log.warning(
+                    "could not file %d CUDA kernels in the kernel cache (each start compiles them): %s",
+                    len(part),
+                    errors,
+                )
+            elif result["failed"]:  # such kernels are compiled by MLX at each start, as before
+                log.warning("%d CUDA kernels could not be filed: %s", result["failed"], errors)
+        self.filed += built
+        if built or failed:
+            log.info(
+                "filed %d of vlmserve's CUDA kernels in the kernel cache for the next start (%d failed) in %.1f s",
+                built,
+                failed,
+                time.perf_counter() - t0,
             )
-            if done.returncode == 0:
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            pass
-        if not result:
-            log.warning(
-                "could not file %d CUDA kernels in the kernel cache (each start compiles them): %s",
-                len(jobs),
-                done.stderr[-500:] if done is not None else "the build process did not run",
-            )
-            return
-        self.filed += result["built"]
-        if result["failed"]:  # such kernels are compiled by MLX at each start, as before
-            log.warning("%d CUDA kernels could not be filed: %s", result["failed"], done.stderr[-1000:])
-        log.info(
-            "filed %d of vlmserve's CUDA kernels in the kernel cache for the next start (%d failed) in %.1f s",
-            result["built"],
-            result["failed"],
-            time.perf_counter() - t0,
+
+
+_PROCESSES = max(1, min(8, (os.cpu_count() or 2) // 2))  # build processes at once, leaving cores to the engine
+
+
+def _build_in_process(jobs: list[dict]) -> tuple[dict, str]:
+    """Run nvrtc_build on `jobs`: its summary ({} if it did not run) and the end of its stderr."""
+    done, result = None, {}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "vlmserve.engine.ops.nvrtc_build"],
+            input=json.dumps(jobs),
+            capture_output=True,
+            text=True,
+            timeout=60 + 30 * len(jobs),
         )
+        if done.returncode == 0:
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    return result, done.stderr[-1000:] if done is not None else "the build process did not run"
 
 
 _FILER: _Filer | None = None
@@ -333,11 +350,17 @@ class CachedKernel:
         self._seen: set = set()
 
     def __call__(self, *, inputs, output_dtypes, template=None, **kwargs):
+        self.note(inputs=inputs, output_dtypes=output_dtypes, template=template)
+        return self._kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
+
+    def note(self, *, inputs, output_dtypes, template=None) -> None:
+        """Queue this build for the kernel cache unless it is there or queued. Called ahead of a
+        build's first use, the build compiles in a side process meanwhile and that use reads it
+        from disk instead of compiling it on the MLX thread."""
         key = tuple(template) if template else ()
         if key not in self._seen:
             self._seen.add(key)
             self._note(inputs, output_dtypes, template or [])
-        return self._kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def _note(self, inputs, output_dtypes, template) -> None:
         target = filer()

@@ -355,6 +355,16 @@ class DecodeSteps:
             self.compiled = make_decode_step(self.model.decode, self.block_size, True)
             self.traced.clear()
 
+    def note_builds(self, pool: BlockPool, rows: int, width: int) -> None:
+        """Trace the compiled step at this shape without running it: the builds of vlmserve's
+        kernels it launches are queued for the kernel cache (kernel_disk_cache), to compile side
+        by side before `trace` runs it; MLX keeps the trace."""
+        if (rows, width, pool.keys[0].shape[0], pool.dtype) in self.traced:
+            return
+        zeros = mx.zeros((rows,), dtype=mx.int32)
+        table = mx.zeros((rows, width), dtype=mx.int32)
+        self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
+
     def trace(self, pool: BlockPool, rows: int, width: int) -> bool:
         """Trace (and on CUDA build) the compiled step at this shape (warm-up) unless it already
         is; its writes go to block 0. Returns whether it traced."""
@@ -448,6 +458,10 @@ class DecodeBatches:
         """See DecodeSteps.retrace."""
         if self.step is not None:
             self.step.retrace()
+
+    def note_builds(self, rows: int, width: int) -> None:
+        """See DecodeSteps.note_builds."""
+        self.step.note_builds(self.pool(self.model.kv_layout()[2]), rows, width)
 
     def warm_shape(self, rows: int, width: int) -> bool:
         """Trace the compiled step at this shape on the model dtype's pool, unless it already is."""

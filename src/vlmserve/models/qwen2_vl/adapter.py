@@ -79,8 +79,12 @@ class QwenVLModel(GenericModel):
         self.samples_in_prefill = self.fast_prefill and cuda_kernels.enabled()
         if self.fast_decode:  # its decode sends its linear layers to the few-row kernels
             lm = self.language_model
-            self.kernel_checks = [partial(few_row_quantized.check, *item) for item in few_row_quantized.pending(lm)]
-            self.kernel_checks += [partial(few_row_matmul.check, *item) for item in few_row_matmul.pending(lm)]
+            quantized, dense = few_row_quantized.pending(lm), few_row_matmul.pending(lm)
+            self.kernel_checks = [partial(few_row_quantized.check, *item) for item in quantized]
+            self.kernel_checks += [partial(few_row_matmul.check, *item) for item in dense]
+            # Their builds compile in side processes meanwhile; each check then reads its build from disk.
+            few_row_quantized.prefetch(quantized)
+            few_row_matmul.prefetch(dense)
 
     def pixel_dtype(self) -> str | None:
         # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast

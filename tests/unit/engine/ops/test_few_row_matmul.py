@@ -356,3 +356,56 @@ def test_the_quantized_kernel_takes_only_layers_its_loads_fit():
         ]
 
     assert on_own_thread(work) == [True, True, True, False, False, False]
+
+
+def test_a_prefetch_queues_the_very_builds_the_checks_and_decode_launches_take(monkeypatch):
+    """prefetch (at load) notes, for each pending check, the build its launch takes: the same
+    kernel and template as the check's own launch and as a decode step's launch over that many
+    rows of the whole layer (N is a launch size, not part of a build). The kernel is stood in
+    for, so this runs on any backend."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized
+
+        noted, launched = set(), set()
+
+        class Recorder:
+            def __init__(self, name):
+                self.name = name
+
+            def note(self, *, inputs, output_dtypes, template):
+                noted.add((self.name, tuple(x.dtype for x in inputs), tuple(template)))
+
+            def __call__(self, *, inputs, output_dtypes, template, **launch):
+                launched.add((self.name, tuple(x.dtype for x in inputs), tuple(template)))
+                return [mx.zeros(launch["output_shapes"][0], dtype=output_dtypes[0])]
+
+        monkeypatch.setattr(few_row_matmul, "enabled", lambda: True)
+        monkeypatch.setattr(few_row_quantized, "_CHECKED", {})
+        monkeypatch.setattr(few_row_matmul, "_CHECKED", {})
+        monkeypatch.setattr(cuda_kernels, "kernel", lambda name, *args, **kwargs: Recorder(name))
+
+        def layer(n, k, bits=None):
+            dense = nn.Linear(k, n, bias=True)
+            dense.set_dtype(mx.bfloat16)
+            return dense if bits is None else nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
+
+        model = nn.Sequential(layer(256, 512, bits=4), layer(256, 512, bits=8), layer(512, 256))
+        quantized, dense = few_row_quantized.pending(model), few_row_matmul.pending(model)
+        few_row_quantized.prefetch(quantized)
+        few_row_matmul.prefetch(dense)
+        for item in quantized:  # each check's launch, and a decode launch over all features
+            few_row_quantized._agrees(*item)
+            lay, dtype, rows = item
+            few_row_quantized.prepare(lay, x := mx.zeros((rows, 1, 512), dtype=dtype))(x)
+        for lay, rows in dense:
+            few_row_matmul._agrees(lay["weight"], lay["bias"], rows)
+            few_row_matmul.prepare(x := mx.zeros((rows, 1, 256), dtype=mx.bfloat16), lay["weight"], lay["bias"])(x)
+        return noted, launched, len(quantized), len(dense)
+
+    noted, launched, quantized, dense = on_own_thread(work)
+    assert quantized == 2 * 3 and dense == 1  # two quantized settings at three tile counts, one narrow dense
+    assert noted == launched and len(noted) == quantized + dense

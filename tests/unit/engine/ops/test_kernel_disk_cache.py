@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -329,3 +330,50 @@ def test_the_generated_source_is_what_mlx_prints():
     assert f"`{ours['name']}`" in header
     assert rest[: rest.rindex("\n```")] == ours["source"]
     assert ours["out"] == [[8.0] * 4, [2] * 4]
+
+
+def test_a_build_noted_ahead_of_its_first_use_is_queued_once_and_not_launched(filing_here):
+    kdc = filing_here
+
+    def work():
+        import mlx.core as mx
+
+        launches = []
+        kernel = kdc.CachedKernel(lambda **kw: launches.append(kw) or ["y"], "ahead", ("x",), ("out",), "out[0] = 1;")
+        x = mx.zeros((4,), dtype=mx.float32)
+        kernel.note(inputs=[x], output_dtypes=[x.dtype], template=[("N", 4)])
+        queued_by_note = len(kdc.filer()._jobs)
+        kernel(inputs=[x], output_dtypes=[x.dtype], template=[("N", 4)], output_shapes=[(4,)], grid=(1, 1, 1))
+        return len(launches), queued_by_note, len(kdc.filer()._jobs)
+
+    launches, queued_by_note, queued = on_own_thread(work)
+    assert queued_by_note == 1 and launches == 1 and queued == 1  # the launch found it queued
+
+
+def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkeypatch, caplog):
+    import threading
+
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    running, most, lock, parts = [0], [0], threading.Lock(), []
+
+    def build_in_process(jobs):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            parts.append([job["path"] for job in jobs])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return {"built": len(jobs) - (jobs[0]["path"] == "bad"), "failed": int(jobs[0]["path"] == "bad")}, "nvrtc: bad"
+
+    monkeypatch.setattr(kdc, "_PROCESSES", 3)
+    monkeypatch.setattr(kdc, "_build_in_process", build_in_process)
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
+    jobs = [{"path": p} for p in ("bad", "a", "b", "c", "d")]
+    with caplog.at_level("INFO"):
+        filer._file(jobs)
+    assert most[0] == 3 and sorted(sum(parts, [])) == sorted(job["path"] for job in jobs)
+    assert filer.filed == 4
+    assert "filed 4 of vlmserve's CUDA kernels in the kernel cache for the next start (1 failed)" in caplog.text
+    assert "1 CUDA kernels could not be filed: nvrtc: bad" in caplog.text
