@@ -484,7 +484,7 @@ class EngineCore:
                 filer.flush()
         except Exception:  # noqa: BLE001 - only a head start: the traces below build what is missing
             log.warning("queueing the decode step's kernel builds failed", exc_info=True)
-        self._shapes_to_warm = shapes
+        self._shapes_to_warm = list(shapes)
         while self._shapes_to_warm:
             self._warm_next_shape()
         log.info("decode step: kernels checked and %d shapes compiled in %.1f s", len(shapes), time.perf_counter() - t0)

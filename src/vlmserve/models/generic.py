@@ -209,6 +209,7 @@ class GenericModel:
         decode_attention.install()
         if cuda_kernels.enabled():  # elsewhere MLX's quantized matmul stays (and mlx_vlm's outputs, bit for bit)
             many_row_dequantized.install(self.model)
+            many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile
 
     def kernels_pending(self) -> int:
         """Kernel builds left for the engine's idle time (`build_next_kernel`)."""

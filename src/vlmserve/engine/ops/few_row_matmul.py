@@ -305,6 +305,21 @@ def prefetch(items) -> None:
         prepare(x, w, b, shape).note(x)
 
 
+def prefetch_served(module: nn.Module) -> None:
+    """Queue the builds a decode step's dense layers under `module` take up to MAX_ROWS rows, at
+    each tile count (served without a check, so `pending` does not name them)."""
+    if not enabled():
+        return
+    for layer in decode_layers(module):
+        if type(layer) not in (nn.Linear, nn.Embedding):  # an Embedding: tied logits (few_row_linear)
+            continue
+        weight, bias = layer["weight"], layer.get("bias", None)
+        for rows in (MIN_ROWS, MAX_ROWS):
+            x = mx.zeros((rows, 1, weight.shape[1]), dtype=weight.dtype)
+            if verdict(x, weight, bias):
+                prepare(x, weight, bias).note(x)
+
+
 def settle(checked: dict, setting: tuple, agrees, what: str) -> bool:
     """`checked[setting]`, first set to agrees() (a build and a check, once per setting)."""
     if setting not in checked:

@@ -84,6 +84,8 @@ class ManyRowDequantizedEmbedding(nn.QuantizedEmbedding):
         return x @ dequantize(self).astype(x.dtype).T
 
 
+_SWAPS = {nn.QuantizedLinear: ManyRowDequantizedLinear, nn.QuantizedEmbedding: ManyRowDequantizedEmbedding}
+
 _DEQUANTIZE = """
     constexpr int CPW = 32 / BITS;                   // codes per 32-bit word
     constexpr int WPR = K / CPW;                     // words per weight row
@@ -124,20 +126,37 @@ def dequantize(layer: nn.Module) -> mx.array:
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     if not _kernel_serves(layer):
         return mx.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits)
-    n, k = w.shape[0], w.shape[1] * 32 // layer.bits
-    kernel = cuda_kernels.kernel("vlmserve_dequantize", ("w", "scales", "biases"), _DEQUANTIZE, output_names=("y",))
-    words = w.size
+    kernel, call = _kernel_call(layer)
     return kernel(
-        inputs=[w, scales, biases],
-        template=[("T", scales.dtype), ("BITS", layer.bits), ("GS", layer.group_size), ("K", k)],
-        grid=(-(-words // _THREADS) * _THREADS, 1, 1),
+        **call,
+        grid=(-(-w.size // _THREADS) * _THREADS, 1, 1),
         threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(n, k)],
-        output_dtypes=[scales.dtype],
+        output_shapes=[(w.shape[0], w.shape[1] * 32 // layer.bits)],
     )[0]
 
 
-_SWAPS = {nn.QuantizedLinear: ManyRowDequantizedLinear, nn.QuantizedEmbedding: ManyRowDequantizedEmbedding}
+def _kernel_call(layer: nn.Module):
+    """The dequantize kernel and the arguments that name its build for this layer."""
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    kernel = cuda_kernels.kernel("vlmserve_dequantize", ("w", "scales", "biases"), _DEQUANTIZE, output_names=("y",))
+    template = [
+        ("T", scales.dtype),
+        ("BITS", layer.bits),
+        ("GS", layer.group_size),
+        ("K", w.shape[1] * 32 // layer.bits),
+    ]
+    return kernel, {"inputs": [w, scales, biases], "template": template, "output_dtypes": [scales.dtype]}
+
+
+def prefetch(module: nn.Module) -> None:
+    """Queue the dequantize kernel's build of every swapped layer under `module` for the kernel
+    cache (kernel_disk_cache): side processes compile them before the first prompt needs them."""
+    for _, layer in module.named_modules():
+        if type(layer) in _SWAPS.values() and _kernel_serves(layer):
+            kernel, call = _kernel_call(layer)
+            note = getattr(kernel, "note", None)
+            if note is not None:
+                note(**call)
 
 
 def install(module: nn.Module) -> int:

@@ -85,6 +85,7 @@ class QwenVLModel(GenericModel):
             # Their builds compile in side processes meanwhile; each check then reads its build from disk.
             few_row_quantized.prefetch(quantized)
             few_row_matmul.prefetch(dense)
+            few_row_matmul.prefetch_served(lm)
 
     def pixel_dtype(self) -> str | None:
         # get_input_embeddings casts pixels to the tower's dtype first: preprocessing ships them cast

@@ -361,8 +361,8 @@ def test_the_quantized_kernel_takes_only_layers_its_loads_fit():
 def test_a_prefetch_queues_the_very_builds_the_checks_and_decode_launches_take(monkeypatch):
     """prefetch (at load) notes, for each pending check, the build its launch takes: the same
     kernel and template as the check's own launch and as a decode step's launch over that many
-    rows of the whole layer (N is a launch size, not part of a build). The kernel is stood in
-    for, so this runs on any backend."""
+    rows of the whole layer (N is a launch size, not part of a build); prefetch_served notes the
+    dense builds served without a check. The kernel is stood in for: any backend."""
 
     def work():
         import mlx.core as mx
@@ -397,15 +397,18 @@ def test_a_prefetch_queues_the_very_builds_the_checks_and_decode_launches_take(m
         quantized, dense = few_row_quantized.pending(model), few_row_matmul.pending(model)
         few_row_quantized.prefetch(quantized)
         few_row_matmul.prefetch(dense)
+        few_row_matmul.prefetch_served(model)  # the dense layer's launches of up to 32 rows
         for item in quantized:  # each check's launch, and a decode launch over all features
             few_row_quantized._agrees(*item)
             lay, dtype, rows = item
             few_row_quantized.prepare(lay, x := mx.zeros((rows, 1, 512), dtype=dtype))(x)
         for lay, rows in dense:
             few_row_matmul._agrees(lay["weight"], lay["bias"], rows)
+        lay = model.layers[2]
+        for rows in (2, 5, 8, 9, 32, 64):  # every tile count a decode launch takes
             few_row_matmul.prepare(x := mx.zeros((rows, 1, 256), dtype=mx.bfloat16), lay["weight"], lay["bias"])(x)
         return noted, launched, len(quantized), len(dense)
 
     noted, launched, quantized, dense = on_own_thread(work)
     assert quantized == 2 * 3 and dense == 1  # two quantized settings at three tile counts, one narrow dense
-    assert noted == launched and len(noted) == quantized + dense
+    assert noted == launched and len(noted) == quantized + 3  # the dense layer at 1, 4 and 8 row tiles

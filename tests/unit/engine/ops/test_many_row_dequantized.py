@@ -100,6 +100,49 @@ def test_while_a_settings_kernels_are_built_its_calls_of_8_rows_or_more_run_dequ
         assert np.array_equal(got, expected), what
 
 
+def test_a_prefetch_queues_the_dequantize_builds_the_layers_take(monkeypatch):
+    """prefetch notes one build per setting of the swapped layers (bits, group, K, dtype), the
+    very builds their calls over many rows take. The kernel is stood in for: any backend."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
+
+        noted, launched = [], set()
+
+        class Recorder:
+            def note(self, *, inputs, output_dtypes, template):
+                noted.append(tuple(template))
+
+            def __call__(self, *, inputs, output_dtypes, template, output_shapes, **launch):
+                launched.add(tuple(template))
+                return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+
+        monkeypatch.setattr(cuda_kernels, "enabled", lambda: True)
+        monkeypatch.setattr(cuda_kernels, "kernel", lambda *args, **kwargs: Recorder())
+
+        def quantized(n, k, bits):
+            dense = nn.Linear(k, n, bias=False)
+            dense.set_dtype(mx.bfloat16)
+            return nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
+
+        embedding = nn.Embedding(64, 128)
+        embedding.set_dtype(mx.bfloat16)
+        layers = [quantized(64, 128, 4), quantized(32, 128, 4), quantized(64, 256, 8)]
+        layers.append(nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=4))
+        model = nn.Sequential(*layers)
+        many_row_dequantized.install(model)
+        many_row_dequantized.prefetch(model)
+        for layer in layers:
+            many_row_dequantized.dequantize(layer)
+        return noted, launched
+
+    noted, launched = on_own_thread(work)
+    assert len(noted) == 4 and set(noted) == launched and len(launched) == 2  # (4 bits, K 128) and (8, 256)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_dequantize_kernel_gives_mlxs_weights(dtype):
