@@ -70,7 +70,7 @@ class Metrics:
         )
         self.warmup_pending = gauge(
             "warmup_pending",
-            "Warm-up left for idle time after /ready: kernels to build, decode shapes to compile, prompt piece "
+            "Warm-up left after /ready: quantized matmul kernels building in the background, prompt piece "
             "lengths to run (0: fully warm)",
         )
         self.preemptions = gauge(

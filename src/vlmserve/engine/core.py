@@ -440,7 +440,7 @@ class EngineCore:
         cached = kernel_disk_cache.filer()
         if cached is not None and (cached.found or cached.queued):
             log.info(
-                "vlmserve's CUDA kernels: %d found in the kernel cache, %d compiled (queued for it)",
+                "vlmserve's CUDA kernels: %d found in the kernel cache, %d not (queued for side processes to file)",
                 cached.found,
                 cached.queued,
             )

@@ -211,7 +211,7 @@ class _Filer:
 
     @property
     def queued(self) -> int:
-        """Builds this process compiled that the cache lacked (queued for it)."""
+        """Builds this process noted that the cache lacked (queued for side processes to file)."""
         return len(self._queued)
 
     def note(self, module_name: str, kernel_name: str, source: str) -> None:

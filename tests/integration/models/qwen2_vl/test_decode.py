@@ -47,7 +47,8 @@ def _steps(lm, step_fn, steps: int = 3, capacity: int = 256):
 
     attn = lm.model.layers[0].self_attn
     layers = len(lm.model.layers)
-    dtype = lm.model.embed_tokens.weight.dtype
+    embed = lm.model.embed_tokens
+    dtype = embed["scales"].dtype if "scales" in embed else embed.weight.dtype  # a quantized one's weight is codes
     mx.random.seed(1)
     batch = 4
     start = [5, 40, 1, 0]  # the last row empty, as a free row is
