@@ -52,7 +52,7 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
     sleep 0.5
   done
   echo "$format $name ready after $(( $(date +%s) - t0 )) s"
-  for _ in $(seq 1 600); do  # vlmserve: until the warm-up it leaves for idle time is done (kernels, decode shapes)
+  for _ in $(seq 1 600); do  # vlmserve: until the warm-up left after ready is done (background kernels, piece lengths)
     pending=$(curl -sf "${ready%/*}/metrics" | awk '/^vlmserve:warmup_pending/ {print $2}')
     [ -z "$pending" ] || [ "${pending%.*}" = 0 ] && break
     sleep 0.5

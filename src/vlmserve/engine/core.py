@@ -99,7 +99,7 @@ class EngineCore:
         self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
         self._kernel_seconds = 0.0
         self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
-        self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes compiled while idle (idle_work)
+        self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes to compile (warm-up's end)
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
 
@@ -518,7 +518,7 @@ class EngineCore:
         try:
             traced = self.runner.batches.warm_shape(rows, width)
         except Exception:  # e.g. out of memory: those shapes are traced when traffic brings them
-            log.warning("compiling decode shapes while idle failed; they compile when first used", exc_info=True)
+            log.warning("compiling decode shapes failed; they compile when first used", exc_info=True)
             self._shapes_to_warm.clear()
             return
         self._shapes_to_warm.pop(0)

@@ -106,7 +106,7 @@ class ModelAdapter(Protocol):
         """One step for every running row; returns logits (B, V)."""
 
     def kernels_pending(self) -> int:
-        """Kernel builds left for the engine's idle time (0: none)."""
+        """Kernel builds left for the engine: warm-up runs them (0: none)."""
         ...
 
     def build_next_kernel(self) -> None:

@@ -175,7 +175,7 @@ class GenericModel:
         # off if this model's forward turns out not to take that.
         self._pieces_work = kv_caches.all_plain(caches)
         # Kernels the decode step would use, each built and checked before it is served; left
-        # for the engine's idle time (each build is ~1 s of JIT that no disk cache keeps).
+        # for the engine's warm-up (their builds are queued for side processes at load).
         self.kernel_checks: list[Callable[[], bool]] = []
         self.install_fast_paths()
         swapped = time.perf_counter()
@@ -212,7 +212,7 @@ class GenericModel:
             many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile
 
     def kernels_pending(self) -> int:
-        """Kernel builds left for the engine's idle time (`build_next_kernel`)."""
+        """Kernel builds and checks left for the engine (`build_next_kernel`): warm-up runs them."""
         return len(self.kernel_checks)
 
     def build_next_kernel(self) -> None:
