@@ -194,9 +194,10 @@ def build(bits: int, group: int, mode: str, dtype: str, rows: int) -> None:
     import mlx.core as mx
 
     k = max(512, 8 * group)  # whole groups, and at least one tile of the kernel's K
-    w = mx.random.normal((256, k)).astype(getattr(mx, dtype))
+    # Keys of its own: the engine runs this too (to load the kernel), and keeps MLX's global stream.
+    w = mx.random.normal((256, k), key=mx.random.key(0)).astype(getattr(mx, dtype))
     parts = mx.quantize(w, group_size=group, bits=bits, mode=mode)
-    x = mx.random.normal((rows, k)).astype(getattr(mx, dtype))
+    x = mx.random.normal((rows, k), key=mx.random.key(1)).astype(getattr(mx, dtype))
     biases = parts[2] if len(parts) > 2 else None
     mx.eval(mx.quantized_matmul(x, parts[0], parts[1], biases, transpose=True, group_size=group, bits=bits, mode=mode))
 
