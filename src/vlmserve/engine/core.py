@@ -100,6 +100,8 @@ class EngineCore:
         self._kernel_seconds = 0.0
         self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes to compile (warm-up's end)
+        self._warm_shapes: list[tuple[int, int]] = []  # all of them, traced again when kernels change
+        self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
 
@@ -467,16 +469,16 @@ class EngineCore:
         kernel cache; MLX's own fused kernels compile here. Bounded whatever --max-num-seqs is:
         bigger batches and longer rows are traced when they come, on their second step."""
         t0 = time.perf_counter()
-        filer = kernel_disk_cache.filer()
-        if self.model.kernels_pending():
-            if filer is not None:
-                filer.flush()
-            while self.model.kernels_pending():
-                self._build_kernel()
+        while self.kernel_builds is not None and self.kernel_builds.ready():  # traced with them, not again
+            self._take_built_kernels()
+        while self.model.kernels_pending():
+            self._build_kernel()
         capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
         shapes = self.runner.batches.shapes_to_warm(rows, capacity)
+        self._warm_shapes = list(shapes)
         if not shapes:
             return
+        filer = kernel_disk_cache.filer()
         try:
             if filer is not None:
                 for n, width in shapes:
@@ -485,9 +487,10 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - only a head start: the traces below build what is missing
             log.warning("queueing the decode step's kernel builds failed", exc_info=True)
         self._shapes_to_warm = list(shapes)
+        traced = 0
         while self._shapes_to_warm:
-            self._warm_next_shape()
-        log.info("decode step: kernels checked and %d shapes compiled in %.1f s", len(shapes), time.perf_counter() - t0)
+            traced += self._warm_next_shape()
+        log.info("decode step: kernels checked and %d shapes compiled in %.1f s", traced, time.perf_counter() - t0)
 
     def has_idle_work(self) -> bool:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built
@@ -511,8 +514,8 @@ class EngineCore:
             return
         self._warm_next_shape()
 
-    def _warm_next_shape(self) -> None:
-        """Trace the compiled decode step at the next shape to warm."""
+    def _warm_next_shape(self) -> bool:
+        """Trace the compiled decode step at the next shape to warm; returns whether it traced."""
         rows, width = self._shapes_to_warm[0]  # taken off once compiled: warmup_pending counts it meanwhile
         t0 = time.perf_counter()
         try:
@@ -520,7 +523,7 @@ class EngineCore:
         except Exception:  # e.g. out of memory: those shapes are traced when traffic brings them
             log.warning("compiling decode shapes failed; they compile when first used", exc_info=True)
             self._shapes_to_warm.clear()
-            return
+            return False
         self._shapes_to_warm.pop(0)
         if traced:
             log.info(
@@ -531,6 +534,7 @@ class EngineCore:
                 len(self._shapes_to_warm),
             )
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")
+        return traced
 
     def _warm_piece_length(self) -> None:
         """Run the shortest piece length not run yet. Longer ones take longer, and a request that
@@ -555,8 +559,14 @@ class EngineCore:
 
     def _build_kernel(self) -> None:
         """Build and check one of the model's pending kernels; after the last, decode steps traced
-        meanwhile trace again, now with them."""
+        meanwhile trace again, now with them. Before the first, the builds queued for side
+        processes at load are waited for: the checks then read them from the kernel cache."""
         t0 = time.perf_counter()
+        if not self._kernels_filed:
+            self._kernels_filed = True
+            filer = kernel_disk_cache.filer()
+            if filer is not None:
+                filer.flush()
         try:
             self.model.build_next_kernel()
         except Exception:  # the op it would replace keeps serving
@@ -567,18 +577,21 @@ class EngineCore:
             log.info("decode kernels built and checked in %.1f s", self._kernel_seconds)
 
     def _take_built_kernels(self) -> None:
-        """Load one setting's kernels the side processes built; the layers that ran dequantized
-        meanwhile take them from the next prompt on. Compiled decode steps are not traced again
-        (that would compile on the request path): their linear layers run the few-row kernels,
-        and one that does not keeps the dequantized weight it was traced with."""
+        """Load one setting's kernels the side processes built: the layers that ran dequantized
+        meanwhile take them from the next call on. A compiled decode step keeps what it was traced
+        with, so the step traces again (the warm shapes while idle, others on their second step):
+        tens of ms a shape, as every kernel is loaded by then."""
         builds = self.kernel_builds
         try:
-            setting = builds.take_one()
+            taken = builds.take_one()
         except Exception:  # noqa: BLE001 - that setting stays dequantized, as if its build had failed
             log.warning("loading built quantized matmul kernels failed; those layers stay dequantized", exc_info=True)
-            setting = None
-        if setting is not None:
-            many_row_dequantized.release(setting)
+            taken = None
+        if taken is not None:
+            setting, dtype = taken
+            many_row_dequantized.release(setting, getattr(mx, dtype))
+            self.runner.batches.retrace()
+            self._shapes_to_warm = list(self._warm_shapes)
         if not builds.pending():
             self.kernel_builds = None
 

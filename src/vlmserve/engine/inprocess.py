@@ -105,11 +105,11 @@ class Engine:
     def _build_in_background(self, core: EngineCore) -> None:
         """Hand the kernel builds whose layers run dequantized meanwhile to the worker, which takes
         their kernels as they come (kernel_prebuild.Background); the rest are waited for before warm-up."""
-        serves = many_row_dequantized.installed(core.model.model)
-        later = [b for b in self._prebuild if serves and b.setting in many_row_dequantized.held()]
+        held = many_row_dequantized.held() if many_row_dequantized.installed(core.model.model) else frozenset()
+        later = [b for b in self._prebuild if b.mode == "affine" and b.setting in held]
         self._prebuild = [b for b in self._prebuild if b not in later]
         for b in self._prebuild:
-            many_row_dequantized.release(b.setting)
+            many_row_dequantized.unhold(b.setting)
         if later:
             core.kernel_builds = kernel_prebuild.Background(later, PREBUILD_TIMEOUT_S)
             log.info(
@@ -193,6 +193,19 @@ class Engine:
         kernel_prebuild.wait(builds, PREBUILD_TIMEOUT_S)
         self.core.warm_up(prompts)
 
+    def stop_kernel_builds(self) -> None:
+        """Stop the kernel build processes still running and forget the settings they held
+        dequantized. Those the worker takes are left to it while it runs (a worker that did not
+        stop in time): they end on their own, filing nothing."""
+        for build in self._prebuild:  # never waited for (no warm-up, or a failed load)
+            build.kill()
+        self._prebuild = []
+        builds = self.core.kernel_builds if self.core is not None else None
+        if builds is not None and not self.worker.is_alive():
+            builds.stop()
+            self.core.kernel_builds = None
+        many_row_dequantized.reset()
+
     def abandon(self, message: str) -> int:
         waiting, self._waiting = self._waiting, {}
         for queue, cancel in waiting.items():
@@ -218,16 +231,12 @@ class Engine:
         return self.core.cache_gauges() if self.core is not None else CacheGauges()
 
     async def stop(self) -> None:
-        for build in self._prebuild:  # never waited for (no warm-up): they end with the engine
-            build.kill()
-        self._prebuild = []
         if self.core is not None and self.worker.is_alive():
             try:  # a hung worker never answers: end what waits on it here instead
                 await asyncio.wait_for(self.run_on_worker(self.core.fail_all, "the server is shutting down"), 5.0)
             except Exception:  # noqa: BLE001 - timed out, or the worker is gone
                 self.abandon("the server is shutting down")
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
-        if self.core is not None and self.core.kernel_builds is not None:  # the worker took them; it has stopped
-            self.core.kernel_builds.stop()
+        self.stop_kernel_builds()
         if self.config.thread_guard and self.worker.ident is not None:
             GUARD.release(self.worker.ident)

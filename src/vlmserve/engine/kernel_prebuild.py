@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmserve.engine.kernel_staging import StagedBuild, finish_all
+from vlmserve.engine.kernel_staging import StagedBuild, finish_all, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ def start(model_path: Path) -> list[KernelBuild]:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return []
+    remove_stale(Path(cache))
     dtype, builds = activation_dtype(config), []
     for bits, group, mode in settings(config):
         for rows in ROW_CLASSES:
@@ -150,14 +151,15 @@ class Background:
         """Whether a setting's builds are all over (`take_one` has work)."""
         return any(self._due(builds) for builds in self._by_setting.values())
 
-    def take_one(self) -> tuple[int, int] | None:
+    def take_one(self) -> tuple[tuple[int, int], str] | None:
         """On the MLX thread: file and load one finished setting's kernels; returns the setting
-        if they now serve, None if it stays dequantized (or none was finished)."""
+        and the activation dtype they were built for if they now serve, None if it stays
+        dequantized (or none was finished)."""
         setting = next((s for s, builds in self._by_setting.items() if self._due(builds)), None)
         if setting is None:
             return None
         builds = self._by_setting.pop(setting)
-        took = max(time.monotonic() - b.staged.started for b in builds)
+        since = max(time.monotonic() - b.staged.started for b in builds)
         # Ended ones only have their output read; one past the timeout is stopped.
         failed = sum(not b.finish(10.0 if b.staged.done() else 0.0) for b in builds)
         if failed:
@@ -173,14 +175,14 @@ class Background:
         for b in builds:
             build(b.bits, b.group, b.mode, b.dtype, b.rows)
         log.info(
-            "quantized matmul kernels for %d-bit, group %d: %d built in parallel processes in %.1f s, "
-            "loaded in %.2f s; they serve from now on",
+            "quantized matmul kernels for %d-bit, group %d: %d built in parallel processes, taken %.1f s "
+            "after they started, loaded in %.2f s; they serve from now on",
             *setting,
             len(builds),
-            took,
+            since,
             time.perf_counter() - t0,
         )
-        return setting
+        return setting, builds[0].dtype
 
     def stop(self) -> None:
         for builds in self._by_setting.values():

@@ -33,6 +33,24 @@ def staging_root(shared: Path) -> Path:
     return shared.parent / f"{shared.name}.staging"
 
 
+STALE_S = 3600.0  # a private cache this old belongs to no running build (theirs stop at 240 s)
+
+
+def remove_stale(shared: Path) -> int:
+    """Remove private caches left by builds whose engine was killed before it could; returns how many."""
+    root, removed = staging_root(shared), 0
+    if root.is_dir():
+        for private in root.iterdir():
+            try:
+                stale = time.time() - private.stat().st_mtime > STALE_S
+            except OSError:
+                continue
+            if stale:
+                shutil.rmtree(private, ignore_errors=True)
+                removed += 1
+    return removed
+
+
 def make_private(shared: Path, tag: str) -> Path:
     """A new directory seeded with hard links (copies where links fail) to the shared cache's files."""
     root = staging_root(shared)

@@ -221,6 +221,7 @@ def main(conn, config: ServerConfig) -> None:
         server = EngineServer(engine, conn, config.thread_guard)
         conn.send(msg.Ready(engine.info, str(engine.model_path)))
         server.serve()
+    engine.stop_kernel_builds()  # none outlives the engine: os._exit below skips every teardown
     logs.stop()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -40,6 +40,8 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         noted=[],
         _kernel_seconds=0.0,
         kernel_builds=None,
+        _warm_shapes=[],
+        _kernels_filed=False,
     )
     core._note_peak = core.noted.append
     core._build_kernel = lambda: EngineCore._build_kernel(core)
@@ -127,26 +129,31 @@ class _Background:
     def take_one(self):
         setting = self.ended.pop(0)
         self.log.append(("took", setting))
-        return setting
+        return None if setting is None else (setting, "bfloat16")
 
 
 def test_kernels_side_processes_built_are_taken_first_and_their_layers_leave_the_dequantized_path():
+    """A setting taken is released (its layers take MLX's kernels again), and the compiled decode
+    step traces again: the warm shapes while idle, since a trace keeps the path it took."""
     from vlmserve.engine.ops import many_row_dequantized
 
     log = []
     core, engine_core = _core(lambda rows, width: log.append(("shape", rows)) or True, kernels=["k"], log=log)
+    core._shapes_to_warm, core._warm_shapes = [], [(1, 32), (2, 32)]
     core.kernel_builds = _Background([(4, 64), None], log)
     many_row_dequantized.hold({(4, 64), (8, 64)})
     try:
         engine_core.idle_work(core)
-        assert log == [("took", (4, 64))] and many_row_dequantized.held() == {(8, 64)}
-        engine_core.idle_work(core)  # a failed setting stays held
-        assert log[1:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
+        assert log == [("took", (4, 64)), "retrace"] and many_row_dequantized.held() == {(8, 64)}
+        assert core._shapes_to_warm == [(1, 32), (2, 32)]
+        engine_core.idle_work(core)  # a failed setting stays held: nothing to trace again
+        assert log[2:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
         assert core.kernel_builds is None  # all taken
-        engine_core.idle_work(core)
-        assert log[2:] == ["k", "retrace"]  # then the model's own kernels, as before
+        while engine_core.has_idle_work(core):
+            engine_core.idle_work(core)
+        assert log[3:] == ["k", "retrace", ("shape", 1), ("shape", 2)]  # then the model's own kernels
     finally:
-        many_row_dequantized.release((8, 64))
+        many_row_dequantized.reset()
 
 
 def test_warm_up_checks_the_decode_kernels_then_compiles_every_warm_shape_with_their_builds_filed_first(monkeypatch):
@@ -165,4 +172,5 @@ def test_warm_up_checks_the_decode_kernels_then_compiles_every_warm_shape_with_t
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: SimpleNamespace(flush=lambda: log.append("flush")))
     engine_core._warm_decode(core, 2)
     assert log == ["flush", "qkv", "mlp", "retrace", ("note", 1), ("note", 2), "flush", ("compile", 1), ("compile", 2)]
-    assert core._shapes_to_warm == [] and not engine_core.has_idle_work(core)
+    assert core._shapes_to_warm == [] and core._warm_shapes == [(1, 32), (2, 32)]
+    assert not engine_core.has_idle_work(core)

@@ -64,9 +64,12 @@ def test_the_worker_takes_a_background_builds_kernels_once_it_has_ended(tmp_path
     deadline = time.monotonic() + 120
     while not background.ready() and time.monotonic() < deadline:
         time.sleep(0.1)
-    with caplog.at_level(logging.INFO):
-        taken = on_own_thread(background.take_one)  # it loads the kernel: MLX work, the worker's
-    assert taken == (8, 32) and background.pending() == 0 and not background.ready()
+    try:
+        with caplog.at_level(logging.INFO):
+            taken = on_own_thread(background.take_one)  # it loads the kernel: MLX work, the worker's
+    finally:
+        background.stop()  # nothing left running if the wait above ran out
+    assert taken == ((8, 32), "bfloat16") and background.pending() == 0 and not background.ready()
     assert "8-bit, group 32: 1 built in parallel processes" in caplog.text
     assert (tmp_path / "ptx" / "vlmserve-prebuilt" / "qmm-bfloat16-affine-b8-g32-m16").exists()
 
@@ -111,7 +114,7 @@ def test_a_setting_is_taken_when_all_its_builds_have_ended_and_stays_dequantized
     assert "8-bit, group 64: 1 of 1 builds failed or timed out" in caplog.text
     assert background.pending() == 1 and loaded == []
     a32.ended = True
-    assert background.take_one() == (4, 64)
+    assert background.take_one() == ((4, 64), "bfloat16")
     assert loaded == [(4, 64, "affine", "bfloat16", 16), (4, 64, "affine", "bfloat16", 32)]
     assert background.pending() == 0 and not background.ready()
 
@@ -148,7 +151,7 @@ def test_the_engine_waits_only_for_builds_whose_layers_cannot_run_dequantized(mo
         assert len(engine._prebuild) == 3 and core.kernel_builds is None
         assert many_row_dequantized.held() == frozenset()
     finally:
-        many_row_dequantized.release((4, 64))
+        many_row_dequantized.reset()
 
 
 def test_nothing_starts_without_a_kernel_cache_or_a_config(tmp_path, monkeypatch):
@@ -157,3 +160,23 @@ def test_nothing_starts_without_a_kernel_cache_or_a_config(tmp_path, monkeypatch
     assert kernel_prebuild.start(tmp_path) == []
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     assert kernel_prebuild.start(tmp_path / "missing") == []
+
+
+def test_an_engine_that_stops_stops_its_builds_and_forgets_what_they_held():
+    """Engine.stop_kernel_builds (Engine.stop, and an engine process before it exits): the builds
+    waited for and those in the background are stopped, and no setting stays held."""
+    from vlmserve.config import ServerConfig
+    from vlmserve.engine.inprocess import Engine
+    from vlmserve.engine.ops import many_row_dequantized
+
+    engine = Engine(ServerConfig(model="unused"))  # its worker never started: not alive
+    waited, later = _Staged(), _Staged()
+    engine._prebuild = [_build(4, 32, 16, waited)]
+    engine.core = SimpleNamespace(kernel_builds=kernel_prebuild.Background([_build(4, 64, 16, later)], timeout=300))
+    many_row_dequantized.hold({(4, 64)})
+    try:
+        engine.stop_kernel_builds()
+        assert waited.killed and later.killed and engine._prebuild == [] and engine.core.kernel_builds is None
+        assert many_row_dequantized.held() == frozenset()
+    finally:
+        many_row_dequantized.reset()

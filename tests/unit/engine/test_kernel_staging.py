@@ -91,3 +91,14 @@ def test_the_engine_waits_for_kernel_builds_before_warm_up_in_either_engine_mode
     CALLS["warm_up"](engine)(["a prompt"])  # what an engine process runs for the server's warm_up call
     assert order == ["build finished", "build finished", "warm-up of 1"]
     assert engine._prebuild == []
+
+
+def test_private_caches_left_by_a_killed_engine_are_removed_once_stale(tmp_path):
+    import time
+
+    shared = tmp_path / "cache"
+    old, fresh = (kernel_staging.make_private(shared, tag) for tag in ("old", "fresh"))
+    hour_ago = time.time() - kernel_staging.STALE_S - 60
+    os.utime(old, (hour_ago, hour_ago))
+    assert kernel_staging.remove_stale(shared) == 1
+    assert not old.exists() and fresh.exists()  # a running build's own is kept

@@ -204,7 +204,7 @@ class _Filer:
         self._jobs: list[dict] = []
         self._queued: set[str] = set()
         self._lock = threading.Lock()
-        self._filing = threading.Lock()  # one build process at a time
+        self._filing = threading.Lock()  # one filing at a time (its builds in up to _PROCESSES processes)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._options: list[str] | None = None
@@ -293,8 +293,7 @@ _PROCESSES = max(1, min(8, (os.cpu_count() or 2) // 2))  # build processes at on
 
 
 def _build_in_process(jobs: list[dict]) -> tuple[dict, str]:
-    """Run nvrtc_build on `jobs`: its summary ({} if it did not run) and the end of its stderr."""
-    done, result = None, {}
+    """Run nvrtc_build on `jobs`: its summary ({} if it did not finish) and the end of its stderr."""
     try:
         done = subprocess.run(
             [sys.executable, "-m", "vlmserve.engine.ops.nvrtc_build"],
@@ -303,11 +302,13 @@ def _build_in_process(jobs: list[dict]) -> tuple[dict, str]:
             text=True,
             timeout=60 + 30 * len(jobs),
         )
-        if done.returncode == 0:
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        pass
-    return result, done.stderr[-1000:] if done is not None else "the build process did not run"
+    except (OSError, subprocess.SubprocessError) as e:  # could not start, or ran past its time
+        return {}, f"the build process did not run to its end: {e}"
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+    except (ValueError, IndexError):
+        result = {}
+    return result, done.stderr[-1000:]
 
 
 _FILER: _Filer | None = None

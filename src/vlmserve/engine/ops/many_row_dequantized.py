@@ -37,6 +37,8 @@ QMM_MIN_ROWS = 8  # from here MLX's quantized matmul takes its compiled-at-first
 
 # (bits, group size) whose MLX quantized matmul kernels are not built yet: see the docstring.
 _UNBUILT: set[tuple[int, int]] = set()
+# Settings held in this process and since built -> the activation dtype they were built for.
+_BUILT: dict[tuple[int, int], mx.Dtype] = {}
 
 
 def hold(settings) -> None:
@@ -44,9 +46,24 @@ def hold(settings) -> None:
     _UNBUILT.update(settings)
 
 
-def release(setting: tuple[int, int]) -> None:
-    """MLX's kernels for this setting are built: its quantized matmul serves again."""
+def release(setting: tuple[int, int], dtype: mx.Dtype) -> None:
+    """MLX's kernels for this setting are built, for `dtype` activations: the calls they serve
+    take the quantized matmul again (`_dequantized`)."""
+    if setting in _UNBUILT:
+        _UNBUILT.discard(setting)
+        _BUILT[setting] = dtype
+
+
+def unhold(setting: tuple[int, int]) -> None:
+    """Let go of a held setting without a build taken for it: MLX's quantized matmul serves its
+    calls as it would have (warm-up then compiles what they take)."""
     _UNBUILT.discard(setting)
+
+
+def reset() -> None:
+    """Forget every setting held or built (an engine that stops)."""
+    _UNBUILT.clear()
+    _BUILT.clear()
 
 
 def held() -> frozenset[tuple[int, int]]:
@@ -58,7 +75,22 @@ def _dequantized(layer: nn.Module, x: mx.array) -> bool:
     rows = math.prod(x.shape[:-1])
     if rows >= MIN_ROWS:
         return True
-    return bool(_UNBUILT) and rows >= QMM_MIN_ROWS and (layer.bits, layer.group_size) in _UNBUILT
+    if rows < QMM_MIN_ROWS or not (_UNBUILT or _BUILT):
+        return False
+    setting = (layer.bits, layer.group_size)
+    if setting in _UNBUILT:
+        return True
+    built = _BUILT.get(setting)
+    return built is not None and not _built_kernel_takes(layer, x, built)
+
+
+def _built_kernel_takes(layer: nn.Module, x: mx.array, dtype: mx.Dtype) -> bool:
+    """Whether MLX's quantized matmul takes layer(x) with the kernel built for `dtype`: its tiled
+    kernel's own test (supports_qmm_sm80: outputs a multiple of 128, inputs of max(64, group
+    size)). Another call would compile another kernel (MLX's qmm_naive) at its first use, which
+    warm-up did not run (the setting was held then): it stays dequantized."""
+    n, k = layer["weight"].shape[0], x.shape[-1]
+    return x.dtype == dtype and n % 128 == 0 and k % max(64, layer.group_size) == 0
 
 
 class ManyRowDequantizedLinear(nn.QuantizedLinear):

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -355,16 +354,12 @@ def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkey
 
     from vlmserve.engine.ops import kernel_disk_cache as kdc
 
-    running, most, lock, parts = [0], [0], threading.Lock(), []
+    together, lock, parts = threading.Barrier(3, timeout=30), threading.Lock(), []
 
     def build_in_process(jobs):
+        together.wait()  # raises unless three processes run at once
         with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
             parts.append([job["path"] for job in jobs])
-        time.sleep(0.2)
-        with lock:
-            running[0] -= 1
         return {"built": len(jobs) - (jobs[0]["path"] == "bad"), "failed": int(jobs[0]["path"] == "bad")}, "nvrtc: bad"
 
     monkeypatch.setattr(kdc, "_PROCESSES", 3)
@@ -373,7 +368,7 @@ def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkey
     jobs = [{"path": p} for p in ("bad", "a", "b", "c", "d")]
     with caplog.at_level("INFO"):
         filer._file(jobs)
-    assert most[0] == 3 and sorted(sum(parts, [])) == sorted(job["path"] for job in jobs)
+    assert len(parts) == 3 and sorted(sum(parts, [])) == sorted(job["path"] for job in jobs)
     assert filer.filed == 4
     assert "filed 4 of vlmserve's CUDA kernels in the kernel cache for the next start (1 failed)" in caplog.text
     assert "1 CUDA kernels could not be filed: nvrtc: bad" in caplog.text

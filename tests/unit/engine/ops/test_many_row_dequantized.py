@@ -47,7 +47,8 @@ def test_many_rows_dequantize_few_rows_stay_quantized():
 def test_while_a_settings_kernels_are_built_its_calls_of_8_rows_or_more_run_dequantized():
     """many_row_dequantized.hold: a layer and a tied output embedding of a held (bits, group) run
     8 rows or more on the dequantized weight, fewer rows on MLX's quantized matmul; a setting not
-    held, and the held one once released, take the quantized matmul again."""
+    held takes the quantized matmul. Once released, the calls the built kernel takes (its dtype,
+    128 outputs a tile) take the quantized matmul again; the others stay dequantized."""
 
     def work():
         import mlx.core as mx
@@ -56,14 +57,17 @@ def test_while_a_settings_kernels_are_built_its_calls_of_8_rows_or_more_run_dequ
         from vlmserve.engine.ops import many_row_dequantized
 
         mx.random.seed(1)
-        layer = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
-        embedding = nn.QuantizedEmbedding(96, 128, group_size=64, bits=4)
-        reference = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)
-        reference.update(layer.parameters())
-        tied = nn.QuantizedEmbedding(96, 128, group_size=64, bits=4)
+        layer = nn.QuantizedLinear(128, 256, bias=False, group_size=64, bits=4)
+        odd = nn.QuantizedLinear(128, 96, bias=False, group_size=64, bits=4)  # 96 outputs: not the built kernel's
+        embedding = nn.QuantizedEmbedding(128, 128, group_size=64, bits=4)
+        references = {}
+        for name, module in (("layer", layer), ("odd", odd)):
+            references[name] = nn.QuantizedLinear(128, module["weight"].shape[0], bias=False, group_size=64, bits=4)
+            references[name].update(module.parameters())
+        tied = nn.QuantizedEmbedding(128, 128, group_size=64, bits=4)
         tied.update(embedding.parameters())
-        assert many_row_dequantized.install(nn.Sequential(layer, embedding)) == 2
-        assert isinstance(embedding, nn.QuantizedEmbedding)
+        assert many_row_dequantized.install(nn.Sequential(layer, odd, embedding)) == 3
+        swapped = type(embedding).__name__
 
         def dense(module, x):
             w = mx.dequantize(module["weight"], module["scales"], module["biases"], group_size=64, bits=4)
@@ -73,29 +77,41 @@ def test_while_a_settings_kernels_are_built_its_calls_of_8_rows_or_more_run_dequ
         out, dequantized, own = {}, [], many_row_dequantized.dequantize
         # On the CPU both paths give the same bits: count which one ran.
         many_row_dequantized.dequantize = lambda module: dequantized.append(module) or own(module)
+
+        def calls(what):
+            out[what] = [type(m).__name__ for m in dequantized]
+            dequantized.clear()
+
         try:
             many_row_dequantized.hold({(8, 64)})
-            out["other setting held"] = np.array(layer(rows8)), np.array(reference(rows8))
+            out["other setting held"] = np.array(layer(rows8)), np.array(references["layer"](rows8))
+            calls("other setting held: dequantized")
             many_row_dequantized.hold({(4, 64)})
             out["held, 8 rows"] = np.array(layer(rows8)), dense(layer, rows8)
-            out["held, 7 rows"] = np.array(layer(rows7)), np.array(reference(rows7))
+            out["held, 7 rows"] = np.array(layer(rows7)), np.array(references["layer"](rows7))
             out["held, tied, 8 rows"] = np.array(embedding.as_linear(rows8)), dense(embedding, rows8)
             out["held, tied, 7 rows"] = np.array(embedding.as_linear(rows7)), np.array(tied.as_linear(rows7))
-            many_row_dequantized.release((4, 64))
-            out["released, 8 rows"] = np.array(layer(rows8)), np.array(reference(rows8))
+            calls("held: dequantized")
+            many_row_dequantized.release((4, 64), mx.float32)
+            out["released, 8 rows"] = np.array(layer(rows8)), np.array(references["layer"](rows8))
             out["released, tied, 8 rows"] = np.array(embedding.as_linear(rows8)), np.array(tied.as_linear(rows8))
+            out["released, 96 outputs"] = np.array(odd(rows8)), dense(odd, rows8)
+            out["released, another dtype"] = np.array(layer(b := rows8.astype(mx.float16))), dense(layer, b)
+            calls("released: dequantized")
             out["still held"] = many_row_dequantized.held()
-            out["dequantized"] = [type(m).__name__ for m in dequantized]
         finally:
             many_row_dequantized.dequantize = own
-            many_row_dequantized.release((4, 64))
-            many_row_dequantized.release((8, 64))
-        return out
+            many_row_dequantized.reset()
+        return swapped, out
 
-    out = on_own_thread(work)
+    swapped, out = on_own_thread(work)
+    assert swapped == "ManyRowDequantizedEmbedding"
     assert out.pop("still held") == frozenset({(8, 64)})
-    # Only the held setting's calls of 8 rows: the layer's, then the tied embedding's.
-    assert out.pop("dequantized") == ["ManyRowDequantizedLinear", "ManyRowDequantizedEmbedding"]
+    assert out.pop("other setting held: dequantized") == []
+    assert out.pop("held: dequantized") == ["ManyRowDequantizedLinear", "ManyRowDequantizedEmbedding"]
+    assert out.pop("released: dequantized") == ["ManyRowDequantizedLinear", "ManyRowDequantizedLinear"]
+    got, expected = out.pop("released, another dtype")  # float16 against a float32 reference
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
     for what, (got, expected) in out.items():
         assert np.array_equal(got, expected), what
 
