@@ -251,7 +251,7 @@ class EngineCore:
             )
 
         self._note_peak(what)
-        if self.kernel_builds is not None and self.kernel_builds.ready():  # a load of a second or less, once
+        if self._built_kernels_ready():  # a load of a second or less, once
             self._take_built_kernels()
         took = time.perf_counter() - started
         if took >= SLOW_STEP_S:  # a step this long stalls every stream: say what it ran
@@ -469,7 +469,7 @@ class EngineCore:
         kernel cache; MLX's own fused kernels compile here. Bounded whatever --max-num-seqs is:
         bigger batches and longer rows are traced when they come, on their second step."""
         t0 = time.perf_counter()
-        while self.kernel_builds is not None and self.kernel_builds.ready():  # traced with them, not again
+        while self._built_kernels_ready():  # traced with them, not again
             self._take_built_kernels()
         while self.model.kernels_pending():
             self._build_kernel()
@@ -495,7 +495,7 @@ class EngineCore:
     def has_idle_work(self) -> bool:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built
         yet, decode shapes not compiled yet, prompt piece lengths not run yet."""
-        if self.kernel_builds is not None and self.kernel_builds.ready():
+        if self._built_kernels_ready():
             return True
         return bool(self._shapes_to_warm or self._lengths_to_warm) or self.model.kernels_pending() > 0
 
@@ -503,7 +503,7 @@ class EngineCore:
         """One piece of the warm-up left for idle time: take the kernels side processes built,
         else build one kernel, else compile one decode shape (a second or so each on CUDA), else
         run one prompt piece length; a request that arrives meanwhile waits for it."""
-        if self.kernel_builds is not None and self.kernel_builds.ready():
+        if self._built_kernels_ready():
             self._take_built_kernels()
             return
         if self.model.kernels_pending():
@@ -575,6 +575,10 @@ class EngineCore:
         if not self.model.kernels_pending():
             self.runner.batches.retrace()
             log.info("decode kernels built and checked in %.1f s", self._kernel_seconds)
+
+    def _built_kernels_ready(self) -> bool:
+        """Whether a setting's background kernel builds have all ended (`_take_built_kernels`)."""
+        return self.kernel_builds is not None and self.kernel_builds.ready()
 
     def _take_built_kernels(self) -> None:
         """Load one setting's kernels the side processes built: the layers that ran dequantized

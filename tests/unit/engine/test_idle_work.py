@@ -45,6 +45,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     )
     core._note_peak = core.noted.append
     core._build_kernel = lambda: EngineCore._build_kernel(core)
+    core._built_kernels_ready = lambda: EngineCore._built_kernels_ready(core)
     core._warm_next_shape = lambda: EngineCore._warm_next_shape(core)
     core._take_built_kernels = lambda: EngineCore._take_built_kernels(core)
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)

@@ -63,6 +63,13 @@ def kernel(
     return kernel_disk_cache.CachedKernel(built, name, input_names, output_names, source)
 
 
+def note_build(kernel, *, inputs, output_dtypes, template) -> None:
+    """Queue the build these arguments name for the kernel cache ahead of its first use, where
+    `kernel` files its builds (a kernel_disk_cache.CachedKernel); a no-op elsewhere."""
+    if isinstance(kernel, kernel_disk_cache.CachedKernel):
+        kernel.note(inputs=inputs, output_dtypes=output_dtypes, template=template)
+
+
 def compact(source: str) -> str:
     """The source without its comments, indentation and blank lines. MLX assembles a kernel's
     whole source and hashes it on every call (to find the build), so a decode step's ~100

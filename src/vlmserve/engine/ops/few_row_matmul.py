@@ -368,9 +368,7 @@ class Launch:
 
     def note(self, x: mx.array) -> None:
         """Queue this launch's build for the kernel cache ahead of its first use (kernel_disk_cache)."""
-        note = getattr(self.kernel, "note", None)
-        if note is not None:
-            note(inputs=[x, *self.inputs], output_dtypes=[x.dtype], template=self.template)
+        cuda_kernels.note_build(self.kernel, inputs=[x, *self.inputs], output_dtypes=[x.dtype], template=self.template)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.kernel(

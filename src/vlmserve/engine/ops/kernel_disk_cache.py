@@ -242,13 +242,11 @@ class _Filer:
     def _run(self) -> None:
         while True:
             self._wake.wait()
-            while True:  # let a burst of first uses (a warm-up, a new shape) gather into one process
+            while True:  # let a burst of first uses (a warm-up, a new shape) gather into one filing
                 self._wake.clear()
                 if not self._wake.wait(1.0):
                     break
-            with self._lock:
-                jobs, self._jobs = self._jobs, []
-            self._file(jobs)
+            self.flush()
 
     def flush(self) -> None:
         """File what is pending now, on this thread, and wait for a filing under way."""
@@ -266,11 +264,12 @@ class _Filer:
         of one core); log what was filed."""
         t0 = time.perf_counter()
         count = max(1, min(len(jobs), _PROCESSES))
+        parts = [jobs[i::count] for i in range(count)]
         with ThreadPoolExecutor(count) as pool:
-            outcomes = list(pool.map(_build_in_process, [jobs[i::count] for i in range(count)]))
+            outcomes = list(pool.map(_build_in_process, parts))
         built = sum(result["built"] for result, _ in outcomes if result)
         failed = sum(result["failed"] for result, _ in outcomes if result)
-        for (result, errors), part in zip(outcomes, (jobs[i::count] for i in range(count))):
+        for (result, errors), part in zip(outcomes, parts):
             if not result:
                 log.warning(
                     "could not file %d CUDA kernels in the kernel cache (each start compiles them): %s",

@@ -186,9 +186,7 @@ def prefetch(module: nn.Module) -> None:
     for _, layer in module.named_modules():
         if type(layer) in _SWAPS.values() and _kernel_serves(layer):
             kernel, call = _kernel_call(layer)
-            note = getattr(kernel, "note", None)
-            if note is not None:
-                note(**call)
+            cuda_kernels.note_build(kernel, **call)
 
 
 def install(module: nn.Module) -> int:

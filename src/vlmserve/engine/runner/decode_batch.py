@@ -355,15 +355,18 @@ class DecodeSteps:
             self.compiled = make_decode_step(self.model.decode, self.block_size, True)
             self.traced.clear()
 
+    def _warm_call(self, pool: BlockPool, rows: int, width: int):
+        """The compiled step's outputs (unevaluated) at this shape, its writes going to block 0."""
+        zeros = mx.zeros((rows,), dtype=mx.int32)
+        table = mx.zeros((rows, width), dtype=mx.int32)
+        return self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
+
     def note_builds(self, pool: BlockPool, rows: int, width: int) -> None:
         """Trace the compiled step at this shape without running it: the builds of vlmserve's
         kernels it launches are queued for the kernel cache (kernel_disk_cache), to compile side
         by side before `trace` runs it; MLX keeps the trace."""
-        if (rows, width, pool.keys[0].shape[0], pool.dtype) in self.traced:
-            return
-        zeros = mx.zeros((rows,), dtype=mx.int32)
-        table = mx.zeros((rows, width), dtype=mx.int32)
-        self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
+        if (rows, width, pool.keys[0].shape[0], pool.dtype) not in self.traced:
+            self._warm_call(pool, rows, width)
 
     def trace(self, pool: BlockPool, rows: int, width: int) -> bool:
         """Trace (and on CUDA build) the compiled step at this shape (warm-up) unless it already
@@ -371,9 +374,7 @@ class DecodeSteps:
         shape = (rows, width, pool.keys[0].shape[0], pool.dtype)
         if shape in self.traced:
             return False
-        zeros = mx.zeros((rows,), dtype=mx.int32)
-        table = mx.zeros((rows, width), dtype=mx.int32)
-        out = self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
+        out = self._warm_call(pool, rows, width)
         mx.eval(out)
         pool.set_arrays(out[1:])
         self.traced.add(shape)
@@ -460,9 +461,12 @@ class DecodeBatches:
             self.step.retrace()
 
     def note_builds(self, rows: int, width: int) -> None:
-        """See DecodeSteps.note_builds."""
-        self.step.note_builds(self.pool(self.model.kv_layout()[2]), rows, width)
+        """See DecodeSteps.note_builds (on the model dtype's pool)."""
+        self.step.note_builds(self._model_pool(), rows, width)
 
     def warm_shape(self, rows: int, width: int) -> bool:
         """Trace the compiled step at this shape on the model dtype's pool, unless it already is."""
-        return self.step.trace(self.pool(self.model.kv_layout()[2]), rows, width)
+        return self.step.trace(self._model_pool(), rows, width)
+
+    def _model_pool(self) -> BlockPool:
+        return self.pool(self.model.kv_layout()[2])

@@ -368,11 +368,11 @@ def test_a_prefetch_queues_the_very_builds_the_checks_and_decode_launches_take(m
         import mlx.core as mx
         import mlx.nn as nn
 
-        from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized
+        from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized, kernel_disk_cache
 
         noted, launched = set(), set()
 
-        class Recorder:
+        class Recorder(kernel_disk_cache.CachedKernel):  # a kernel that files its builds
             def __init__(self, name):
                 self.name = name
 

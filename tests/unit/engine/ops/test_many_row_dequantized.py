@@ -124,11 +124,14 @@ def test_a_prefetch_queues_the_dequantize_builds_the_layers_take(monkeypatch):
         import mlx.core as mx
         import mlx.nn as nn
 
-        from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
+        from vlmserve.engine.ops import cuda_kernels, kernel_disk_cache, many_row_dequantized
 
         noted, launched = [], set()
 
-        class Recorder:
+        class Recorder(kernel_disk_cache.CachedKernel):  # a kernel that files its builds
+            def __init__(self):
+                pass
+
             def note(self, *, inputs, output_dtypes, template):
                 noted.append(tuple(template))
 
