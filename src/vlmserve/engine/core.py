@@ -494,20 +494,27 @@ class EngineCore:
 
     def has_idle_work(self) -> bool:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built
-        yet, decode shapes not compiled yet, prompt piece lengths not run yet."""
+        yet, decode shapes not compiled yet, attention plans for shapes traffic brought, prompt
+        piece lengths not run yet."""
         if self._built_kernels_ready():
             return True
-        return bool(self._shapes_to_warm or self._lengths_to_warm) or self.model.kernels_pending() > 0
+        if self._shapes_to_warm or self._lengths_to_warm:
+            return True
+        return self.model.kernels_pending() > 0 or self.model.attention_plans_pending() > 0
 
     def idle_work(self) -> None:
         """One piece of the warm-up left for idle time: take the kernels side processes built,
         else build one kernel, else compile one decode shape (a second or so each on CUDA), else
-        run one prompt piece length; a request that arrives meanwhile waits for it."""
+        build one attention plan (~70 ms), else run one prompt piece length; a request that
+        arrives meanwhile waits for it."""
         if self._built_kernels_ready():
             self._take_built_kernels()
             return
         if self.model.kernels_pending():
             self._build_kernel()
+            return
+        if not self._shapes_to_warm and self.model.attention_plans_pending():
+            self._build_attention_plan()
             return
         if not self._shapes_to_warm:
             self._warm_piece_length()
@@ -535,6 +542,16 @@ class EngineCore:
             )
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")
         return traced
+
+    def _build_attention_plan(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.model.build_next_attention_plan()
+        except Exception:  # noqa: BLE001 - that shape keeps the plan-free kernel
+            log.warning("building an attention plan failed; that shape keeps its plan-free kernel", exc_info=True)
+            return
+        left = self.model.attention_plans_pending()
+        log.debug("built an attention plan in %.3f s (%d to go)", time.perf_counter() - t0, left)
 
     def _warm_piece_length(self) -> None:
         """Run the shortest piece length not run yet. Longer ones take longer, and a request that

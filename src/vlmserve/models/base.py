@@ -113,6 +113,15 @@ class ModelAdapter(Protocol):
         """Build (and check) one of them; the op it replaces serves until then."""
         ...
 
+    def attention_plans_pending(self) -> int:
+        """Attention shapes met without a cuDNN plan (a plan-free kernel served them), whose
+        plans the engine builds while idle (0: none)."""
+        ...
+
+    def build_next_attention_plan(self) -> None:
+        """Build one of those plans; that shape goes to cuDNN from the next call on."""
+        ...
+
     def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
         """Build the vision tower's shapes for this request's image sizes at up to `max_images`
         images per call; returns the tower runs made (0 where nothing needs building)."""

@@ -29,6 +29,7 @@ from vlmserve.engine.ops import (
     many_row_dequantized,
     rope_rotation,
 )
+from vlmserve.engine.ops.attention_plans import AttentionPlans
 from vlmserve.models import kv_caches
 from vlmserve.models.image_rows import ImageRows
 from vlmserve.models.ragged_cache import RaggedLayerCache
@@ -177,6 +178,7 @@ class GenericModel:
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's warm-up (their builds are queued for side processes at load).
         self.kernel_checks: list[Callable[[], bool]] = []
+        self.attention_plans: AttentionPlans | None = None  # set where a fast path plans attention shapes
         self.install_fast_paths()
         swapped = time.perf_counter()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
@@ -218,6 +220,14 @@ class GenericModel:
     def build_next_kernel(self) -> None:
         """Build and check one kernel the decode step may use; until it passes, MLX's op serves."""
         self.kernel_checks.pop(0)()
+
+    def attention_plans_pending(self) -> int:
+        """Attention shapes met without a cuDNN plan, whose plans are built while idle."""
+        return 0 if self.attention_plans is None else self.attention_plans.pending()
+
+    def build_next_attention_plan(self) -> None:
+        """Build one of them; until then a plan-free kernel serves that shape."""
+        self.attention_plans.build_next()
 
     def _prompt_path_differs(self) -> bool:
         """Whether the language model reads a text token differently from its id than from the

@@ -9,10 +9,19 @@ from types import SimpleNamespace
 
 
 class _Model:
-    """Kernels left to build: each build appends its name to `log`."""
+    """Kernels and attention plans left to build: each build appends its name to `log`."""
 
-    def __init__(self, kernels, log, fail=()):
-        self.kernels, self.log, self.fail = list(kernels), log, fail
+    def __init__(self, kernels, log, fail=(), plans=()):
+        self.kernels, self.log, self.fail, self.plans = list(kernels), log, fail, list(plans)
+
+    def attention_plans_pending(self):
+        return len(self.plans)
+
+    def build_next_attention_plan(self):
+        name = self.plans.pop(0)
+        if name in self.fail:
+            raise RuntimeError(f"cuDNN refused {name}")
+        self.log.append(name)
 
     def kernels_pending(self):
         return len(self.kernels)
@@ -24,7 +33,7 @@ class _Model:
         self.log.append(name)
 
 
-def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=None):
+def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=None, plans=()):
     from vlmserve.engine.core import EngineCore
 
     log = [] if log is None else log
@@ -36,7 +45,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
             batches=SimpleNamespace(warm_shape=warm_shape, retrace=lambda: log.append("retrace")),
             warm_piece_length=warm_length or (lambda length, filler: log.append(("piece", length, filler))),
         ),
-        model=_Model(kernels, log, fail),
+        model=_Model(kernels, log, fail, plans),
         noted=[],
         _kernel_seconds=0.0,
         kernel_builds=None,
@@ -49,6 +58,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._warm_next_shape = lambda: EngineCore._warm_next_shape(core)
     core._take_built_kernels = lambda: EngineCore._take_built_kernels(core)
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
+    core._build_attention_plan = lambda: EngineCore._build_attention_plan(core)
     return core, EngineCore
 
 
@@ -79,6 +89,23 @@ def test_kernels_are_built_first_then_decode_steps_retrace_with_them_then_shapes
     while engine_core.has_idle_work(core):
         engine_core.idle_work(core)
     assert log == ["qkv", "mlp", "retrace", (1, 32), (2, 32), (4, 32), ("piece", 640, 7), ("piece", 768, 7)]
+
+
+def test_attention_plans_traffic_brought_are_built_after_the_decode_shapes_and_before_the_piece_lengths(caplog):
+    """A plan that fails is logged and skipped (its shape keeps the plan-free kernel); the rest go on."""
+    log = []
+    core, engine_core = _core(
+        lambda rows, width: log.append((rows, width)) or True,
+        log=log,
+        lengths=[640],
+        plans=["plan-a", "plan-b", "plan-c"],
+        fail=("plan-b",),
+    )
+    with caplog.at_level(logging.WARNING):
+        while engine_core.has_idle_work(core):
+            engine_core.idle_work(core)
+    assert log == [(1, 32), (2, 32), (4, 32), "plan-a", "plan-c", ("piece", 640, 7)]
+    assert "cuDNN refused plan-b" in caplog.text
 
 
 def test_a_slow_piece_leaves_the_longer_ones_to_traffic(monkeypatch, caplog):

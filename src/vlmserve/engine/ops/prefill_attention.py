@@ -301,3 +301,12 @@ def attend(
         output_shapes=[(batch, length, q_heads * dim)],
         output_dtypes=[queries.dtype],
     )[0]
+
+
+def attend_unmasked(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """`attend` with every query seeing all of its row's keys (a vision tower's segments): the
+    visibility rule with each row's offset at the keys' width. Returns (B, L, Hq * D)."""
+    batch, width = queries.shape[0], keys.shape[2]
+    return attend(
+        queries, keys, values, scale, mx.full((batch,), width, dtype=mx.int32), mx.zeros((batch,), dtype=mx.int32)
+    )

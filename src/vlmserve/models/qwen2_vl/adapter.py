@@ -5,7 +5,8 @@
   patches with their grids), and image prompts are embedded from host-side indices
   (embedding.py), so the worker never waits on a device read while embedding.
 - The tower's attention runs one SDPA per run of equal-length segments (vision_attention.py),
-  and warm-up builds its cuDNN plans per image size.
+  and warm-up builds its cuDNN plans per image size; other sizes run a plan-free kernel until
+  the engine builds theirs while idle.
 - On CUDA a decode step over the slot cache takes the fused layer path (decode.py), and a
   prompt forward its own layer path in fewer primitives (prefill.py).
 Each is tested equal to `GenericModel`'s path.
@@ -13,6 +14,7 @@ Each is tested equal to `GenericModel`'s path.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
 from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized
+from vlmserve.engine.ops.attention_plans import AttentionPlans
 from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions, rows_at
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.qwen2_vl import embedding, packed_pixels, vision_attention
@@ -67,7 +70,9 @@ def image_grids(prepared: PreparedRequest) -> np.ndarray:
 
 class QwenVLModel(GenericModel):
     def install_fast_paths(self) -> None:
-        vision_attention.install(self.model.vision_tower)
+        if cuda_kernels.cudnn_enabled():  # image sizes warm-up did not meet skip cuDNN until idle time
+            self.attention_plans = AttentionPlans()
+        vision_attention.install(self.model.vision_tower, self.attention_plans)
         super().install_fast_paths()
         self.fast_decode = qwen_decode.supports(self.language_model)
         self.fast_prefill = qwen_decode.same_layers(self.language_model)
@@ -189,8 +194,9 @@ class QwenVLModel(GenericModel):
 
     def warm_vision_plans(self, grid_thw: tuple[int, int, int], max_images: int) -> list[int]:
         """Run the tower at every power-of-two image count up to `max_images` of one image size,
-        so cuDNN's attention plans for that size exist before traffic (vision_attention);
-        returns the counts run (none where the tower's attention does not go to cuDNN)."""
+        so cuDNN's attention plans for that size exist before traffic (vision_attention; other
+        sizes run plan-free until their plans are built while idle); returns the counts run
+        (none where the tower's attention does not go to cuDNN)."""
         if not cuda_kernels.cudnn_enabled():
             return []
         vc = self.model.config.vision_config
@@ -199,9 +205,10 @@ class QwenVLModel(GenericModel):
         per_image = int(np.prod(grid_thw))
         max_images = min(max_images, max(1, TOWER_PATCHES // per_image))  # what one call takes
         counts = [1 << i for i in range(max(1, max_images).bit_length())]
-        for n in counts:
-            pixels = mx.zeros((n * per_image, width), dtype=dtype)
-            mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
+        with self.attention_plans.building() if self.attention_plans is not None else contextlib.nullcontext():
+            for n in counts:
+                pixels = mx.zeros((n * per_image, width), dtype=dtype)
+                mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
         return counts
 
     def _embed_image_prompt(

@@ -11,10 +11,12 @@ kernel on that backend). The arithmetic per element is unchanged.
 On CUDA that kernel is cuDNN's fused attention (a third off the tower at 32 W1 images on an
 H100), which builds a plan per shape (~70 ms). So a run is cut into power-of-two image
 counts (13 = 8 + 4 + 1): a segment length then needs at most log2(max images) plans, which
-warm-up builds for its image sizes (`QwenVLModel.warm_vision_plans`).
+warm-up builds for its image sizes (`QwenVLModel.warm_vision_plans`). A piece whose plan is
+not built yet (an image size warm-up did not meet) runs the prompt attention kernel instead
+(engine/ops/prefill_attention, with every query seeing its whole segment: one build serves
+every length), and its plan is built while the engine is idle (engine/ops/attention_plans).
+The two agree to bf16 rounding.
 
-The swap is per module instance (its class is replaced by a subclass), so only the model
-the server loaded changes, never another copy of mlx_vlm's classes in the process.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from vlmserve.engine.ops import cuda_kernels
+from vlmserve.engine.ops import cuda_kernels, prefill_attention
+from vlmserve.engine.ops.attention_plans import AttentionPlans
 
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -53,19 +56,53 @@ def power_of_two_pieces(runs: list[tuple[int, int, int]]) -> list[tuple[int, int
     return pieces
 
 
-def segment_attention(q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float) -> mx.array:
-    """Attention within each segment of q, k, v (S, H, D); segments are given by `bounds`."""
+def _run_views(q: mx.array, k: mx.array, v: mx.array, start: int, count: int, length: int) -> list[mx.array]:
+    """A run's q, k, v (n*L, H, D) rows as (n, H, L, D)."""
+    heads, dim = q.shape[1:]
+    end = start + count * length
+    return [t[start:end].reshape(count, length, heads, dim).transpose(0, 2, 1, 3) for t in (q, k, v)]
+
+
+def _through_cudnn(q_run: mx.array, k_run: mx.array, v_run: mx.array, scale: float) -> mx.array:
+    count, heads, length, dim = q_run.shape
+    out = mx.fast.scaled_dot_product_attention(q_run, k_run, v_run, scale=scale, mask=None)
+    return out.transpose(0, 2, 1, 3).reshape(count * length, heads, dim)
+
+
+def _plan_builder(dtype: mx.Dtype, count: int, length: int, heads: int, dim: int, scale: float):
+    """One cuDNN call of this piece's shape, laid out as the tower lays it out (the plan's key holds strides)."""
+
+    def build() -> None:
+        qk = mx.zeros((count * length, 2, heads, dim), dtype=dtype)
+        qkv = mx.zeros((count * length, 3, heads, dim), dtype=dtype)
+        mx.eval(_through_cudnn(*_run_views(qk[:, 0], qk[:, 1], qkv[:, 2], 0, count, length), scale))
+
+    return build
+
+
+def segment_attention(
+    q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float, plans: AttentionPlans | None = None
+) -> mx.array:
+    """Attention within each segment of q, k, v (S, H, D); segments are given by `bounds`. With
+    `plans`, a piece whose cuDNN plan is not built runs the plan-free kernel and is queued there."""
     _, heads, dim = q.shape
     runs = segment_runs(bounds)
-    if cuda_kernels.cudnn_enabled():
+    cudnn = cuda_kernels.cudnn_enabled()
+    if cudnn:
         runs = power_of_two_pieces(runs)
+    plan_free = cudnn and plans is not None and prefill_attention.serves(q.dtype, heads, heads, dim)
     outs = []
     for start, count, length in runs:
-        end = start + count * length
-        # (n*L, H, D) -> (n, H, L, D)
-        q_run, k_run, v_run = (t[start:end].reshape(count, length, heads, dim).transpose(0, 2, 1, 3) for t in (q, k, v))
-        out = mx.fast.scaled_dot_product_attention(q_run, k_run, v_run, scale=scale, mask=None)
-        outs.append(out.transpose(0, 2, 1, 3).reshape(count * length, heads, dim))
+        q_run, k_run, v_run = _run_views(q, k, v, start, count, length)
+        key = (q.dtype, heads, dim, count, length)
+        if plan_free and not plans.planned(key):
+            out = prefill_attention.attend_unmasked(q_run, k_run, v_run, scale)
+            outs.append(out.reshape(count * length, heads, dim))
+            plans.want(key, _plan_builder(q.dtype, count, length, heads, dim, scale))
+            continue
+        outs.append(_through_cudnn(q_run, k_run, v_run, scale))
+        if plan_free:
+            plans.note_planned(key)
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
@@ -113,7 +150,8 @@ def _make_class(base: type) -> type:
         seq_length = x.shape[0]
         qkv = self.qkv(x).reshape(seq_length, 3, self.num_heads, -1)
         qk = rotate_qk(qkv, rotary_pos_emb, rotary)
-        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens.tolist(), self.scale)
+        plans = getattr(self, "attention_plans", None)
+        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens.tolist(), self.scale, plans)
         return self.proj(out.reshape(seq_length, -1))
 
     return type(f"Segment{base.__name__}", (base,), {"__call__": __call__})
@@ -122,8 +160,9 @@ def _make_class(base: type) -> type:
 _CLASSES: dict[type, type] = {}
 
 
-def install(tower: nn.Module) -> int:
-    """Swap the tower's per-segment attention modules for the run-batched version; returns how many."""
+def install(tower: nn.Module, plans: AttentionPlans | None = None) -> int:
+    """Swap the tower's per-segment attention modules for the run-batched version, sharing `plans`
+    (None: every piece goes to cuDNN where MLX sends it); returns how many."""
     swapped = 0
     for block in getattr(tower, "blocks", []):
         attn = getattr(block, "attn", None)
@@ -135,6 +174,7 @@ def install(tower: nn.Module) -> int:
         if base not in _CLASSES:
             _CLASSES[base] = _make_class(base)
         attn.__class__ = _CLASSES[base]
+        attn.attention_plans = plans
         swapped += 1
     return swapped
 

@@ -23,3 +23,49 @@ def test_power_of_two_pieces_cut_runs_largest_first():
         (58, 1, 5),
     ]
     assert power_of_two_pieces([(0, 32, 10)]) == [(0, 32, 10)]
+
+
+def test_pieces_without_a_plan_run_plan_free_until_idle_time_builds_their_plans(monkeypatch):
+    """Where cuDNN would serve: a piece whose plan is not built takes the plan-free kernel (here a
+    stand-in computing the same attention) and is queued; once built, it goes to MLX's SDPA. The
+    features are the same either way (to the kernels' rounding; exactly here)."""
+    import numpy as np
+
+    from support.helpers import on_own_thread
+    from vlmserve.engine.ops import prefill_attention
+    from vlmserve.engine.ops.attention_plans import AttentionPlans
+    from vlmserve.models.qwen2_vl import vision_attention
+
+    plan_free = []
+
+    def stand_in(q, k, v, scale):
+        import mlx.core as mx
+
+        plan_free.append(q.shape)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
+        return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
+
+    monkeypatch.setattr(vision_attention.cuda_kernels, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
+    monkeypatch.setattr(prefill_attention, "attend_unmasked", stand_in)
+    bounds = [0, 6, 12, 18, 23]  # three segments of 6 (pieces of 2 and 1), one of 5
+
+    def run():
+        import mlx.core as mx
+
+        q, k, v = (mx.random.normal((23, 2, 16), key=mx.random.key(i)) for i in range(3))
+        plans = AttentionPlans()
+        first = vision_attention.segment_attention(q, k, v, bounds, 0.25, plans)
+        queued = plans.pending()
+        while plans.pending():
+            plans.build_next()
+        calls = len(plan_free)
+        second = vision_attention.segment_attention(q, k, v, bounds, 0.25, plans)
+        reference = vision_attention.segment_attention(q, k, v, bounds, 0.25)  # no plans: MLX's SDPA throughout
+        return np.array(first), np.array(second), np.array(reference), queued, calls
+
+    first, second, reference, queued, calls = on_own_thread(run)
+    assert plan_free == [(2, 2, 6, 16), (1, 2, 6, 16), (1, 2, 5, 16)]  # the first call's three pieces
+    assert queued == 3 and calls == 3  # the second call took none: all planned
+    np.testing.assert_allclose(first, reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(second, reference)

@@ -1,0 +1,79 @@
+"""Micro-benchmark: one vision-tower attention call (Qwen2-VL's tower heads, 16 x 80, bf16) per
+image size and image count, through cuDNN (MLX's SDPA on CUDA: its first call builds the
+plan, timed apart) and through the plan-free prompt attention kernel that serves a size until
+its plan is built (engine/ops/prefill_attention.attend_unmasked).
+
+    python benchmarks/vision_attention.py --sizes 224x224 448x448 1024x768 --counts 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+from vlmserve.engine.ops import prefill_attention
+
+HEADS, DIM = 16, 80
+
+
+def _patches(width: int, height: int, patch: int = 14, merge: int = 2) -> int:
+    """Patches Qwen2-VL's processor makes of an image: each side rounded to patch * merge."""
+    unit = patch * merge
+    return (max(unit, round(width / unit) * unit) // patch) * (max(unit, round(height / unit) * unit) // patch)
+
+
+def _seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["224x224", "448x448", "640x480", "768x768", "1024x768"])
+    ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    scale = DIM**-0.5
+    for size in args.sizes:
+        width, height = (int(x) for x in size.split("x"))
+        length = _patches(width, height)
+        for count in args.counts:
+            qkv = mx.random.normal((count * length, 3, HEADS, DIM)).astype(mx.bfloat16)
+            q, k, v = (qkv[:, i].reshape(count, length, HEADS, DIM).transpose(0, 2, 1, 3) for i in range(3))
+            mx.eval(q, k, v)
+
+            def cudnn(q=q, k=k, v=v):
+                return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
+
+            def plan_free(q=q, k=k, v=v):
+                return prefill_attention.attend_unmasked(q, k, v, scale)
+
+            first = _seconds(cudnn, 1)  # builds the plan
+            flops = 4 * count * HEADS * length * length * DIM
+            row = {
+                "size": size,
+                "patches": length,
+                "count": count,
+                "cudnn_first_ms": round(first * 1e3, 2),
+                "cudnn_ms": round(_seconds(cudnn, args.repeats) * 1e3, 3),
+            }
+            if prefill_attention.serves(mx.bfloat16, HEADS, HEADS, DIM):
+                _seconds(plan_free, 1)  # its one build, for every shape
+                row["plan_free_ms"] = round(_seconds(plan_free, args.repeats) * 1e3, 3)
+                row["plan_free_tflops"] = round(flops / row["plan_free_ms"] / 1e9, 1)
+            row["cudnn_tflops"] = round(flops / row["cudnn_ms"] / 1e9, 1)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
