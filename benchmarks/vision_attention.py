@@ -1,14 +1,16 @@
 """Micro-benchmark: one vision-tower attention call (Qwen2-VL's tower heads, 16 x 80, bf16) per
 image size and image count, through cuDNN (MLX's SDPA on CUDA: its first call builds the
 plan, timed apart) and through the plan-free prompt attention kernel that serves a size until
-its plan is built (engine/ops/prefill_attention.attend_unmasked).
+its plan is built (engine/ops/prefill_attention.attend_unmasked), at each block layout given
+(query warps, key streams, key tile).
 
-    python benchmarks/vision_attention.py --sizes 224x224 448x448 1024x768 --counts 1 2 4
+    python benchmarks/vision_attention.py --sizes 224x224 448x448 1024x768 --counts 1 2 4 --layouts 4,2,32 8,1,64
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["224x224", "448x448", "640x480", "768x768", "1024x768"])
     ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--layouts", nargs="+", default=[",".join(map(str, prefill_attention.LAYOUT))])
     args = ap.parse_args()
     scale = DIM**-0.5
     for size in args.sizes:
@@ -55,8 +58,8 @@ def main() -> None:
             def cudnn(q=q, k=k, v=v):
                 return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
 
-            def plan_free(q=q, k=k, v=v):
-                return prefill_attention.attend_unmasked(q, k, v, scale)
+            def plan_free(layout, q=q, k=k, v=v):
+                return prefill_attention.attend_unmasked(q, k, v, scale, layout)
 
             first = _seconds(cudnn, 1)  # builds the plan
             flops = 4 * count * HEADS * length * length * DIM
@@ -67,11 +70,15 @@ def main() -> None:
                 "cudnn_first_ms": round(first * 1e3, 2),
                 "cudnn_ms": round(_seconds(cudnn, args.repeats) * 1e3, 3),
             }
-            if prefill_attention.serves(mx.bfloat16, HEADS, HEADS, DIM):
-                _seconds(plan_free, 1)  # its one build, for every shape
-                row["plan_free_ms"] = round(_seconds(plan_free, args.repeats) * 1e3, 3)
-                row["plan_free_tflops"] = round(flops / row["plan_free_ms"] / 1e9, 1)
             row["cudnn_tflops"] = round(flops / row["cudnn_ms"] / 1e9, 1)
+            if prefill_attention.serves(mx.bfloat16, HEADS, HEADS, DIM):
+                for text in args.layouts:
+                    layout = tuple(int(x) for x in text.split(","))
+                    call = functools.partial(plan_free, layout)
+                    _seconds(call, 1)  # its one build, for every shape
+                    ms = _seconds(call, args.repeats) * 1e3
+                    row[f"plan_free_ms[{text}]"] = round(ms, 3)
+                    row[f"plan_free_tflops[{text}]"] = round(flops / ms / 1e9, 1)
             print(json.dumps(row), flush=True)
 
 

@@ -253,6 +253,8 @@ class EngineCore:
         self._note_peak(what)
         if self._built_kernels_ready():  # a load of a second or less, once
             self._take_built_kernels()
+        elif self.model.attention_plan_due():  # tens of ms, once per recurring shape
+            self._build_attention_plan(hot=True)
         took = time.perf_counter() - started
         if took >= SLOW_STEP_S:  # a step this long stalls every stream: say what it ran
             log.warning(
@@ -543,10 +545,10 @@ class EngineCore:
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")
         return traced
 
-    def _build_attention_plan(self) -> None:
+    def _build_attention_plan(self, hot: bool = False) -> None:
         t0 = time.perf_counter()
         try:
-            self.model.build_next_attention_plan()
+            self.model.build_next_attention_plan(hot)
         except Exception:  # noqa: BLE001 - that shape keeps the plan-free kernel
             log.warning("building an attention plan failed; that shape keeps its plan-free kernel", exc_info=True)
             return

@@ -118,8 +118,12 @@ class ModelAdapter(Protocol):
         plans the engine builds while idle (0: none)."""
         ...
 
-    def build_next_attention_plan(self) -> None:
-        """Build one of those plans; that shape goes to cuDNN from the next call on."""
+    def attention_plan_due(self) -> bool:
+        """Whether one of them recurs enough to be built between two steps of a busy engine."""
+        ...
+
+    def build_next_attention_plan(self, hot: bool = False) -> None:
+        """Build one of those plans (`hot`: the one due); that shape goes to cuDNN from the next call on."""
         ...
 
     def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:

@@ -225,9 +225,13 @@ class GenericModel:
         """Attention shapes met without a cuDNN plan, whose plans are built while idle."""
         return 0 if self.attention_plans is None else self.attention_plans.pending()
 
-    def build_next_attention_plan(self) -> None:
-        """Build one of them; until then a plan-free kernel serves that shape."""
-        self.attention_plans.build_next()
+    def attention_plan_due(self) -> bool:
+        """Whether one of them recurs enough to be built between two steps (attention_plans.HOT_CALLS)."""
+        return self.attention_plans is not None and self.attention_plans.hot()
+
+    def build_next_attention_plan(self, hot: bool = False) -> None:
+        """Build one of them (`hot`: the one due); until then a plan-free kernel serves that shape."""
+        self.attention_plans.build_next(hot)
 
     def _prompt_path_differs(self) -> bool:
         """Whether the language model reads a text token differently from its id than from the

@@ -17,7 +17,7 @@ class _Model:
     def attention_plans_pending(self):
         return len(self.plans)
 
-    def build_next_attention_plan(self):
+    def build_next_attention_plan(self, hot=False):
         name = self.plans.pop(0)
         if name in self.fail:
             raise RuntimeError(f"cuDNN refused {name}")

@@ -253,6 +253,7 @@ _SOURCE = """
 
 QUERY_WARPS = 4  # warps sharing each key tile, 16 queries each: a tile's copy serves 64 queries
 KEY_STREAMS = 2  # groups of QUERY_WARPS warps splitting a block's keys, for more warps per SM
+LAYOUT = (QUERY_WARPS, KEY_STREAMS, KEY_TILE)
 
 
 def serves(dtype: mx.Dtype, q_heads: int, kv_heads: int, dim: int) -> bool:
@@ -261,27 +262,36 @@ def serves(dtype: mx.Dtype, q_heads: int, kv_heads: int, dim: int) -> bool:
     return cuda_kernels.enabled() and dtype in MMA_TYPES and q_heads % kv_heads == 0 and dim % 16 == 0 and dim <= 128
 
 
-def shared_bytes(dim: int, itemsize: int = 2) -> int:
+def shared_bytes(dim: int, itemsize: int = 2, layout: tuple[int, int, int] | None = None) -> int:
     """Each stream's two stages of a key tile and a value tile, rows padded; at least the
     streams' partial results (float32 outputs, maxima and sums of the block's queries) that
     reuse it. 68 KB at a head dim of 128: within what sm_80 and later GPUs give a block."""
-    staging = KEY_STREAMS * 2 * 2 * KEY_TILE * (dim + PAD) * itemsize
-    return max(staging, KEY_STREAMS * QUERY_WARPS * 16 * (dim + 2) * 4)
+    query_warps, key_streams, key_tile = layout or LAYOUT
+    staging = key_streams * 2 * 2 * key_tile * (dim + PAD) * itemsize
+    return max(staging, key_streams * query_warps * 16 * (dim + 2) * 4)
 
 
 def attend(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, offsets: mx.array, firsts: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    offsets: mx.array,
+    firsts: mx.array,
+    layout: tuple[int, int, int] = LAYOUT,
 ) -> mx.array:
     """queries (B, Hq, L, D); keys, values (B, Hkv, W, D), all read in place (views too);
     offsets, firsts (B,) int32: row b's query i sits at cache position offsets[b] + i and sees
-    keys firsts[b] <= j <= offsets[b] + i. Returns (B, L, Hq * D)."""
+    keys firsts[b] <= j <= offsets[b] + i. `layout`: (query warps, key streams, key tile) of a
+    block. Returns (B, L, Hq * D)."""
     batch, q_heads, length, dim = queries.shape
+    query_warps, key_streams, key_tile = layout
     kernel = cuda_kernels.kernel(
         f"vlmserve_prefill_attention_{MMA_TYPES[queries.dtype]}",
         ("q", "k", "v", "off", "lo"),
         _SOURCE.replace("{mma}", MMA_TYPES[queries.dtype]),
         ensure_row_contiguous=False,
-        shared_memory=shared_bytes(dim),
+        shared_memory=shared_bytes(dim, layout=layout),
     )
     return kernel(
         inputs=[queries, keys, values, offsets, firsts],
@@ -290,23 +300,24 @@ def attend(
             ("D", dim),
             ("HQ", q_heads),
             ("HKV", keys.shape[1]),
-            ("QW", QUERY_WARPS),
-            ("KS", KEY_STREAMS),
-            ("KEY_TILE", KEY_TILE),
+            ("QW", query_warps),
+            ("KS", key_streams),
+            ("KEY_TILE", key_tile),
             ("PAD", PAD),
             ("SCALE_BITS", float32_bits(scale)),
         ],
-        grid=(-(-length // (16 * QUERY_WARPS)) * 32 * QUERY_WARPS * KEY_STREAMS, q_heads, batch),
-        threadgroup=(32 * QUERY_WARPS * KEY_STREAMS, 1, 1),
+        grid=(-(-length // (16 * query_warps)) * 32 * query_warps * key_streams, q_heads, batch),
+        threadgroup=(32 * query_warps * key_streams, 1, 1),
         output_shapes=[(batch, length, q_heads * dim)],
         output_dtypes=[queries.dtype],
     )[0]
 
 
-def attend_unmasked(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+def attend_unmasked(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, layout: tuple[int, int, int] = LAYOUT
+) -> mx.array:
     """`attend` with every query seeing all of its row's keys (a vision tower's segments): the
     visibility rule with each row's offset at the keys' width. Returns (B, L, Hq * D)."""
     batch, width = queries.shape[0], keys.shape[2]
-    return attend(
-        queries, keys, values, scale, mx.full((batch,), width, dtype=mx.int32), mx.zeros((batch,), dtype=mx.int32)
-    )
+    offsets, firsts = mx.full((batch,), width, dtype=mx.int32), mx.zeros((batch,), dtype=mx.int32)
+    return attend(queries, keys, values, scale, offsets, firsts, layout)

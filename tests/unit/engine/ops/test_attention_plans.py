@@ -62,3 +62,32 @@ def test_a_shape_planned_by_a_call_leaves_the_queue_and_the_queue_is_bounded():
     for i in range(MAX_WANTED + 5):
         plans.want(i, lambda: None)
     assert plans.pending() == MAX_WANTED
+
+
+def test_a_shape_met_by_enough_calls_is_due_between_steps_at_most_once_an_interval(monkeypatch):
+    """Each call counts a shape once, however many layers meet it; a due build is the oldest hot
+    shape, and the next waits HOT_INTERVAL_S."""
+    from vlmserve.engine.ops import attention_plans
+
+    now = [100.0]
+    monkeypatch.setattr(attention_plans, "_clock", lambda: now[0])
+    plans, built = AttentionPlans(), []
+    for _ in range(attention_plans.HOT_CALLS - 1):
+        plans.new_call()
+        for _layer in range(4):
+            plans.want("cold", lambda: built.append("cold"))
+            plans.want("warm", lambda: built.append("warm"))
+    assert not plans.hot()
+    for _ in range(attention_plans.HOT_CALLS):
+        plans.new_call()
+        plans.want("late", lambda: built.append("late"))
+    plans.new_call()
+    plans.want("warm", lambda: built.append("warm"))
+    assert plans.hot()
+    plans.build_next(hot=True)
+    assert built == ["warm"] and plans.planned("warm")
+    assert not plans.hot()  # "late" is hot too, but the interval has not passed
+    now[0] += attention_plans.HOT_INTERVAL_S
+    assert plans.hot()
+    plans.build_next(hot=True)
+    assert built == ["warm", "late"] and not plans.hot() and plans.pending() == 1  # "cold" waits for idle time
