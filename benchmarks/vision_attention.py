@@ -44,7 +44,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["224x224", "448x448", "640x480", "768x768", "1024x768"])
     ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--layouts", nargs="+", default=[",".join(map(str, prefill_attention.LAYOUT))])
+    layouts = {prefill_attention.UNMASKED_LAYOUT, prefill_attention.LAYOUT}
+    ap.add_argument("--layouts", nargs="+", default=[",".join(map(str, layout)) for layout in sorted(layouts)])
     args = ap.parse_args()
     scale = DIM**-0.5
     for size in args.sizes:

@@ -254,6 +254,10 @@ _SOURCE = """
 QUERY_WARPS = 4  # warps sharing each key tile, 16 queries each: a tile's copy serves 64 queries
 KEY_STREAMS = 2  # groups of QUERY_WARPS warps splitting a block's keys, for more warps per SM
 LAYOUT = (QUERY_WARPS, KEY_STREAMS, KEY_TILE)
+# A vision tower's segment has thousands of queries, so blocks are many without splitting their
+# keys: one stream of four warps took 16-28% less time than two for 448-1024 px images on an H100
+# (benchmarks/vision_attention.py), and no other layout tried was faster.
+UNMASKED_LAYOUT = (QUERY_WARPS, 1, KEY_TILE)
 
 
 def serves(dtype: mx.Dtype, q_heads: int, kv_heads: int, dim: int) -> bool:
@@ -314,7 +318,7 @@ def attend(
 
 
 def attend_unmasked(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, layout: tuple[int, int, int] = LAYOUT
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, layout: tuple[int, int, int] = UNMASKED_LAYOUT
 ) -> mx.array:
     """`attend` with every query seeing all of its row's keys (a vision tower's segments): the
     visibility rule with each row's offset at the keys' width. Returns (B, L, Hq * D)."""

@@ -99,10 +99,12 @@ def test_serves_only_layouts_it_takes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", [prefill_attention.UNMASKED_LAYOUT, prefill_attention.LAYOUT])
 @pytest.mark.parametrize("count,length", [(1, 1024), (3, 300), (8, 64)])
-def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length):
-    """Every query sees its whole segment (a vision tower's image): the kernel against MLX's
-    SDPA (cuDNN on CUDA) on Qwen2-VL's tower heads (16 x 80), in the tower's layout."""
+def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length, layout):
+    """Every query sees its whole segment (a vision tower's image): the kernel, in either block
+    layout, against MLX's SDPA (cuDNN on CUDA) on Qwen2-VL's tower heads (16 x 80), laid out as
+    the tower lays them out."""
 
     def compare():
         import mlx.core as mx
@@ -110,7 +112,7 @@ def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length):
         qkv = mx.random.normal((count * length, 3, 16, 80), key=mx.random.key(4)).astype(mx.bfloat16)
         q, k, v = (qkv[:, i].reshape(count, length, 16, 80).transpose(0, 2, 1, 3) for i in range(3))
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=80**-0.5, mask=None).transpose(0, 2, 1, 3)
-        got = prefill_attention.attend_unmasked(q, k, v, 80**-0.5)
+        got = prefill_attention.attend_unmasked(q, k, v, 80**-0.5, layout)
         return np.array(ref.reshape(count, length, -1).astype(mx.float32)), np.array(got.astype(mx.float32))
 
     ref, got = on_own_thread(compare)
