@@ -7,9 +7,11 @@ image size. So a call whose shape has no plan yet runs a kernel that needs none 
 launch arguments there), and its shape is queued; the engine builds the queued plans one at a
 time while idle (`build_next`), and the shape goes to cuDNN from the next call on. A server
 that is never idle (a long captioning job) would keep the slower plan-free kernel for good, so
-a shape met by HOT_CALLS calls is built between two steps too, at most one every
-HOT_INTERVAL_S: a stall of tens of ms, once per recurring shape, where a one-off shape costs
-none.
+a shape is also built between two steps once the time it has lost to the plan-free kernel (the
+caller's estimate, summed over its calls) reaches what a plan costs to build, PLAN_BUILD_S: the
+rent-or-buy rule, which never spends more than twice the best choice made in hindsight. A large
+image size that recurs is built after a few calls; a small one, which loses little, waits for
+idle time. At most one such build runs every HOT_INTERVAL_S.
 
 MLX keeps its plans per thread, in an LRU of MLX_CUDA_SDPA_CACHE_SIZE entries (256 by
 default). The shapes counted as planned here are at most half of that, most recently used
@@ -26,8 +28,8 @@ from collections.abc import Callable, Hashable, Iterator
 from time import monotonic as _clock  # a module global: the tests move it
 
 MAX_WANTED = 64  # shapes queued for idle time; more are met again and queued then
-HOT_CALLS = 3  # calls (`new_call`) that met a shape without its plan before it is built between steps
-HOT_INTERVAL_S = 1.0  # at most one such build in this time, so builds take a bounded share of a busy server
+PLAN_BUILD_S = 0.07  # a cuDNN attention plan's build: 42-108 ms on an H100 (benchmarks/vision_attention.py)
+HOT_INTERVAL_S = 1.0  # at most one build between steps in this time: a bounded share of a busy server
 
 
 def _mlx_capacity() -> int:
@@ -44,12 +46,7 @@ class AttentionPlans:
         self._wanted: OrderedDict[Hashable, _Wanted] = OrderedDict()
         self._failed: set[Hashable] = set()
         self._building = 0
-        self._call = 0
         self._last_hot_build = float("-inf")
-
-    def new_call(self) -> None:
-        """A model call (e.g. one vision-tower forward) begins: each shape it meets counts once."""
-        self._call += 1
 
     def planned(self, key: Hashable) -> bool:
         """Whether a call of this shape should go to cuDNN: its plan is built, or it is being built now."""
@@ -68,32 +65,31 @@ class AttentionPlans:
             self._planned.popitem(last=False)
         self._wanted.pop(key, None)
 
-    def want(self, key: Hashable, build: Callable[[], None]) -> None:
-        """A call of this shape ran without a plan: queue `build` (one call of that shape through
-        cuDNN). A shape whose build failed is not queued again."""
+    def want(self, key: Hashable, build: Callable[[], None], lost_s: float) -> None:
+        """A call of this shape ran without a plan, losing about `lost_s` against cuDNN: queue
+        `build` (one call of that shape through cuDNN). A shape whose build failed is not queued again."""
         wanted = self._wanted.get(key)
         if wanted is not None:
-            if wanted.last_call != self._call:
-                wanted.calls, wanted.last_call = wanted.calls + 1, self._call
+            wanted.lost_s += lost_s
         elif key not in self._failed and len(self._wanted) < MAX_WANTED:
-            self._wanted[key] = _Wanted(build, 1, self._call)
+            self._wanted[key] = _Wanted(build, lost_s)
 
     def pending(self) -> int:
         """Shapes queued (built while idle)."""
         return len(self._wanted)
 
     def hot(self) -> bool:
-        """Whether a queued shape has been met often enough to build between steps, and the last
-        such build was long enough ago."""
+        """Whether a queued shape has lost a plan's build to the plan-free kernel (so it is built
+        between steps), and the last such build was long enough ago."""
         if _clock() - self._last_hot_build < HOT_INTERVAL_S:
             return False
-        return any(w.calls >= HOT_CALLS for w in self._wanted.values())
+        return any(w.lost_s >= PLAN_BUILD_S for w in self._wanted.values())
 
     def build_next(self, hot: bool = False) -> None:
-        """Build the oldest queued plan (`hot`: the oldest hot one); a failure leaves that shape on
-        the plan-free kernel."""
+        """Build the oldest queued plan (`hot`: the one that lost most); a failure leaves that
+        shape on the plan-free kernel."""
         if hot:
-            key = next(k for k, w in self._wanted.items() if w.calls >= HOT_CALLS)
+            key = max(self._wanted, key=lambda k: self._wanted[k].lost_s)
             self._last_hot_build = _clock()
         else:
             key = next(iter(self._wanted))
@@ -117,7 +113,7 @@ class AttentionPlans:
 
 
 class _Wanted:
-    __slots__ = ("build", "calls", "last_call")
+    __slots__ = ("build", "lost_s")
 
-    def __init__(self, build: Callable[[], None], calls: int, last_call: int):
-        self.build, self.calls, self.last_call = build, calls, last_call
+    def __init__(self, build: Callable[[], None], lost_s: float):
+        self.build, self.lost_s = build, lost_s

@@ -185,8 +185,6 @@ class QwenVLModel(GenericModel):
 
     def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
         """All images' features from one vision-tower call."""
-        if self.attention_plans is not None:
-            self.attention_plans.new_call()
         if self.info.model_type == "qwen2_vl":
             return embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid)
         return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)

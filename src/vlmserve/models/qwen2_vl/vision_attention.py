@@ -80,6 +80,17 @@ def _plan_builder(dtype: mx.Dtype, count: int, length: int, heads: int, dim: int
     return build
 
 
+# What the plan-free kernel loses against cuDNN, for the rent-or-buy rule of attention_plans: on
+# an H100 it made 80-135 TFLOPS on 448-1024 px images where cuDNN made 150-280, so about half
+# of its time (benchmarks/vision_attention.py).
+PLAN_FREE_FLOPS = 100e12
+PLAN_FREE_LOSS = 0.5
+
+
+def _plan_free_loss_s(count: int, length: int, heads: int, dim: int) -> float:
+    return PLAN_FREE_LOSS * 4 * count * heads * length * length * dim / PLAN_FREE_FLOPS
+
+
 def segment_attention(
     q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float, plans: AttentionPlans | None = None
 ) -> mx.array:
@@ -98,7 +109,8 @@ def segment_attention(
         if plan_free and not plans.planned(key):
             out = prefill_attention.attend_unmasked(q_run, k_run, v_run, scale)
             outs.append(out.reshape(count * length, heads, dim))
-            plans.want(key, _plan_builder(q.dtype, count, length, heads, dim, scale))
+            build = _plan_builder(q.dtype, count, length, heads, dim, scale)
+            plans.want(key, build, _plan_free_loss_s(count, length, heads, dim))
             continue
         outs.append(_through_cudnn(q_run, k_run, v_run, scale))
         if plan_free:

@@ -1,19 +1,20 @@
 """The table of attention shapes with a cuDNN plan (engine/ops/attention_plans.py): shapes met
-without one are queued for idle time, built oldest first, kept within MLX's plan cache."""
+without one are queued for idle time, built oldest first, or between steps once they have lost
+a plan's build to the plan-free kernel; kept within MLX's plan cache."""
 
 from __future__ import annotations
 
 import pytest
 
-from vlmserve.engine.ops.attention_plans import MAX_WANTED, AttentionPlans
+from vlmserve.engine.ops.attention_plans import MAX_WANTED, PLAN_BUILD_S, AttentionPlans
 
 
 def test_a_shape_met_without_a_plan_is_queued_once_and_planned_after_its_build():
     plans, built = AttentionPlans(), []
     assert not plans.planned("a")
-    plans.want("a", lambda: built.append("a"))
-    plans.want("a", lambda: built.append("a again"))  # met again before idle time: still one build
-    plans.want("b", lambda: built.append("b"))
+    plans.want("a", lambda: built.append("a"), 0.0)
+    plans.want("a", lambda: built.append("a again"), 0.0)  # met again before idle time: still one build
+    plans.want("b", lambda: built.append("b"), 0.0)
     assert plans.pending() == 2
     plans.build_next()
     assert built == ["a"] and plans.planned("a") and not plans.planned("b") and plans.pending() == 1
@@ -22,7 +23,7 @@ def test_a_shape_met_without_a_plan_is_queued_once_and_planned_after_its_build()
 def test_calls_inside_a_build_go_to_cudnn_whatever_their_shape():
     plans = AttentionPlans()
     seen = []
-    plans.want("a", lambda: seen.append(plans.planned("a") and plans.planned("other")))
+    plans.want("a", lambda: seen.append(plans.planned("a") and plans.planned("other")), 0.0)
     plans.build_next()
     with plans.building():
         assert plans.planned("warm-up shape")
@@ -35,10 +36,10 @@ def test_a_failed_build_is_not_queued_again_and_its_shape_stays_plan_free():
     def fails():
         raise RuntimeError("cuDNN has no engine for this graph")
 
-    plans.want("a", fails)
+    plans.want("a", fails, 0.0)
     with pytest.raises(RuntimeError):
         plans.build_next()
-    plans.want("a", fails)
+    plans.want("a", fails, 0.0)
     assert plans.pending() == 0 and not plans.planned("a")
     with plans.building():
         assert not plans.planned("a")  # warm-up too leaves it to the plan-free kernel
@@ -56,38 +57,33 @@ def test_planned_shapes_are_kept_within_half_of_mlx_cache_least_recently_used_fi
 
 def test_a_shape_planned_by_a_call_leaves_the_queue_and_the_queue_is_bounded():
     plans = AttentionPlans()
-    plans.want("a", lambda: None)
+    plans.want("a", lambda: None, 0.0)
     plans.note_planned("a")
     assert plans.pending() == 0
     for i in range(MAX_WANTED + 5):
-        plans.want(i, lambda: None)
+        plans.want(i, lambda: None, 0.0)
     assert plans.pending() == MAX_WANTED
 
 
-def test_a_shape_met_by_enough_calls_is_due_between_steps_at_most_once_an_interval(monkeypatch):
-    """Each call counts a shape once, however many layers meet it; a due build is the oldest hot
-    shape, and the next waits HOT_INTERVAL_S."""
+def test_a_shape_is_due_between_steps_once_it_has_lost_a_plans_build_at_most_once_an_interval(monkeypatch):
+    """Rent or buy: a shape's losses add up over its calls; the due build is the shape that lost
+    most, and the next waits HOT_INTERVAL_S; one that lost little waits for idle time."""
     from vlmserve.engine.ops import attention_plans
 
     now = [100.0]
     monkeypatch.setattr(attention_plans, "_clock", lambda: now[0])
     plans, built = AttentionPlans(), []
-    for _ in range(attention_plans.HOT_CALLS - 1):
-        plans.new_call()
-        for _layer in range(4):
-            plans.want("cold", lambda: built.append("cold"))
-            plans.want("warm", lambda: built.append("warm"))
-    assert not plans.hot()
-    for _ in range(attention_plans.HOT_CALLS):
-        plans.new_call()
-        plans.want("late", lambda: built.append("late"))
-    plans.new_call()
-    plans.want("warm", lambda: built.append("warm"))
+    small, large = PLAN_BUILD_S / 100, PLAN_BUILD_S / 2
+    for _ in range(3):
+        plans.want("small", lambda: built.append("small"), small)
+        plans.want("large", lambda: built.append("large"), large)
+        plans.want("larger", lambda: built.append("larger"), 2 * large)
     assert plans.hot()
     plans.build_next(hot=True)
-    assert built == ["warm"] and plans.planned("warm")
-    assert not plans.hot()  # "late" is hot too, but the interval has not passed
+    assert built == ["larger"] and plans.planned("larger")
+    assert not plans.hot()  # "large" has lost a build too, but the interval has not passed
     now[0] += attention_plans.HOT_INTERVAL_S
     assert plans.hot()
     plans.build_next(hot=True)
-    assert built == ["warm", "late"] and not plans.hot() and plans.pending() == 1  # "cold" waits for idle time
+    now[0] += attention_plans.HOT_INTERVAL_S
+    assert built == ["larger", "large"] and not plans.hot() and plans.pending() == 1  # "small" waits for idle time
