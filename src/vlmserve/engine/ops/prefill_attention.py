@@ -275,6 +275,31 @@ def shared_bytes(dim: int, itemsize: int = 2, layout: tuple[int, int, int] | Non
     return max(staging, key_streams * query_warps * 16 * (dim + 2) * 4)
 
 
+def _kernel(dtype: mx.Dtype, dim: int, layout: tuple[int, int, int]):
+    return cuda_kernels.kernel(
+        f"vlmserve_prefill_attention_{MMA_TYPES[dtype]}",
+        ("q", "k", "v", "off", "lo"),
+        _SOURCE.replace("{mma}", MMA_TYPES[dtype]),
+        ensure_row_contiguous=False,
+        shared_memory=shared_bytes(dim, layout=layout),
+    )
+
+
+def _template(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, scale: float, layout: tuple[int, int, int]):
+    query_warps, key_streams, key_tile = layout
+    return [
+        ("T", dtype),
+        ("D", dim),
+        ("HQ", q_heads),
+        ("HKV", kv_heads),
+        ("QW", query_warps),
+        ("KS", key_streams),
+        ("KEY_TILE", key_tile),
+        ("PAD", PAD),
+        ("SCALE_BITS", float32_bits(scale)),
+    ]
+
+
 def attend(
     queries: mx.array,
     keys: mx.array,
@@ -289,32 +314,27 @@ def attend(
     keys firsts[b] <= j <= offsets[b] + i. `layout`: (query warps, key streams, key tile) of a
     block. Returns (B, L, Hq * D)."""
     batch, q_heads, length, dim = queries.shape
-    query_warps, key_streams, key_tile = layout
-    kernel = cuda_kernels.kernel(
-        f"vlmserve_prefill_attention_{MMA_TYPES[queries.dtype]}",
-        ("q", "k", "v", "off", "lo"),
-        _SOURCE.replace("{mma}", MMA_TYPES[queries.dtype]),
-        ensure_row_contiguous=False,
-        shared_memory=shared_bytes(dim, layout=layout),
-    )
-    return kernel(
+    query_warps, key_streams, _ = layout
+    return _kernel(queries.dtype, dim, layout)(
         inputs=[queries, keys, values, offsets, firsts],
-        template=[
-            ("T", queries.dtype),
-            ("D", dim),
-            ("HQ", q_heads),
-            ("HKV", keys.shape[1]),
-            ("QW", query_warps),
-            ("KS", key_streams),
-            ("KEY_TILE", key_tile),
-            ("PAD", PAD),
-            ("SCALE_BITS", float32_bits(scale)),
-        ],
+        template=_template(queries.dtype, dim, q_heads, keys.shape[1], scale, layout),
         grid=(-(-length // (16 * query_warps)) * 32 * query_warps * key_streams, q_heads, batch),
         threadgroup=(32 * query_warps * key_streams, 1, 1),
         output_shapes=[(batch, length, q_heads * dim)],
         output_dtypes=[queries.dtype],
     )[0]
+
+
+def note_unmasked(dtype: mx.Dtype, heads: int, dim: int, scale: float, layout: tuple[int, int, int] = UNMASKED_LAYOUT):
+    """Queue `attend_unmasked`'s build for these heads for side processes to file in the kernel
+    cache, ahead of its first use (a no-op where builds are not filed)."""
+    rows, index = mx.zeros((1, heads, 1, dim), dtype=dtype), mx.zeros((1,), dtype=mx.int32)
+    cuda_kernels.note_build(
+        _kernel(dtype, dim, layout),
+        inputs=[rows, rows, rows, index, index],
+        output_dtypes=[dtype],
+        template=_template(dtype, dim, heads, heads, scale, layout),
+    )
 
 
 def attend_unmasked(

@@ -191,6 +191,17 @@ def install(tower: nn.Module, plans: AttentionPlans | None = None) -> int:
     return swapped
 
 
+def note_plan_free_build(tower: nn.Module, dtype: mx.Dtype) -> None:
+    """Queue the plan-free attention's build for this tower's heads and activation dtype ahead
+    of its first image (a few seconds of compiling on a first start otherwise)."""
+    swapped = [b.attn for b in getattr(tower, "blocks", []) if type(getattr(b, "attn", None)) in _CLASSES.values()]
+    if not swapped:
+        return
+    attn = swapped[0]
+    if prefill_attention.serves(dtype, attn.num_heads, attn.num_heads, attn.head_dim):
+        prefill_attention.note_unmasked(dtype, attn.num_heads, attn.head_dim, attn.scale)
+
+
 def uninstall(tower: nn.Module) -> int:
     """Give the tower back mlx_vlm's own attention modules (for comparisons); returns how many."""
     swapped = 0

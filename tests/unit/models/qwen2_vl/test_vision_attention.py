@@ -69,3 +69,31 @@ def test_pieces_without_a_plan_run_plan_free_until_idle_time_builds_their_plans(
     assert queued == 3 and calls == 3  # the second call took none: all planned
     np.testing.assert_allclose(first, reference, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(second, reference)
+
+
+def test_the_plan_free_build_is_queued_at_load_for_the_towers_heads(monkeypatch):
+    """Where the kernel serves the tower, its build for the tower's heads, head dim, scale and
+    activation dtype is queued ahead of the first image; elsewhere nothing is."""
+    from types import SimpleNamespace
+
+    from support.helpers import on_own_thread
+    from vlmserve.engine.ops import prefill_attention
+    from vlmserve.models.qwen2_vl import vision_attention
+
+    noted = []
+    monkeypatch.setattr(prefill_attention, "note_unmasked", lambda *args: noted.append(args))
+
+    def load(serves: bool):
+        import mlx.core as mx
+        from mlx_vlm.models.qwen2_vl.vision import Attention
+
+        monkeypatch.setattr(prefill_attention, "serves", lambda *args: serves)
+        tower = SimpleNamespace(blocks=[SimpleNamespace(attn=Attention(64, num_heads=4)) for _ in range(2)])
+        vision_attention.install(tower)
+        vision_attention.note_plan_free_build(tower, mx.bfloat16)
+        return mx.bfloat16
+
+    on_own_thread(lambda: load(False))
+    assert noted == []
+    bf16 = on_own_thread(lambda: load(True))
+    assert noted == [(bf16, 4, 16, 16**-0.5)]
