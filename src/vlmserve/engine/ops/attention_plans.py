@@ -22,12 +22,13 @@ the thread add plans of their own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from time import monotonic as _clock  # a module global: the tests move it
 
-MAX_WANTED = 64  # shapes queued for idle time; more are met again and queued then
+MAX_WANTED = 64  # shapes queued; past it, a new shape takes the place of the one that lost least
 PLAN_BUILD_S = 0.07  # a cuDNN attention plan's build: 42-108 ms on an H100 (benchmarks/vision_attention.py)
 HOT_INTERVAL_S = 1.0  # at most one build between steps in this time: a bounded share of a busy server
 
@@ -71,8 +72,12 @@ class AttentionPlans:
         wanted = self._wanted.get(key)
         if wanted is not None:
             wanted.lost_s += lost_s
-        elif key not in self._failed and len(self._wanted) < MAX_WANTED:
-            self._wanted[key] = _Wanted(build, lost_s)
+            return
+        if key in self._failed:
+            return
+        if len(self._wanted) >= MAX_WANTED:  # one-off shapes must not keep a recurring one out
+            del self._wanted[min(self._wanted, key=lambda k: self._wanted[k].lost_s)]
+        self._wanted[key] = _Wanted(build, lost_s)
 
     def pending(self) -> int:
         """Shapes queued (built while idle)."""
@@ -112,8 +117,7 @@ class AttentionPlans:
             self._building -= 1
 
 
+@dataclasses.dataclass(slots=True)
 class _Wanted:
-    __slots__ = ("build", "lost_s")
-
-    def __init__(self, build: Callable[[], None], lost_s: float):
-        self.build, self.lost_s = build, lost_s
+    build: Callable[[], None]
+    lost_s: float  # summed over the calls that met the shape

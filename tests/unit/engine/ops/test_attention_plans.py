@@ -55,14 +55,18 @@ def test_planned_shapes_are_kept_within_half_of_mlx_cache_least_recently_used_fi
     assert [plans.planned(k) for k in "abcd"] == [True, False, True, True]
 
 
-def test_a_shape_planned_by_a_call_leaves_the_queue_and_the_queue_is_bounded():
+def test_a_shape_planned_by_a_call_leaves_the_queue_and_the_queue_is_bounded_keeping_what_lost_most():
     plans = AttentionPlans()
     plans.want("a", lambda: None, 0.0)
     plans.note_planned("a")
     assert plans.pending() == 0
-    for i in range(MAX_WANTED + 5):
-        plans.want(i, lambda: None, 0.0)
+    built = []
+    plans.want("recurring", lambda: built.append("recurring"), 1.0)
+    for i in range(MAX_WANTED + 5):  # one-off shapes, each losing little
+        plans.want(i, lambda: None, 0.001 * (i + 1))
     assert plans.pending() == MAX_WANTED
+    plans.build_next()  # the oldest left: the recurring shape stayed
+    assert built == ["recurring"]
 
 
 def test_a_shape_is_due_between_steps_once_it_has_lost_a_plans_build_at_most_once_an_interval(monkeypatch):
