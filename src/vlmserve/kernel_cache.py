@@ -39,4 +39,9 @@ def use_persistent_kernel_cache() -> Path:
     ptx = Path(os.environ.setdefault("MLX_PTX_CACHE_DIR", str(cache_root() / "mlx-ptx" / _mlx_version())))
     os.environ.setdefault("CUDA_CACHE_PATH", str(cache_root() / "cuda"))
     os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(DRIVER_CACHE_BYTES))
+    # MLX's in-memory caches on CUDA (attention plans, matmul setups) raise on every miss once a
+    # thread's misses pass twice their capacity, a check meant for benchmarks: a server that
+    # meets a few hundred image sizes over its life would then fail requests. Their LRU eviction
+    # stays.
+    os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
     return ptx

@@ -226,7 +226,8 @@ class GenericModel:
         return 0 if self.attention_plans is None else self.attention_plans.pending()
 
     def attention_plan_due(self) -> bool:
-        """Whether one of them recurs enough to be built between two steps (attention_plans.HOT_CALLS)."""
+        """Whether one of them has lost enough to the plan-free kernel to be built between two steps
+        (attention_plans.PLAN_BUILD_S)."""
         return self.attention_plans is not None and self.attention_plans.hot()
 
     def build_next_attention_plan(self, hot: bool = False) -> None:

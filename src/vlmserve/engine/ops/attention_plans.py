@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from time import monotonic as _clock  # a module global: the tests move it
 
-MAX_WANTED = 64  # shapes queued; past it, a new shape takes the place of the one that lost least
+MAX_WANTED = 64  # shapes queued; past it, the shape that lost least makes room (or the new one is dropped)
 PLAN_BUILD_S = 0.07  # a cuDNN attention plan's build: 42-108 ms on an H100 (benchmarks/vision_attention.py)
 HOT_INTERVAL_S = 1.0  # at most one build between steps in this time: a bounded share of a busy server
 
@@ -76,7 +76,10 @@ class AttentionPlans:
         if key in self._failed:
             return
         if len(self._wanted) >= MAX_WANTED:  # one-off shapes must not keep a recurring one out
-            del self._wanted[min(self._wanted, key=lambda k: self._wanted[k].lost_s)]
+            least = min(self._wanted, key=lambda k: self._wanted[k].lost_s)
+            if self._wanted[least].lost_s >= lost_s:
+                return
+            del self._wanted[least]
         self._wanted[key] = _Wanted(build, lost_s)
 
     def pending(self) -> int:
@@ -91,13 +94,11 @@ class AttentionPlans:
         return any(w.lost_s >= PLAN_BUILD_S for w in self._wanted.values())
 
     def build_next(self, hot: bool = False) -> None:
-        """Build the oldest queued plan (`hot`: the one that lost most); a failure leaves that
-        shape on the plan-free kernel."""
+        """Build the plan of the queued shape that lost most (`hot`: between steps, which starts
+        the interval); a failure leaves that shape on the plan-free kernel."""
+        key = max(self._wanted, key=lambda k: self._wanted[k].lost_s)
         if hot:
-            key = max(self._wanted, key=lambda k: self._wanted[k].lost_s)
             self._last_hot_build = _clock()
-        else:
-            key = next(iter(self._wanted))
         build = self._wanted.pop(key).build
         try:
             with self.building():

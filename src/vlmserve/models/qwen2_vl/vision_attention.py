@@ -75,14 +75,16 @@ def _plan_builder(dtype: mx.Dtype, count: int, length: int, heads: int, dim: int
     def build() -> None:
         qk = mx.zeros((count * length, 2, heads, dim), dtype=dtype)
         qkv = mx.zeros((count * length, 3, heads, dim), dtype=dtype)
-        mx.eval(_through_cudnn(*_run_views(qk[:, 0], qk[:, 1], qkv[:, 2], 0, count, length), scale))
+        # cuDNN builds the plan as the call is queued; nothing waits for the device to run it.
+        mx.async_eval(_through_cudnn(*_run_views(qk[:, 0], qk[:, 1], qkv[:, 2], 0, count, length), scale))
 
     return build
 
 
 # What the plan-free kernel loses against cuDNN, for the rent-or-buy rule of attention_plans: on
-# an H100 it made 80-135 TFLOPS on 448-1024 px images where cuDNN made 150-280, so about half
-# of its time (benchmarks/vision_attention.py).
+# an H100 it made 80-135 TFLOPS on 768-1024 px images where cuDNN made 150-280, so about half
+# of its time (benchmarks/vision_attention.py). Smaller images run at lower rates on both, and
+# lose a little more than this estimate, a fraction of a millisecond a call.
 PLAN_FREE_FLOPS = 100e12
 PLAN_FREE_LOSS = 0.5
 

@@ -65,7 +65,9 @@ def test_a_shape_planned_by_a_call_leaves_the_queue_and_the_queue_is_bounded_kee
     for i in range(MAX_WANTED + 5):  # one-off shapes, each losing little
         plans.want(i, lambda: None, 0.001 * (i + 1))
     assert plans.pending() == MAX_WANTED
-    plans.build_next()  # the oldest left: the recurring shape stayed
+    plans.want("least", lambda: None, 0.0)  # lost less than every queued shape: not queued
+    assert plans.pending() == MAX_WANTED
+    plans.build_next()  # the one that lost most, and it stayed queued
     assert built == ["recurring"]
 
 
