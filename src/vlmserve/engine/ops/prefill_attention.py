@@ -325,15 +325,18 @@ def attend(
     )[0]
 
 
-def note_unmasked(dtype: mx.Dtype, heads: int, dim: int, scale: float, layout: tuple[int, int, int] = UNMASKED_LAYOUT):
-    """Queue `attend_unmasked`'s build for these heads for side processes to file in the kernel
-    cache, ahead of its first use (a no-op where builds are not filed)."""
-    rows, index = mx.zeros((1, heads, 1, dim), dtype=dtype), mx.zeros((1,), dtype=mx.int32)
+def note_build(
+    dtype: mx.Dtype, q_heads: int, kv_heads: int, dim: int, scale: float, layout: tuple[int, int, int] = LAYOUT
+) -> None:
+    """Queue the build `attend` (or `attend_unmasked`, with its layout) launches for these heads
+    for side processes to file in the kernel cache, ahead of its first use (a no-op where builds
+    are not filed): a first start then reads it instead of compiling it on the MLX thread."""
+    rows, index = mx.zeros((1, q_heads, 1, dim), dtype=dtype), mx.zeros((1,), dtype=mx.int32)
     cuda_kernels.note_build(
         _kernel(dtype, dim, layout),
-        inputs=[rows, rows, rows, index, index],
+        inputs=[rows, rows[:, :kv_heads], rows[:, :kv_heads], index, index],
         output_dtypes=[dtype],
-        template=_template(dtype, dim, heads, heads, scale, layout),
+        template=_template(dtype, dim, q_heads, kv_heads, scale, layout),
     )
 
 

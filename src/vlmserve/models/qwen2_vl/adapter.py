@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
-from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized
+from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized, prefill_attention
 from vlmserve.engine.ops.attention_plans import AttentionPlans
 from vlmserve.models.generic import GenericModel, PromptState, device_inputs, mrope_decode_positions, rows_at
 from vlmserve.models.qwen2_vl import decode as qwen_decode
@@ -79,6 +79,8 @@ class QwenVLModel(GenericModel):
         super().install_fast_paths()
         self.fast_decode = qwen_decode.supports(self.language_model)
         self.fast_prefill = qwen_decode.same_layers(self.language_model)
+        if self.fast_prefill and cuda_kernels.enabled():
+            self._note_prompt_attention_build()
         # On CUDA, where its prompt forward is its own (prefill.py), a prompt's last position runs
         # in that forward and its first token comes from there: a decode step less before it
         # (~6 ms of a follow-up turn's TTFT on an H100). Those logits come from a forward over many
@@ -191,6 +193,14 @@ class QwenVLModel(GenericModel):
         if self.info.model_type == "qwen2_vl":
             return embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid)
         return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)
+
+    def _note_prompt_attention_build(self) -> None:
+        """Queue the prompt forward's attention kernel build (prefill.py) ahead of the first prompt."""
+        attn = self.language_model.model.layers[0].self_attn
+        embed = self.language_model.model.embed_tokens
+        dtype = getattr(embed, "scales", embed.weight).dtype  # what a prompt's embeddings come out as
+        if prefill_attention.serves(dtype, attn.n_heads, attn.n_kv_heads, attn.head_dim):
+            prefill_attention.note_build(dtype, attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.scale)
 
     def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
         return sum(len(self.warm_vision_plans(tuple(grid), max_images)) for grid in image_grids(prepared).tolist())

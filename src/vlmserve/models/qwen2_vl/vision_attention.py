@@ -201,7 +201,8 @@ def note_plan_free_build(tower: nn.Module, dtype: mx.Dtype) -> None:
         return
     attn = swapped[0]
     if prefill_attention.serves(dtype, attn.num_heads, attn.num_heads, attn.head_dim):
-        prefill_attention.note_unmasked(dtype, attn.num_heads, attn.head_dim, attn.scale)
+        heads = attn.num_heads
+        prefill_attention.note_build(dtype, heads, heads, attn.head_dim, attn.scale, prefill_attention.UNMASKED_LAYOUT)
 
 
 def uninstall(tower: nn.Module) -> int:

@@ -118,3 +118,45 @@ def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length, layou
     ref, got = on_own_thread(compare)
     assert got.shape == ref.shape == (count, length, 16 * 80)
     np.testing.assert_allclose(got, ref, atol=2e-2)
+
+
+def test_a_noted_build_is_the_very_build_the_launch_takes(monkeypatch):
+    """note_build (queued at load) names the kernel, shared memory, input dtypes and ranks, and
+    template the launch takes: for the prompt forward (GQA heads, the default layout) and for a
+    vision tower's segments (attend_unmasked's layout). The kernel is stood in for: any backend."""
+    from vlmserve.engine.ops import kernel_disk_cache
+
+    noted, launched = [], []
+
+    def work():
+        import mlx.core as mx
+
+        def build(inputs, template):
+            return tuple((x.dtype, x.ndim) for x in inputs), tuple(template)
+
+        class Recorder(kernel_disk_cache.CachedKernel):  # a kernel that files its builds
+            def __init__(self, name, shared_memory):
+                self.id = (name, shared_memory)
+
+            def note(self, *, inputs, output_dtypes, template):
+                noted.append((self.id, build(inputs, template), tuple(output_dtypes)))
+
+            def __call__(self, *, inputs, output_dtypes, template, **launch):
+                launched.append((self.id, build(inputs, template), tuple(output_dtypes)))
+                return [mx.zeros(launch["output_shapes"][0], dtype=output_dtypes[0])]
+
+        monkeypatch.setattr(
+            cuda_kernels, "kernel", lambda name, *args, shared_memory=0, **kwargs: Recorder(name, shared_memory)
+        )
+        bf16 = mx.bfloat16
+        prefill_attention.note_build(bf16, 12, 2, 128, 128**-0.5)
+        q, kv = mx.zeros((2, 12, 40, 128), dtype=bf16), mx.zeros((2, 2, 300, 128), dtype=bf16)[:, :, :200]
+        rows = mx.array([0, 160], dtype=mx.int32), mx.zeros((2,), dtype=mx.int32)
+        prefill_attention.attend(q, kv, kv, 128**-0.5, *rows)
+        prefill_attention.note_build(bf16, 16, 16, 80, 80**-0.5, prefill_attention.UNMASKED_LAYOUT)
+        seg = mx.zeros((3, 16, 64, 80), dtype=bf16)
+        prefill_attention.attend_unmasked(seg, seg, seg, 80**-0.5)
+
+    on_own_thread(work)
+    assert len(noted) == len(launched) == 2 and noted == launched
+    assert noted[0][0] != noted[1][0]  # the two layouts ask different shared memory

@@ -81,7 +81,7 @@ def test_the_plan_free_build_is_queued_at_load_for_the_towers_heads(monkeypatch)
     from vlmserve.models.qwen2_vl import vision_attention
 
     noted = []
-    monkeypatch.setattr(prefill_attention, "note_unmasked", lambda *args: noted.append(args))
+    monkeypatch.setattr(prefill_attention, "note_build", lambda *args: noted.append(args))
 
     def load(serves: bool):
         import mlx.core as mx
@@ -96,4 +96,29 @@ def test_the_plan_free_build_is_queued_at_load_for_the_towers_heads(monkeypatch)
     on_own_thread(lambda: load(False))
     assert noted == []
     bf16 = on_own_thread(lambda: load(True))
-    assert noted == [(bf16, 4, 16, 16**-0.5)]
+    assert noted == [(bf16, 4, 4, 16, 16**-0.5, prefill_attention.UNMASKED_LAYOUT)]
+
+
+def test_the_prompt_attention_build_is_queued_at_load_in_the_prompts_dtype(monkeypatch):
+    """The language model's prompt attention build is queued for its heads and scale, in the dtype
+    the prompt's embeddings come out as: the weight's, or a quantized embedding's scales'."""
+    from types import SimpleNamespace
+
+    from vlmserve.engine.ops import prefill_attention
+    from vlmserve.models.qwen2_vl.adapter import QwenVLModel
+
+    noted = []
+    monkeypatch.setattr(prefill_attention, "serves", lambda dtype, *heads: dtype != "uint8")
+    monkeypatch.setattr(prefill_attention, "note_build", lambda *args: noted.append(args))
+    attn = SimpleNamespace(n_heads=12, n_kv_heads=2, head_dim=128, scale=128**-0.5)
+
+    def model(embed):
+        layers = [SimpleNamespace(self_attn=attn)]
+        return SimpleNamespace(language_model=SimpleNamespace(model=SimpleNamespace(layers=layers, embed_tokens=embed)))
+
+    QwenVLModel._note_prompt_attention_build(model(SimpleNamespace(weight=SimpleNamespace(dtype="bfloat16"))))
+    quantized = SimpleNamespace(weight=SimpleNamespace(dtype="uint32"), scales=SimpleNamespace(dtype="float16"))
+    QwenVLModel._note_prompt_attention_build(model(quantized))
+    mxfp4 = SimpleNamespace(weight=SimpleNamespace(dtype="uint32"), scales=SimpleNamespace(dtype="uint8"))
+    QwenVLModel._note_prompt_attention_build(model(mxfp4))  # not served: nothing queued
+    assert noted == [("bfloat16", 12, 2, 128, 128**-0.5), ("float16", 12, 2, 128, 128**-0.5)]
