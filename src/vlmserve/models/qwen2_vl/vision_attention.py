@@ -17,6 +17,8 @@ not built yet (an image size warm-up did not meet) runs the prompt attention ker
 every length), and its plan is built while the engine is idle (engine/ops/attention_plans).
 The two agree to bf16 rounding.
 
+The swap is per module instance (its class is replaced by a subclass), so only the model
+the server loaded changes, never another copy of mlx_vlm's classes in the process.
 """
 
 from __future__ import annotations
@@ -196,13 +198,13 @@ def install(tower: nn.Module, plans: AttentionPlans | None = None) -> int:
 def note_plan_free_build(tower: nn.Module, dtype: mx.Dtype) -> None:
     """Queue the plan-free attention's build for this tower's heads and activation dtype ahead
     of its first image (a few seconds of compiling on a first start otherwise)."""
-    swapped = [b.attn for b in getattr(tower, "blocks", []) if type(getattr(b, "attn", None)) in _CLASSES.values()]
-    if not swapped:
+    blocks = getattr(tower, "blocks", [])
+    attn = next((b.attn for b in blocks if type(getattr(b, "attn", None)) in _CLASSES.values()), None)
+    if attn is None:
         return
-    attn = swapped[0]
-    if prefill_attention.serves(dtype, attn.num_heads, attn.num_heads, attn.head_dim):
-        heads = attn.num_heads
-        prefill_attention.note_build(dtype, heads, heads, attn.head_dim, attn.scale, prefill_attention.UNMASKED_LAYOUT)
+    heads, dim = attn.num_heads, attn.head_dim
+    if prefill_attention.serves(dtype, heads, heads, dim):
+        prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, prefill_attention.UNMASKED_LAYOUT)
 
 
 def uninstall(tower: nn.Module) -> int:
