@@ -511,17 +511,14 @@ class EngineCore:
         arrives meanwhile waits for it."""
         if self._built_kernels_ready():
             self._take_built_kernels()
-            return
-        if self.model.kernels_pending():
+        elif self.model.kernels_pending():
             self._build_kernel()
-            return
-        if not self._shapes_to_warm and self.model.attention_plans_pending():
+        elif self._shapes_to_warm:
+            self._warm_next_shape()
+        elif self.model.attention_plans_pending():
             self._build_attention_plan()
-            return
-        if not self._shapes_to_warm:
+        else:
             self._warm_piece_length()
-            return
-        self._warm_next_shape()
 
     def _warm_next_shape(self) -> bool:
         """Trace the compiled decode step at the next shape to warm; returns whether it traced."""
