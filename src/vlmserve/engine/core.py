@@ -398,6 +398,13 @@ class EngineCore:
         step can batch, and the compiled decode step at every slot bucket up to max_num_seqs and
         every KV capacity that prompts up to two prefill chunks use (longer ones trace once,
         when they come)."""
+        if kernel_disk_cache.filer() is not None and self._queue_decode_builds(
+            min(self.sched.max_num_seqs, WARM_SLOTS)
+        ):
+            # Queued now, the decode step's builds compile beside the generations below instead
+            # of on this thread at their first step. The traces went through kernels the decode
+            # checks may still replace: drop them (_warm_decode traces again).
+            self.runner.batches.retrace()
         jobs = [(f"warmup-{i}", p) for i, p in enumerate(prompts)]
         bucket = self.sched.prefill_bucket
         if bucket > 0 and prompts:
@@ -475,24 +482,32 @@ class EngineCore:
             self._take_built_kernels()
         while self.model.kernels_pending():
             self._build_kernel()
-        capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
-        shapes = self.runner.batches.shapes_to_warm(rows, capacity)
+        shapes = self._queue_decode_builds(rows)
         self._warm_shapes = list(shapes)
         if not shapes:
             return
         filer = kernel_disk_cache.filer()
-        try:
-            if filer is not None:
-                for n, width in shapes:
-                    self.runner.batches.note_builds(n, width)
-                filer.flush()
-        except Exception:  # noqa: BLE001 - only a head start: the traces below build what is missing
-            log.warning("queueing the decode step's kernel builds failed", exc_info=True)
+        if filer is not None:
+            filer.flush()
         self._shapes_to_warm = list(shapes)
         traced = 0
         while self._shapes_to_warm:
             traced += self._warm_next_shape()
         log.info("decode step: kernels checked and %d shapes compiled in %.1f s", traced, time.perf_counter() - t0)
+
+    def _queue_decode_builds(self, rows: int) -> list[tuple[int, int]]:
+        """Trace the compiled decode step, without running it, at each shape warm-up compiles for
+        up to `rows` rows: the builds of vlmserve's kernels it launches are queued for side
+        processes (kernel_disk_cache). Returns those shapes."""
+        capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
+        shapes = self.runner.batches.shapes_to_warm(rows, capacity)
+        if shapes and kernel_disk_cache.filer() is not None:
+            try:
+                for n, width in shapes:
+                    self.runner.batches.note_builds(n, width)
+            except Exception:  # noqa: BLE001 - only a head start: the traces build what is missing
+                log.warning("queueing the decode step's kernel builds failed", exc_info=True)
+        return shapes
 
     def has_idle_work(self) -> bool:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built

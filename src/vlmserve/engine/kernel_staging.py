@@ -22,6 +22,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+SIDE_PROCESSES = max(1, min(8, (os.cpu_count() or 2) // 2))  # build processes at once, leaving cores to the engine
+
+
 def _rank(path: Path) -> int:
     """Publishing order: a module's kernel names, its source, anything else, its binary last."""
     return {".txt": 0, ".cu": 1, ".ptx": 3}.get(path.suffix, 2)

@@ -59,6 +59,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._take_built_kernels = lambda: EngineCore._take_built_kernels(core)
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     core._build_attention_plan = lambda: EngineCore._build_attention_plan(core)
+    core._queue_decode_builds = lambda rows: EngineCore._queue_decode_builds(core, rows)
     return core, EngineCore
 
 
@@ -202,3 +203,33 @@ def test_warm_up_checks_the_decode_kernels_then_compiles_every_warm_shape_with_t
     assert log == ["flush", "qkv", "mlp", "retrace", ("note", 1), ("note", 2), "flush", ("compile", 1), ("compile", 2)]
     assert core._shapes_to_warm == [] and core._warm_shapes == [(1, 32), (2, 32)]
     assert not engine_core.has_idle_work(core)
+
+
+def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then_drops_those_traces(monkeypatch):
+    """The decode step's builds are queued (traced unrun) before the generations, so side
+    processes compile them meanwhile; those traces are dropped before anything runs, since the
+    decode kernels' checks may still change what the step launches."""
+    import numpy as np
+
+    from vlmserve.engine.ops import kernel_disk_cache
+    from vlmserve.protocol import PreparedRequest
+
+    log = []
+    core, engine_core = _core(lambda rows, width: True, [], log)
+    core.runner.batches.shapes_to_warm = lambda rows, capacity: [(n, 32) for n in (1, 2, 4) if n <= rows]
+    core.runner.batches.note_builds = lambda rows, width: log.append(("note", rows))
+    core.info = SimpleNamespace(context_length=4096)
+    core.sched = SimpleNamespace(prefill_chunk=512, prefill_bucket=0, max_num_seqs=2, lone_takes_budget=True)
+    core.forget_prefixes = lambda: None
+    core._generate_alone = lambda name, prepared: log.append(("generate", name))
+    core._step_memory = None
+    core._warm_decode = lambda rows: log.append(("warm decode", rows))
+    core.model.prefills_pieces = False
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: SimpleNamespace(found=0, queued=0))
+    engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
+    assert log == [("note", 1), ("note", 2), "retrace", ("generate", "warmup-0"), ("warm decode", 2)]
+
+    log.clear()  # where builds are not filed, nothing is traced ahead
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
+    engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
+    assert log == [("generate", "warmup-0"), ("warm decode", 2)]

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from vlmserve.engine.kernel_staging import SIDE_PROCESSES
+
 log = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
@@ -204,7 +206,7 @@ class _Filer:
         self._jobs: list[dict] = []
         self._queued: set[str] = set()
         self._lock = threading.Lock()
-        self._filing = threading.Lock()  # one filing at a time (its builds in up to _PROCESSES processes)
+        self._filing = threading.Lock()  # one filing at a time (its builds in up to SIDE_PROCESSES processes)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._options: list[str] | None = None
@@ -260,10 +262,10 @@ class _Filer:
                 self._build(jobs)
 
     def _build(self, jobs: list[dict]) -> None:
-        """Compile `jobs` in up to _PROCESSES processes side by side (a build is a second or two
+        """Compile `jobs` in up to SIDE_PROCESSES processes side by side (a build is a second or two
         of one core); log what was filed."""
         t0 = time.perf_counter()
-        count = max(1, min(len(jobs), _PROCESSES))
+        count = max(1, min(len(jobs), SIDE_PROCESSES))
         parts = [jobs[i::count] for i in range(count)]
         with ThreadPoolExecutor(count) as pool:
             outcomes = list(pool.map(_build_in_process, parts))
@@ -286,9 +288,6 @@ class _Filer:
                 failed,
                 time.perf_counter() - t0,
             )
-
-
-_PROCESSES = max(1, min(8, (os.cpu_count() or 2) // 2))  # build processes at once, leaving cores to the engine
 
 
 def _build_in_process(jobs: list[dict]) -> tuple[dict, str]:

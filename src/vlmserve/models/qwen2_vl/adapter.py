@@ -73,9 +73,10 @@ class QwenVLModel(GenericModel):
         if cuda_kernels.cudnn_enabled():  # image sizes warm-up did not meet skip cuDNN until idle time
             self.attention_plans = AttentionPlans()
         vision_attention.install(self.model.vision_tower, self.attention_plans)
-        if self.attention_plans is not None:
+        if cuda_kernels.enabled():
             tower = self.model.vision_tower
-            vision_attention.note_plan_free_build(tower, tower.patch_embed.proj.weight.dtype)
+            plan_free = self.attention_plans is not None
+            vision_attention.note_builds(tower, tower.patch_embed.proj.weight.dtype, plan_free)
         super().install_fast_paths()
         self.fast_decode = qwen_decode.supports(self.language_model)
         self.fast_prefill = qwen_decode.same_layers(self.language_model)

@@ -147,16 +147,23 @@ def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
     if freqs.dtype != mx.float32 or not cuda_kernels.enabled():
         # One call for q and k together: (S, 2H, D) rows share a position, as q's and k's heads do.
         return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
-    kernel = cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t"), _ROTATE_QK_SOURCE)
     total = seq * 2 * heads * dim
-    return kernel(
+    return _rotate_kernel()(
         inputs=[qkv, mx.cos(freqs), mx.sin(freqs)],
-        template=[("T", qkv.dtype), ("D", dim), ("HD", heads * dim)],
+        template=_rotate_template(qkv.dtype, heads, dim),
         grid=(total, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(seq, 2, heads, dim)],
         output_dtypes=[qkv.dtype],
     )[0]
+
+
+def _rotate_kernel():
+    return cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t"), _ROTATE_QK_SOURCE)
+
+
+def _rotate_template(dtype: mx.Dtype, heads: int, dim: int) -> list:
+    return [("T", dtype), ("D", dim), ("HD", heads * dim)]
 
 
 def _make_class(base: type) -> type:
@@ -195,15 +202,23 @@ def install(tower: nn.Module, plans: AttentionPlans | None = None) -> int:
     return swapped
 
 
-def note_plan_free_build(tower: nn.Module, dtype: mx.Dtype) -> None:
-    """Queue the plan-free attention's build for this tower's heads and activation dtype ahead
-    of its first image (a few seconds of compiling on a first start otherwise)."""
+def note_builds(tower: nn.Module, dtype: mx.Dtype, plan_free: bool) -> None:
+    """Queue the builds of the tower's kernels for its heads and activation dtype ahead of its
+    first image (a few seconds of compiling each on a first start otherwise): the q/k rotation,
+    and with `plan_free` the plan-free attention."""
     blocks = getattr(tower, "blocks", [])
     attn = next((b.attn for b in blocks if type(getattr(b, "attn", None)) in _CLASSES.values()), None)
     if attn is None:
         return
     heads, dim = attn.num_heads, attn.head_dim
-    if prefill_attention.serves(dtype, heads, heads, dim):
+    qkv, table = mx.zeros((1, 3, heads, dim), dtype=dtype), mx.zeros((1, dim // 2), dtype=mx.float32)
+    cuda_kernels.note_build(
+        _rotate_kernel(),
+        inputs=[qkv, table, table],
+        output_dtypes=[dtype],
+        template=_rotate_template(dtype, heads, dim),
+    )
+    if plan_free and prefill_attention.serves(dtype, heads, heads, dim):
         prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, prefill_attention.UNMASKED_LAYOUT)
 
 

@@ -362,7 +362,7 @@ def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkey
             parts.append([job["path"] for job in jobs])
         return {"built": len(jobs) - (jobs[0]["path"] == "bad"), "failed": int(jobs[0]["path"] == "bad")}, "nvrtc: bad"
 
-    monkeypatch.setattr(kdc, "_PROCESSES", 3)
+    monkeypatch.setattr(kdc, "SIDE_PROCESSES", 3)
     monkeypatch.setattr(kdc, "_build_in_process", build_in_process)
     filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
     jobs = [{"path": p} for p in ("bad", "a", "b", "c", "d")]

@@ -71,17 +71,38 @@ def test_pieces_without_a_plan_run_plan_free_until_idle_time_builds_their_plans(
     np.testing.assert_array_equal(second, reference)
 
 
-def test_the_plan_free_build_is_queued_at_load_for_the_towers_heads(monkeypatch):
-    """Where the kernel serves the tower, its build for the tower's heads, head dim, scale and
-    activation dtype is queued ahead of the first image; elsewhere nothing is."""
+def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypatch):
+    """The q/k rotation's build is queued for the tower's heads, head dim and activation dtype,
+    and is the very build (inputs' dtypes and ranks, template) a launch takes; the plan-free
+    attention's build is queued where that kernel serves the tower, with its heads and scale."""
     from types import SimpleNamespace
 
     from support.helpers import on_own_thread
-    from vlmserve.engine.ops import prefill_attention
+    from vlmserve.engine.ops import cuda_kernels, prefill_attention
     from vlmserve.models.qwen2_vl import vision_attention
 
-    noted = []
+    noted, rotations, launched = [], [], []
     monkeypatch.setattr(prefill_attention, "note_build", lambda *args: noted.append(args))
+    monkeypatch.setattr(cuda_kernels, "enabled", lambda: True)
+
+    def build(inputs, template):
+        return tuple((x.dtype, x.ndim) for x in inputs), tuple(template)
+
+    def kernel(*args, **kwargs):
+        def launch(*, inputs, output_dtypes, template, **rest):
+            import mlx.core as mx
+
+            launched.append((build(inputs, template), tuple(output_dtypes)))
+            return [mx.zeros(rest["output_shapes"][0], dtype=output_dtypes[0])]
+
+        return launch
+
+    monkeypatch.setattr(cuda_kernels, "kernel", kernel)
+    monkeypatch.setattr(
+        cuda_kernels,
+        "note_build",
+        lambda k, *, inputs, output_dtypes, template: rotations.append((build(inputs, template), tuple(output_dtypes))),
+    )
 
     def load(serves: bool):
         import mlx.core as mx
@@ -90,13 +111,16 @@ def test_the_plan_free_build_is_queued_at_load_for_the_towers_heads(monkeypatch)
         monkeypatch.setattr(prefill_attention, "serves", lambda *args: serves)
         tower = SimpleNamespace(blocks=[SimpleNamespace(attn=Attention(64, num_heads=4)) for _ in range(2)])
         vision_attention.install(tower)
-        vision_attention.note_plan_free_build(tower, mx.bfloat16)
+        vision_attention.note_builds(tower, mx.bfloat16, plan_free=True)
+        qkv = mx.zeros((10, 3, 4, 16), dtype=mx.bfloat16)
+        vision_attention.rotate_qk(qkv, mx.zeros((10, 8), dtype=mx.float32), rotary=None)
         return mx.bfloat16
 
     on_own_thread(lambda: load(False))
-    assert noted == []
+    assert noted == [] and len(rotations) == 1 and rotations == launched
     bf16 = on_own_thread(lambda: load(True))
     assert noted == [(bf16, 4, 4, 16, 16**-0.5, prefill_attention.UNMASKED_LAYOUT)]
+    assert rotations[0][0][1] == (("T", bf16), ("D", 16), ("HD", 64))
 
 
 def test_the_prompt_attention_build_is_queued_at_load_in_the_prompts_dtype(monkeypatch):

@@ -1,0 +1,166 @@
+"""Build MLX's indexing kernels in parallel processes on a start whose kernel cache lacks them.
+
+On CUDA, MLX compiles one module per gather (array dtype, index dtype, index count), per
+take/put-along-axis (array dtype, index dtype), per scatter (its reduction too) and per masked
+scatter (dtype), each holding the variants of every rank: 4-5 s of one core each on an H100
+machine, at first use, on the MLX thread. A model's first requests meet several of them one
+after another (embedding lookups, KV writes, sampling, image features), and a sampling
+parameter that first shows up under load would stall every stream while its module compiles.
+
+They depend on dtypes only, so while the engine loads, small processes build the likely ones
+side by side, each into a directory of its own, filed into the kernel cache as soon as its
+process ends (kernel_staging); the engine then reads them instead of compiling them. A module
+already in the cache is not built again. Anything that goes wrong here costs only time.
+
+    python -m vlmserve.engine.indexing_prebuild [--file-into CACHE] gather:bfloat16:int32:1 scatter:bfloat16:int32:1 ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from vlmserve.engine.kernel_prebuild import activation_dtype
+from vlmserve.engine.kernel_staging import SIDE_PROCESSES, StagedBuild, publish
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 240.0  # a build process past this is stopped (the engine compiles what it lacks)
+_POLL_S = 0.2
+_INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort/argmax outputs are
+
+
+def modules(dtype: str) -> list[str]:
+    """The build specs for a model computing in `dtype`, the likeliest first (embedding lookups,
+    KV writes, id and position tables): the arrays a server indexes are its activations and KV
+    (`dtype`), float32 (logits, position tables) and int32/int64 (ids, positions)."""
+    arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64")))
+    first = [f"gather:{dtype}:int32:1", f"scatter:{dtype}:int32:1", "gather:int32:int32:1", "gather:float32:int32:1"]
+    first += [f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
+    specs = [f"gather:{a}:{i}:{n}" for a in arrays for i in _INDEX_DTYPES for n in (1, 2)]
+    specs += [f"gather_axis:{a}:{i}" for a in arrays[:3] for i in _INDEX_DTYPES]
+    specs += [f"scatter:{dtype}:uint32:1", f"masked_scatter:{dtype}"]
+    specs += [f"scatter_axis:{a}:int32" for a in arrays[:2]]
+    return list(dict.fromkeys(first + specs))
+
+
+def module_name(spec: str) -> str:
+    """The name MLX files the spec's module under (mlx/backend/cuda/indexing.cpp)."""
+    kind, *parts = spec.split(":")
+    if kind == "scatter":
+        return f"scatter_{parts[0]}_{parts[1]}_Assign_{parts[2]}"
+    if kind == "scatter_axis":
+        return f"scatter_axis_{parts[0]}_{parts[1]}_Assign"
+    return "_".join([kind, *parts])
+
+
+def build(spec: str) -> None:
+    """Run the spec's op on tiny arrays: MLX compiles (and caches) its module."""
+    import mlx.core as mx
+
+    kind, *parts = spec.split(":")
+    a = mx.zeros((4, 3), dtype=getattr(mx, parts[0]))
+    index = getattr(mx, parts[1]) if len(parts) > 1 else mx.int32
+    rows = mx.array([0, 2], dtype=index)
+    if kind == "gather":
+        out = a[rows] if parts[2] == "1" else a[rows, rows]
+    elif kind == "gather_axis":
+        out = mx.take_along_axis(a, mx.zeros((4, 2), dtype=index), axis=1)
+    elif kind == "scatter":
+        a[rows] = mx.ones((2, 3), dtype=a.dtype)
+        out = a
+    elif kind == "scatter_axis":
+        out = mx.put_along_axis(a, mx.zeros((4, 1), dtype=index), mx.ones((4, 1), dtype=a.dtype), axis=1)
+    elif kind == "masked_scatter":
+        a[mx.array([True, False, True, False])] = mx.ones((2, 3), dtype=a.dtype)
+        out = a
+    else:
+        raise ValueError(f"unknown indexing build {spec!r}")
+    mx.eval(out)
+
+
+class Prebuild:
+    """The build processes of one start, each filed into the cache by a thread of its own as it ends."""
+
+    def __init__(self, parts: list[list[str]], cache: Path, timeout: float = TIMEOUT_S):
+        self.started = time.monotonic()
+        self.builds = [StagedBuild(__name__, ["--file-into", str(cache), *part], cache, "indexing") for part in parts]
+        self.count = sum(len(part) for part in parts)
+        self._timeout = timeout
+        self._thread = threading.Thread(target=self._file_as_they_end, name="vlmserve-indexing-prebuild", daemon=True)
+        self._thread.start()
+
+    def _file_as_they_end(self) -> None:
+        pending, failed = list(self.builds), 0
+        while pending:
+            late = time.monotonic() - self.started > self._timeout
+            for b in [b for b in pending if late or b.done()]:
+                pending.remove(b)
+                failed += not b.finish(0.0)
+            time.sleep(_POLL_S)
+        log.info(
+            "MLX's indexing kernels: %d modules built in %d parallel processes (%d processes failed), in %.1f s",
+            self.count,
+            len(self.builds),
+            failed,
+            time.monotonic() - self.started,
+        )
+
+    def stop(self) -> None:
+        for b in self.builds:
+            b.kill()
+
+
+def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
+    """Start building the indexing modules the kernel cache lacks for this model, in up to
+    `processes` processes; None: nothing to build, or no kernel cache."""
+    cache = os.environ.get("MLX_PTX_CACHE_DIR")
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not cache:
+        return None
+    missing = [s for s in modules(activation_dtype(config)) if not (Path(cache) / f"{module_name(s)}.ptx").exists()]
+    if not missing:
+        return None
+    count = max(1, min(processes, len(missing)))
+    try:
+        return Prebuild([missing[i::count] for i in range(count)], Path(cache))
+    except OSError:
+        log.warning("could not start the indexing kernel builds", exc_info=True)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build each spec, filing each module into the shared cache (`--file-into`) as soon as it is
+    built; a spec that fails is skipped. Exits non-zero only if none was built."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    shared = None
+    if args[:1] == ["--file-into"]:
+        shared, args = Path(args[1]), args[2:]
+    private = os.environ.get("MLX_PTX_CACHE_DIR")
+    try:
+        os.nice(5)  # the engine's own compiles come first where cores run short
+    except OSError:
+        pass
+    built = 0
+    for spec in args:
+        try:
+            build(spec)
+        except Exception as e:  # noqa: BLE001 - the engine compiles it at first use instead
+            print(f"{spec}: {e}", file=sys.stderr)
+            continue
+        built += 1
+        if shared is not None and private:
+            publish(Path(private), shared)
+    return 0 if built or not args else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

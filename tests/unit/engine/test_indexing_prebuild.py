@@ -1,0 +1,136 @@
+"""MLX's indexing kernels built in side processes on a first start: the modules named as MLX
+names them, only those the cache lacks are built, spread over the processes, each filed into the
+shared cache as soon as it is built, and a spec that fails costs only itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from support.helpers import on_own_thread
+from vlmserve.engine import indexing_prebuild
+
+
+def test_modules_are_named_as_mlx_files_them_the_likeliest_first():
+    specs = indexing_prebuild.modules("float16")
+    names = [indexing_prebuild.module_name(s) for s in specs]
+    assert names[:3] == ["gather_float16_int32_1", "scatter_float16_int32_Assign_1", "gather_int32_int32_1"]
+    for name in (
+        "gather_float16_uint32_2",
+        "gather_int64_uint32_1",
+        "gather_axis_float32_uint32",
+        "scatter_axis_float16_int32_Assign",
+        "masked_scatter_float16",
+    ):
+        assert name in names
+    assert len(set(names)) == len(names)
+    assert not any("bfloat16" in n for n in names)  # the model's dtype only
+
+
+def test_every_spec_runs_its_op(tmp_path, monkeypatch):
+    """Each spec's op runs (on the CPU here: the ops are what matter, MLX compiles only on CUDA)."""
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    monkeypatch.setattr(indexing_prebuild.os, "nice", lambda n: 0)  # the build processes' own, not pytest's
+    specs = indexing_prebuild.modules("bfloat16")
+    assert on_own_thread(lambda: indexing_prebuild.main(specs)) == 0
+
+
+def test_a_failing_spec_costs_only_itself_and_each_build_is_filed_as_it_ends(tmp_path, monkeypatch):
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir()
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(private))
+    filed = []
+
+    def build(spec):
+        if spec == "bad":
+            raise ValueError("no such op")
+        (private / f"{spec}.ptx").write_bytes(b"cubin")
+        filed.append(sorted(p.name for p in shared.glob("*")) if shared.exists() else [])
+
+    monkeypatch.setattr(indexing_prebuild, "build", build)
+    monkeypatch.setattr(indexing_prebuild.os, "nice", lambda n: 0)
+    assert indexing_prebuild.main(["--file-into", str(shared), "one", "bad", "two"]) == 0
+    assert filed == [[], ["one.ptx"]]  # "one" was filed before "two" was built
+    assert sorted(p.name for p in shared.glob("*")) == ["one.ptx", "two.ptx"]
+    assert indexing_prebuild.main(["bad"]) == 1
+
+
+def test_a_start_builds_what_the_cache_lacks_over_the_processes_and_files_each_process(tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "kc"
+    cache.mkdir()
+    (cache / "gather_bfloat16_int32_1.ptx").write_bytes(b"built earlier")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    started, finished = [], []
+
+    class Staged:
+        def __init__(self, module, args, shared, tag):
+            assert module == indexing_prebuild.__name__ and shared == cache
+            started.append(args)
+
+        def done(self):
+            return True
+
+        def finish(self, timeout):
+            finished.append(timeout)
+            return True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Staged)
+    with caplog.at_level(logging.INFO, logger=indexing_prebuild.__name__):
+        prebuild = indexing_prebuild.start(model, processes=3)
+        prebuild._thread.join(10)
+    assert len(started) == 3 and all(args[:2] == ["--file-into", str(cache)] for args in started)
+    specs = [s for args in started for s in args[2:]]
+    assert sorted(specs) == sorted(indexing_prebuild.modules("bfloat16")[1:])  # all but the cached one
+    assert finished == [0.0, 0.0, 0.0]
+    assert "modules built in 3 parallel processes (0 processes failed)" in caplog.text
+
+    for spec in indexing_prebuild.modules("bfloat16"):
+        (cache / f"{indexing_prebuild.module_name(spec)}.ptx").write_bytes(b"built")
+    assert indexing_prebuild.start(model) is None  # nothing left to build
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    assert indexing_prebuild.start(model) is None  # no kernel cache: nothing is kept
+
+
+def test_a_build_past_its_time_is_stopped(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "kc"))
+    outcomes = []
+
+    class Hung:
+        def __init__(self, *args):
+            pass
+
+        def done(self):
+            return False
+
+        def finish(self, timeout):
+            outcomes.append(timeout)
+            return False
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Hung)
+    monkeypatch.setattr(indexing_prebuild, "TIMEOUT_S", 0.3)
+    prebuild = indexing_prebuild.Prebuild([["a"], ["b"]], tmp_path / "kc", timeout=0.3)
+    t0 = time.monotonic()
+    prebuild._thread.join(10)
+    assert outcomes == [0.0, 0.0] and time.monotonic() - t0 < 5
+
+
+@pytest.mark.gpu
+def test_each_spec_builds_the_module_it_names(tmp_path):
+    """On CUDA: a build process leaves exactly the module `module_name` names in its cache."""
+    specs = indexing_prebuild.modules("bfloat16")[:3] + ["gather_axis:float32:uint32", "masked_scatter:bfloat16"]
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-m", indexing_prebuild.__name__, *specs], env=env, check=True, timeout=600)
+    built = {p.stem for p in tmp_path.glob("*.ptx")}
+    assert {indexing_prebuild.module_name(s) for s in specs} <= built
