@@ -12,7 +12,7 @@ side by side, each into a directory of its own, filed into the kernel cache as s
 process ends (kernel_staging); the engine then reads them instead of compiling them. A module
 already in the cache is not built again. Anything that goes wrong here costs only time.
 
-    python -m vlmserve.engine.indexing_prebuild [--file-into CACHE] gather:bfloat16:int32:1 scatter:bfloat16:int32:1 ...
+    python -m vlmserve.engine.indexing_prebuild [--file-into CACHE] gather:bfloat16:int32:1 ...
 """
 
 from __future__ import annotations
@@ -37,23 +37,23 @@ _INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort
 
 def modules(dtype: str) -> list[str]:
     """The build specs for a model computing in `dtype`, the likeliest first (embedding lookups,
-    KV writes, id and position tables): the arrays a server indexes are its activations and KV
-    (`dtype`), float32 (logits, position tables) and int32/int64 (ids, positions)."""
-    arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64")))
-    first = [f"gather:{dtype}:int32:1", f"scatter:{dtype}:int32:1", "gather:int32:int32:1", "gather:float32:int32:1"]
-    first += [f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
+    KV writes, id and position tables, then sampling's top-p, penalties and logprobs): the
+    arrays a server indexes are its activations and KV (`dtype`), float32 (logits, position
+    tables) and integers (ids, positions, argsort's uint32 orders)."""
+    arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64", "uint32")))
+    first = [f"gather:{dtype}:int32:1", f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1"]
+    first += ["gather:float32:int32:1", f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
+    first += ["scatter:float32:uint32:Sum:1", f"scatter:{dtype}:int32:Sum:1", "gather:uint32:uint32:1"]
     specs = [f"gather:{a}:{i}:{n}" for a in arrays for i in _INDEX_DTYPES for n in (1, 2)]
     specs += [f"gather_axis:{a}:{i}" for a in arrays[:3] for i in _INDEX_DTYPES]
-    specs += [f"scatter:{dtype}:uint32:1", f"masked_scatter:{dtype}"]
-    specs += [f"scatter_axis:{a}:int32" for a in arrays[:2]]
+    specs += [f"scatter:{a}:{i}:{op}:1" for a in arrays[:2] for i in _INDEX_DTYPES for op in ("Assign", "Sum")]
+    specs += [f"masked_scatter:{dtype}"] + [f"scatter_axis:{a}:int32" for a in arrays[:2]]
     return list(dict.fromkeys(first + specs))
 
 
 def module_name(spec: str) -> str:
     """The name MLX files the spec's module under (mlx/backend/cuda/indexing.cpp)."""
     kind, *parts = spec.split(":")
-    if kind == "scatter":
-        return f"scatter_{parts[0]}_{parts[1]}_Assign_{parts[2]}"
     if kind == "scatter_axis":
         return f"scatter_axis_{parts[0]}_{parts[1]}_Assign"
     return "_".join([kind, *parts])
@@ -67,17 +67,20 @@ def build(spec: str) -> None:
     a = mx.zeros((4, 3), dtype=getattr(mx, parts[0]))
     index = getattr(mx, parts[1]) if len(parts) > 1 else mx.int32
     rows = mx.array([0, 2], dtype=index)
+    ones = mx.ones((2, 3), dtype=a.dtype)
     if kind == "gather":
         out = a[rows] if parts[2] == "1" else a[rows, rows]
     elif kind == "gather_axis":
         out = mx.take_along_axis(a, mx.zeros((4, 2), dtype=index), axis=1)
+    elif kind == "scatter" and parts[2] == "Sum":
+        out = a.at[rows].add(ones)
     elif kind == "scatter":
-        a[rows] = mx.ones((2, 3), dtype=a.dtype)
+        a[rows] = ones
         out = a
     elif kind == "scatter_axis":
         out = mx.put_along_axis(a, mx.zeros((4, 1), dtype=index), mx.ones((4, 1), dtype=a.dtype), axis=1)
     elif kind == "masked_scatter":
-        a[mx.array([True, False, True, False])] = mx.ones((2, 3), dtype=a.dtype)
+        a[mx.array([True, False, True, False])] = ones
         out = a
     else:
         raise ValueError(f"unknown indexing build {spec!r}")
@@ -101,7 +104,7 @@ class Prebuild:
             late = time.monotonic() - self.started > self._timeout
             for b in [b for b in pending if late or b.done()]:
                 pending.remove(b)
-                failed += not b.finish(0.0)
+                failed += not b.finish(5.0 if b.done() else 0.0)  # an ended one: its stderr read
             time.sleep(_POLL_S)
         log.info(
             "MLX's indexing kernels: %d modules built in %d parallel processes (%d processes failed), in %.1f s",

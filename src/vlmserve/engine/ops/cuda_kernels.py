@@ -2,8 +2,9 @@
 the Qwen decode step's q/k/v split and its few-row matmuls) run, and whether MLX's cuDNN
 attention does.
 
-They do on MLX's CUDA backend when the GPU is the default device, unless the environment
-sets VLMSERVE_CUDA_KERNELS=0; then, and on every other backend, mlx_vlm's ops run instead.
+They do on MLX's CUDA backend when the GPU is the default device and of compute capability 8.0
+or later, unless the environment sets VLMSERVE_CUDA_KERNELS=0; then, and on every other backend,
+mlx_vlm's ops run instead.
 """
 
 from __future__ import annotations
@@ -32,8 +33,18 @@ def cudnn_enabled() -> bool:
     return on_cuda() and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0"
 
 
+@functools.cache
+def _gpu_supported() -> bool:
+    """The kernels' bfloat16 tensor-core instructions (mma.sync) need compute capability 8.0
+    (Ampere) or later; on older GPUs MLX's own ops serve."""
+    try:
+        return int(mx.device_info().get("compute_capability_major", 0)) >= 8
+    except Exception:  # noqa: BLE001 - no such figure: not a GPU these kernels were built for
+        return False
+
+
 def enabled() -> bool:
-    return _SWITCHED_ON and _HAS_KERNEL_API and on_cuda()
+    return _SWITCHED_ON and _HAS_KERNEL_API and on_cuda() and _gpu_supported()
 
 
 @functools.cache
