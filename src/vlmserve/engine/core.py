@@ -383,7 +383,8 @@ class EngineCore:
             warmup_pending=len(self._shapes_to_warm)
             + len(self._lengths_to_warm)
             + self.model.kernels_pending()
-            + (self.kernel_builds.pending() if self.kernel_builds is not None else 0),
+            + (self.kernel_builds.pending() if self.kernel_builds is not None else 0)
+            + self.runner.grammars_pending(),
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
@@ -512,18 +513,20 @@ class EngineCore:
     def has_idle_work(self) -> bool:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built
         yet, decode shapes not compiled yet, attention plans for shapes traffic brought, prompt
-        piece lengths not run yet."""
+        piece lengths not run yet, the structured-output tokenizer."""
         if self._built_kernels_ready():
             return True
         if self._shapes_to_warm or self._lengths_to_warm:
             return True
-        return self.model.kernels_pending() > 0 or self.model.attention_plans_pending() > 0
+        if self.model.kernels_pending() > 0 or self.model.attention_plans_pending() > 0:
+            return True
+        return self.runner.grammars_pending()
 
     def idle_work(self) -> None:
         """One piece of the warm-up left for idle time: take the kernels side processes built,
         else build one kernel, else compile one decode shape (a second or so each on CUDA), else
-        build one attention plan (~70 ms), else run one prompt piece length; a request that
-        arrives meanwhile waits for it."""
+        build one attention plan (~70 ms), else run one prompt piece length, else build the
+        structured-output tokenizer; a request that arrives meanwhile waits for it."""
         if self._built_kernels_ready():
             self._take_built_kernels()
         elif self.model.kernels_pending():
@@ -532,8 +535,10 @@ class EngineCore:
             self._warm_next_shape()
         elif self.model.attention_plans_pending():
             self._build_attention_plan()
-        else:
+        elif self._lengths_to_warm:
             self._warm_piece_length()
+        else:
+            self.runner.prepare_grammars()
 
     def _warm_next_shape(self) -> bool:
         """Trace the compiled decode step at the next shape to warm; returns whether it traced."""

@@ -43,6 +43,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         _filler_token=7,
         runner=SimpleNamespace(
             batches=SimpleNamespace(warm_shape=warm_shape, retrace=lambda: log.append("retrace")),
+            grammars_pending=lambda: False,
             warm_piece_length=warm_length or (lambda length, filler: log.append(("piece", length, filler))),
         ),
         model=_Model(kernels, log, fail, plans),
@@ -233,3 +234,48 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
     assert log == [("generate", "warmup-0"), ("warm decode", 2)]
+
+
+def test_the_structured_output_tokenizer_is_built_last_while_idle():
+    """After every other piece of idle warm-up, the structured-output tokenizer is built once,
+    so the first request with a response_format does not build it while every stream waits."""
+    log = []
+    core, engine_core = _core(lambda rows, width: log.append(("shape", rows)) or True, lengths=[640])
+    core._shapes_to_warm = [(1, 32)]
+    built = []
+    core.runner.grammars_pending = lambda: not built
+    core.runner.prepare_grammars = lambda: built.append(True) or log.append("grammars")
+    core.runner.warm_piece_length = lambda length, filler: log.append(("piece", length))
+    turns = 0
+    while engine_core.has_idle_work(core):
+        engine_core.idle_work(core)
+        turns += 1
+    assert log == [("shape", 1), ("piece", 640), "grammars"] and turns == 3
+
+
+def test_preparing_the_grammars_builds_the_tokenizer_once_and_a_failure_is_left_to_requests(caplog):
+    from vlmserve.engine.runner.model_runner import ModelRunner
+
+    calls = []
+
+    def build(fail):
+        def grammars():
+            calls.append(fail)
+            if fail:
+                raise ValueError("this tokenizer cannot be converted")
+            runner._grammar_factory = "factory"
+
+        return grammars
+
+    runner = SimpleNamespace(_grammar_factory=None, _grammar_tried=False)
+    runner._grammars = build(fail=False)
+    assert ModelRunner.grammars_pending(runner)
+    ModelRunner.prepare_grammars(runner)
+    assert runner._grammar_factory == "factory" and not ModelRunner.grammars_pending(runner)
+
+    runner = SimpleNamespace(_grammar_factory=None, _grammar_tried=False)
+    runner._grammars = build(fail=True)
+    with caplog.at_level(logging.WARNING):
+        ModelRunner.prepare_grammars(runner)
+    assert not ModelRunner.grammars_pending(runner)  # not tried again while idle
+    assert "could not build the structured-output tokenizer" in caplog.text and calls == [False, True]

@@ -105,6 +105,7 @@ class ModelRunner:
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
         self._weights: dict = {}  # KV dtype -> budget blocks a block costs (_weight)
         self._grammar_factory = None
+        self._grammar_tried = False  # prepare_grammars ran (built, or failed: left to requests)
 
     # ---- admission -------------------------------------------------------------------
     def new_row(self, req: EngineRequest) -> Sequence:
@@ -119,6 +120,23 @@ class ModelRunner:
 
             self._grammar_factory = GrammarFactory(self.tokenizer.hf, self.model.info.vocab_size, sorted(self.eos))
         return self._grammar_factory
+
+    def grammars_pending(self) -> bool:
+        """Whether the structured-output tokenizer is still to build (`prepare_grammars`)."""
+        return self._grammar_factory is None and not self._grammar_tried
+
+    def prepare_grammars(self) -> None:
+        """Build the structured-output tokenizer ahead of the first request that needs it: ~1 s
+        for a 150k vocabulary, which that request would otherwise spend on this thread while
+        every stream waits. One that fails is tried again by that request, which then fails."""
+        self._grammar_tried = True
+        t0 = time.perf_counter()
+        try:
+            self._grammars()
+        except Exception:  # noqa: BLE001 - the request that asks for it reports why
+            log.warning("could not build the structured-output tokenizer ahead of use", exc_info=True)
+            return
+        log.info("structured outputs: tokenizer built in %.2f s", time.perf_counter() - t0)
 
     # ---- embedding -------------------------------------------------------------------
     def embed(self, seq: Sequence) -> None:
