@@ -104,6 +104,7 @@ class EngineCore:
         self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
+        self._warmed = False  # warm_up ran: idle work may then build what only requests use (grammars)
 
     @classmethod
     def load(
@@ -384,7 +385,7 @@ class EngineCore:
             + len(self._lengths_to_warm)
             + self.model.kernels_pending()
             + (self.kernel_builds.pending() if self.kernel_builds is not None else 0)
-            + self.runner.grammars_pending(),
+            + self._grammars_due(),
         )
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
@@ -457,6 +458,7 @@ class EngineCore:
                 cached.queued,
             )
         self._warm_decode(min(self.sched.max_num_seqs, WARM_SLOTS))
+        self._warmed = True
         # On CUDA a padded length's first run costs tens of ms (the matmuls' setup per shape);
         # elsewhere nothing measured does, and the forwards would only keep the worker busy.
         if on_cuda() and self.model.prefills_pieces and prompts:
@@ -520,7 +522,12 @@ class EngineCore:
             return True
         if self.model.kernels_pending() > 0 or self.model.attention_plans_pending() > 0:
             return True
-        return self.runner.grammars_pending()
+        return self._grammars_due()
+
+    def _grammars_due(self) -> bool:
+        """The structured-output tokenizer is built while idle once warm-up is over (before it,
+        the worker is the warm-up's)."""
+        return self._warmed and self.runner.grammars_pending()
 
     def idle_work(self) -> None:
         """One piece of the warm-up left for idle time: take the kernels side processes built,

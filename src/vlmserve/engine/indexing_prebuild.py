@@ -8,9 +8,10 @@ after another (embedding lookups, KV writes, sampling, image features), and a sa
 parameter that first shows up under load would stall every stream while its module compiles.
 
 They depend on dtypes only, so while the engine loads, small processes build the likely ones
-side by side, each into a directory of its own, filed into the kernel cache as soon as its
-process ends (kernel_staging); the engine then reads them instead of compiling them. A module
-already in the cache is not built again. Anything that goes wrong here costs only time.
+side by side, each into a directory of its own, and file each module into the kernel cache as
+soon as it is built (kernel_staging.publish); the engine then reads them instead of compiling
+them. A module already in the cache is not built again. Anything that goes wrong here costs
+only time.
 
     python -m vlmserve.engine.indexing_prebuild [--file-into CACHE] gather:bfloat16:int32:1 ...
 """
@@ -88,35 +89,61 @@ def build(spec: str) -> None:
 
 
 class Prebuild:
-    """The build processes of one start, each filed into the cache by a thread of its own as it ends."""
+    """The build processes of one start, reaped by one thread as each ends (each files its own
+    modules as it builds them); `stop` ends them."""
 
     def __init__(self, parts: list[list[str]], cache: Path, timeout: float = TIMEOUT_S):
         self.started = time.monotonic()
-        self.builds = [StagedBuild(__name__, ["--file-into", str(cache), *part], cache, "indexing") for part in parts]
-        self.count = sum(len(part) for part in parts)
+        self.cache = cache
+        self.specs = [spec for part in parts for spec in part]
         self._timeout = timeout
-        self._thread = threading.Thread(target=self._file_as_they_end, name="vlmserve-indexing-prebuild", daemon=True)
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # the reaper and `stop` never act on a process at once
+        self.builds: list[StagedBuild] = []
+        try:
+            for part in parts:
+                # No seeded links: each spec is built whether or not the cache holds the others.
+                self.builds.append(
+                    StagedBuild(__name__, ["--file-into", str(cache), *part], cache, "indexing", seed=False)
+                )
+        except OSError:
+            self.stop()
+            raise
+        self._thread = threading.Thread(target=self._reap, name="vlmserve-indexing-prebuild", daemon=True)
         self._thread.start()
 
-    def _file_as_they_end(self) -> None:
+    def built(self) -> int:
+        """How many of the specs' modules the cache holds."""
+        return sum((self.cache / f"{module_name(s)}.ptx").exists() for s in self.specs)
+
+    def _reap(self) -> None:
         pending, failed = list(self.builds), 0
-        while pending:
+        while pending and not self._stopping.is_set():
             late = time.monotonic() - self.started > self._timeout
-            for b in [b for b in pending if late or b.done()]:
-                pending.remove(b)
-                failed += not b.finish(5.0 if b.done() else 0.0)  # an ended one: its stderr read
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                for b in [b for b in pending if late or b.done()]:
+                    pending.remove(b)
+                    failed += not b.finish(5.0 if b.done() else 0.0)  # an ended one: its stderr read
             time.sleep(_POLL_S)
-        log.info(
-            "MLX's indexing kernels: %d modules built in %d parallel processes (%d processes failed), in %.1f s",
-            self.count,
-            len(self.builds),
-            failed,
-            time.monotonic() - self.started,
-        )
+        if not self._stopping.is_set():
+            log.info(
+                "MLX's indexing kernels: %d of %d modules in the kernel cache after %.1f s "
+                "(%d parallel processes, %d failed or stopped)",
+                self.built(),
+                len(self.specs),
+                time.monotonic() - self.started,
+                len(self.builds),
+                failed,
+            )
 
     def stop(self) -> None:
-        for b in self.builds:
-            b.kill()
+        """End the builds still running (what they filed stays filed)."""
+        self._stopping.set()
+        with self._lock:
+            for b in self.builds:
+                b.kill()
 
 
 def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:

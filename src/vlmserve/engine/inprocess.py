@@ -94,7 +94,7 @@ class Engine:
             if self._indexing is not None:
                 log.info(
                     "building %d of MLX's indexing kernels in %d parallel processes",
-                    self._indexing.count,
+                    len(self._indexing.specs),
                     len(self._indexing.builds),
                 )
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)

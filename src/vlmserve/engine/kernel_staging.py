@@ -4,8 +4,9 @@ MLX writes a kernel into its cache (MLX_PTX_CACHE_DIR) in place, three files one
 and a process reads one whenever it first needs it: an engine reading a module while a build
 process writes the same one would read half a file. So each build process gets a directory of
 its own, seeded with links to what the shared cache holds (those it need not build), and what
-it built moves into the shared cache by renames once it exits: each module's kernel names
-(.txt) before its binary (.ptx), the file MLX looks for. No MLX import here.
+it built moves into the shared cache by renames once it exits (or, for a process that files its
+own builds as it goes, as each is built): each module's kernel names (.txt) before its binary
+(.ptx), the file MLX looks for. No MLX import here.
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ def remove_stale(shared: Path) -> int:
     return removed
 
 
-def make_private(shared: Path, tag: str) -> Path:
-    """A new directory seeded with hard links (copies where links fail) to the shared cache's files."""
+def make_private(shared: Path, tag: str, seed: bool = True) -> Path:
+    """A new directory, with `seed` holding hard links (copies where links fail) to the shared cache's files."""
     root = staging_root(shared)
     root.mkdir(parents=True, exist_ok=True)
     private = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=root))
-    if shared.is_dir():
+    if seed and shared.is_dir():
         for src in shared.rglob("*"):
             if not src.is_file():
                 continue
@@ -95,12 +96,13 @@ def publish(private: Path, shared: Path) -> int:
 
 
 class StagedBuild:
-    """`python -m <module> <args>` with MLX_PTX_CACHE_DIR set to a directory of its own."""
+    """`python -m <module> <args>` with MLX_PTX_CACHE_DIR set to a directory of its own (`seed`:
+    holding what the shared cache holds, so the process does not build it again)."""
 
-    def __init__(self, module: str, args: list[str], shared: Path, tag: str):
+    def __init__(self, module: str, args: list[str], shared: Path, tag: str, seed: bool = True):
         self.shared = shared
         self.started = time.monotonic()
-        self.private = make_private(shared, tag)
+        self.private = make_private(shared, tag, seed)
         env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.private))
         try:
             self.proc = subprocess.Popen(

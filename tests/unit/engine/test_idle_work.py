@@ -52,6 +52,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         kernel_builds=None,
         _warm_shapes=[],
         _kernels_filed=False,
+        _warmed=True,
     )
     core._note_peak = core.noted.append
     core._build_kernel = lambda: EngineCore._build_kernel(core)
@@ -61,6 +62,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     core._build_attention_plan = lambda: EngineCore._build_attention_plan(core)
     core._queue_decode_builds = lambda rows: EngineCore._queue_decode_builds(core, rows)
+    core._grammars_due = lambda: EngineCore._grammars_due(core)
     return core, EngineCore
 
 
@@ -246,11 +248,16 @@ def test_the_structured_output_tokenizer_is_built_last_while_idle():
     core.runner.grammars_pending = lambda: not built
     core.runner.prepare_grammars = lambda: built.append(True) or log.append("grammars")
     core.runner.warm_piece_length = lambda length, filler: log.append(("piece", length))
+    core._warmed = False  # before warm-up ends, the worker is the warm-up's
+    while engine_core.has_idle_work(core):
+        engine_core.idle_work(core)
+    assert log == [("shape", 1), ("piece", 640)] and engine_core._grammars_due(core) is False
+    core._warmed = True
     turns = 0
     while engine_core.has_idle_work(core):
         engine_core.idle_work(core)
         turns += 1
-    assert log == [("shape", 1), ("piece", 640), "grammars"] and turns == 3
+    assert log == [("shape", 1), ("piece", 640), "grammars"] and turns == 1
 
 
 def test_preparing_the_grammars_builds_the_tokenizer_once_and_a_failure_is_left_to_requests(caplog):

@@ -36,12 +36,17 @@ def test_modules_are_named_as_mlx_files_them_the_likeliest_first():
     assert not any("bfloat16" in n for n in names)  # the model's dtype only
 
 
-def test_every_spec_runs_its_op(tmp_path, monkeypatch):
+def test_every_spec_runs_its_op():
     """Each spec's op runs (on the CPU here: the ops are what matter, MLX compiles only on CUDA)."""
-    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
-    monkeypatch.setattr(indexing_prebuild.os, "nice", lambda n: 0)  # the build processes' own, not pytest's
-    specs = indexing_prebuild.modules("bfloat16")
-    assert on_own_thread(lambda: indexing_prebuild.main(specs)) == 0
+
+    def run_all():
+        for dtype in ("bfloat16", "float16", "float32"):
+            for spec in indexing_prebuild.modules(dtype):
+                indexing_prebuild.build(spec)  # raises for a spec it cannot run
+
+    on_own_thread(run_all)
+    with pytest.raises(ValueError):
+        indexing_prebuild.build("gather_nd:float32:int32")
 
 
 def test_a_failing_spec_costs_only_itself_and_each_build_is_filed_as_it_ends(tmp_path, monkeypatch):
@@ -75,7 +80,8 @@ def test_a_start_builds_what_the_cache_lacks_over_the_processes_and_files_each_p
     started, finished = [], []
 
     class Staged:
-        def __init__(self, module, args, shared, tag):
+        def __init__(self, module, args, shared, tag, seed):
+            assert not seed  # each spec is built whatever else the cache holds
             assert module == indexing_prebuild.__name__ and shared == cache
             started.append(args)
 
@@ -94,7 +100,8 @@ def test_a_start_builds_what_the_cache_lacks_over_the_processes_and_files_each_p
     specs = [s for args in started for s in args[2:]]
     assert sorted(specs) == sorted(indexing_prebuild.modules("bfloat16")[1:])  # all but the cached one
     assert finished == [5.0, 5.0, 5.0]  # each ended: its output read
-    assert "modules built in 3 parallel processes (0 processes failed)" in caplog.text
+    assert "0 of 36 modules in the kernel cache" in caplog.text  # the fakes filed nothing
+    assert "(3 parallel processes, 0 failed or stopped)" in caplog.text
 
     for spec in indexing_prebuild.modules("bfloat16"):
         (cache / f"{indexing_prebuild.module_name(spec)}.ptx").write_bytes(b"built")
@@ -111,8 +118,11 @@ def test_a_build_past_its_time_is_stopped(tmp_path, monkeypatch):
     outcomes = []
 
     class Hung:
-        def __init__(self, *args):
-            pass
+        def __init__(self, *args, **kwargs):
+            self.killed = False
+
+        def kill(self):
+            self.killed = True
 
         def done(self):
             return False
@@ -122,7 +132,6 @@ def test_a_build_past_its_time_is_stopped(tmp_path, monkeypatch):
             return False
 
     monkeypatch.setattr(indexing_prebuild, "StagedBuild", Hung)
-    monkeypatch.setattr(indexing_prebuild, "TIMEOUT_S", 0.3)
     prebuild = indexing_prebuild.Prebuild([["a"], ["b"]], tmp_path / "kc", timeout=0.3)
     t0 = time.monotonic()
     prebuild._thread.join(10)
@@ -138,3 +147,48 @@ def test_each_spec_builds_the_module_it_names(tmp_path):
     subprocess.run([sys.executable, "-m", indexing_prebuild.__name__, *specs], env=env, check=True, timeout=600)
     built = {p.stem for p in tmp_path.glob("*.ptx")}
     assert {indexing_prebuild.module_name(s) for s in specs} <= built
+
+
+def test_stopping_ends_the_builds_and_the_reaper_quietly(tmp_path, monkeypatch, caplog):
+    outcomes = []
+
+    class Running:
+        def __init__(self, *args, **kwargs):
+            self.killed = False
+
+        def done(self):
+            return self.killed
+
+        def finish(self, timeout):
+            outcomes.append(timeout)
+            return True
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Running)
+    with caplog.at_level(logging.INFO, logger=indexing_prebuild.__name__):
+        prebuild = indexing_prebuild.Prebuild([["a"], ["b"]], tmp_path)
+        prebuild.stop()
+        prebuild._thread.join(5)
+    assert all(b.killed for b in prebuild.builds) and not prebuild._thread.is_alive()
+    assert outcomes == [] and "modules in the kernel cache" not in caplog.text
+
+
+def test_a_process_that_cannot_start_stops_those_started_before_it(tmp_path, monkeypatch):
+    started = []
+
+    class Flaky:
+        def __init__(self, *args, **kwargs):
+            if len(started) == 2:
+                raise OSError("no more processes")
+            self.killed = False
+            started.append(self)
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Flaky)
+    with pytest.raises(OSError):
+        indexing_prebuild.Prebuild([["a"], ["b"], ["c"]], tmp_path)
+    assert len(started) == 2 and all(b.killed for b in started)

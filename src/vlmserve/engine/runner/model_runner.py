@@ -133,8 +133,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             self._grammars()
-        except Exception:  # noqa: BLE001 - the request that asks for it reports why
-            log.warning("could not build the structured-output tokenizer ahead of use", exc_info=True)
+        except Exception as e:  # noqa: BLE001 - the request that asks for it reports why
+            log.warning("could not build the structured-output tokenizer ahead of use: %s", e)
             return
         log.info("structured outputs: tokenizer built in %.2f s", time.perf_counter() - t0)
 
