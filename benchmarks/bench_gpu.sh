@@ -16,13 +16,14 @@ set -euo pipefail
 export PYTHONPATH=/root/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # keeps extra wheel dirs given by the caller
 MODELS=${MODELS:-/root/models}
 FORMATS=${FORMATS:-bf16 4bit}
-WORKLOADS=${WORKLOADS:-w1 mixed multiturn}
+WORKLOADS=${WORKLOADS-w1 mixed multiturn}  # WORKLOADS= (empty): none, only the starts
 OUT=${OUT:-/root/bench}
 LEVELS=${LEVELS:-1,8,32,64}
 MIXED_LEVELS=${MIXED_LEVELS:-32}
 PEER=${PEER:-1}
 SELF=${SELF:-1}  # SELF=0 PEER=1: only the peer, appended to existing results (split across device calls)
 RESTART=${RESTART:-1}  # RESTART=1: start vlmserve a second time after its run and report when it was ready
+FIRST_START=${FIRST_START:-0}  # FIRST_START=1: vlmserve's first start on empty kernel caches (a new machine), then first_use_probe.py
 CLIENTS=${CLIENTS:-4}  # load-generator processes (bench.py --client-processes; one Python process delays W1's waves)
 WRAP=${WRAP:-}  # prefix for the vlmserve command, e.g. "py-spy record --gil -f raw -o $OUT/gil.txt --"
 mkdir -p "$OUT"
@@ -58,6 +59,10 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
     sleep 0.5
   done
   [ -n "$pending" ] && echo "$format $name fully warm after $(( $(date +%s) - t0 )) s"
+  if [ "$name" = vlmserve ] && [ "$FIRST_START" = 1 ]; then  # each feature's first request against its second
+    python3 benchmarks/first_use_probe.py --url "${ready%/*}" --kernel-cache "$MLX_PTX_CACHE_DIR" \
+      --out "$OUT/$format-first-use.json" || true
+  fi
   for workload in $WORKLOADS; do
     if [ "$workload" = multiturn ]; then  # 3-turn image chats and 8 questions about one image (TTFT, reuse)
       python3 benchmarks/multiturn.py --url "${ready%/*}" --model "$model_id" --out "$OUT/$format-$name-multiturn.json" || true
@@ -77,6 +82,11 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
 for format in $FORMATS; do
   model=$(model_dir "$format")
   [ "$SELF" = 1 ] && rm -f "$OUT/$format"-*.json
+  if [ "$FIRST_START" = 1 ]; then  # MLX's and the driver's kernel caches, empty: every kernel is built by this start
+    export MLX_PTX_CACHE_DIR=$OUT/kernel-cache-$format CUDA_CACHE_PATH=$OUT/driver-cache-$format
+    rm -rf "$MLX_PTX_CACHE_DIR" "$MLX_PTX_CACHE_DIR.staging" "$CUDA_CACHE_PATH"
+    mkdir -p "$MLX_PTX_CACHE_DIR" "$CUDA_CACHE_PATH"
+  fi
   [ "$SELF" = 1 ] && serve_and_bench "$format" vlmserve http://127.0.0.1:8100/ready vlmserve "$(basename "$model")" \
     $WRAP python3 -m vlmserve.cli serve "$model" --port 8100 --max-num-seqs 64 ${VLMSERVE_ARGS:-}
   if [ "$SELF" = 1 ] && [ "$RESTART" = 1 ]; then  # again, with the kernels the first start built in its cache

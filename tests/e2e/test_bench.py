@@ -136,3 +136,22 @@ def test_multiturn_reports_reuse_across_turns_and_one_tower_run_per_image(qwen_s
     assert all(t["preprocess_ms"] > 0 and t["server_ttft_ms"] > 0 for t in turns)
     shared = result["same_image"]
     assert shared["feature_cache_queries"] == 4 and shared["vision_tower_runs"] == 1
+
+
+def test_the_first_use_probe_sends_every_case_twice_and_records_both(qwen_server, tmp_path):
+    """benchmarks/first_use_probe.py: every feature case answered, first and second times kept."""
+    import subprocess
+
+    wait_ready(qwen_server)
+    out = tmp_path / "first_use.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "first_use_probe.py"), "--url", qwen_server.base_url]
+        + ["--max-tokens", "4", "--out", str(out)],
+        check=True,
+        timeout=300,
+    )
+    results = json.loads(out.read_text())
+    assert [r["case"] for r in results][:3] == ["greedy", "temperature", "top_p"] and len(results) >= 14
+    assert all(r["first_s"] > 0 and r["second_s"] > 0 and r["built"] == [] for r in results)
+    # Every case is answered; this fixture's chat template takes no tools (a 400 that says so).
+    assert {r["case"]: r["status"] for r in results if r["status"] != 200} == {"tool_choice": 400}
