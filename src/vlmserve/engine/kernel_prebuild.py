@@ -163,12 +163,15 @@ class Background:
         # Ended ones only have their output read; one past the timeout is stopped.
         failed = sum(not b.finish(10.0 if b.staged.done() else 0.0) for b in builds)
         if failed:
+            from vlmserve.engine.ops.many_row_dequantized import QMM_MIN_ROWS
+
             log.warning(
                 "quantized matmul kernels for %d-bit, group %d: %d of %d builds failed or timed out; "
-                "those layers keep running dequantized over 8 rows or more",
+                "those layers keep running dequantized over %d rows or more",
                 *setting,
                 failed,
                 len(builds),
+                QMM_MIN_ROWS,
             )
             return None
         t0 = time.perf_counter()

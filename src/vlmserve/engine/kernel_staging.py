@@ -18,7 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,11 @@ class StagedBuild:
         shutil.rmtree(self.private, ignore_errors=True)
 
 
-def finish_all(builds: list[StagedBuild], timeout: float) -> tuple[int, float]:
+class Finishing(Protocol):
+    def finish(self, timeout: float) -> bool: ...
+
+
+def finish_all(builds: Sequence[Finishing], timeout: float) -> tuple[int, float]:
     """Wait for every build (at most `timeout` s in all); returns (how many failed or were stopped, seconds waited)."""
     t0 = time.perf_counter()
     failed = sum(not b.finish(timeout - (time.perf_counter() - t0)) for b in builds)
