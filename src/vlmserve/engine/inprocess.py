@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vlmserve.config import ServerConfig
 from vlmserve.cuda_graphs import choose_cuda_graphs
-from vlmserve.engine import kernel_prebuild, mlx_prebuild
+from vlmserve.engine import indexing_prebuild, kernel_prebuild
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
 from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
@@ -58,7 +58,7 @@ class Engine:
         self.core: EngineCore | None = None
         self.tokenizer = None
         self._prebuild: list = []  # kernel build processes still running (kernel_prebuild)
-        self._mlx_builds = None  # MLX's dtype-only kernels building beside the load (mlx_prebuild)
+        self._indexing = None  # MLX's indexing kernels building beside the load (indexing_prebuild)
 
     async def start(self) -> None:
         """Resolve and load the model on the worker; raises with the reason if that fails."""
@@ -90,12 +90,12 @@ class Engine:
                 # Until they are built, layers many_row_dequantized serves run dequantized (from the
                 # load's probes on); _load_on_worker lets go of what it does not serve.
                 many_row_dequantized.hold({b.setting for b in self._prebuild if b.mode == "affine"})
-            self._mlx_builds = mlx_prebuild.start(self.model_path)
-            if self._mlx_builds is not None:
+            self._indexing = indexing_prebuild.start(self.model_path)
+            if self._indexing is not None:
                 log.info(
-                    "building %d of MLX's dtype-only kernels (indexing, activations) in %d parallel processes",
-                    len(self._mlx_builds.specs),
-                    len(self._mlx_builds.builds),
+                    "building %d of MLX's indexing kernels in %d parallel processes",
+                    len(self._indexing.specs),
+                    len(self._indexing.builds),
                 )
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await self.run_on_worker(self._load_on_worker)
@@ -208,8 +208,8 @@ class Engine:
         for build in self._prebuild:  # never waited for (no warm-up, or a failed load)
             build.kill()
         self._prebuild = []
-        if self._mlx_builds is not None:
-            self._mlx_builds.stop()
+        if self._indexing is not None:
+            self._indexing.stop()
         builds = self.core.kernel_builds if self.core is not None else None
         if builds is not None and not self.worker.is_alive():
             builds.stop()

@@ -1,23 +1,19 @@
-"""Build MLX's dtype-only kernels in parallel processes on a start whose kernel cache lacks them.
+"""Build MLX's indexing kernels in parallel processes on a start whose kernel cache lacks them.
 
-On CUDA, MLX compiles at first use, on the MLX thread, 4-9 s of one core each on an H100
-machine:
-- its indexing modules: one per gather (array dtype, index dtype, index count), per
-  take/put-along-axis (array dtype, index dtype), per scatter (its reduction too) and per
-  masked scatter (dtype), each holding the variants of every rank;
-- the fused kernel of each compiled activation function (mlx.nn's silu and GELUs, mlx-lm's
-  swiglu) per dtype, which language models' MLPs and vision towers call.
-A model's first requests meet several of them one after another (embedding lookups, KV writes,
-MLPs, sampling, image features), and a sampling parameter that first shows up under load would
-stall every stream while its module compiles.
+On CUDA, MLX compiles one module per gather (array dtype, index dtype, index count), per
+take/put-along-axis (array dtype, index dtype), per scatter (its reduction too) and per masked
+scatter (dtype), each holding the variants of every rank: 4-5 s of one core each on an H100
+machine, at first use, on the MLX thread. A model's first requests meet several of them one
+after another (embedding lookups, KV writes, sampling, image features), and a sampling
+parameter that first shows up under load would stall every stream while its module compiles.
 
 They depend on dtypes only, so while the engine loads, small processes build the likely ones
 side by side, each into a directory of its own, and file each module into the kernel cache as
 soon as it is built (kernel_staging.publish); the engine then reads them instead of compiling
-them. What the cache holds is not built again (an indexing module by its name, an activation,
-whose module is named by a hash, by a marker). Anything that goes wrong here costs only time.
+them. A module already in the cache is not built again. Anything that goes wrong here costs
+only time.
 
-    python -m vlmserve.engine.mlx_prebuild [--file-into CACHE] gather:bfloat16:int32:1 act:silu:bfloat16 ...
+    python -m vlmserve.engine.indexing_prebuild [--file-into CACHE] gather:bfloat16:int32:1 ...
 """
 
 from __future__ import annotations
@@ -40,46 +36,28 @@ _POLL_S = 0.2
 _INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort/argmax outputs are
 
 
-# mlx.nn's compiled activations and mlx-lm's swiglu (the MLPs of most language models and towers)
-ACTIVATIONS = ("swiglu", "silu", "gelu_fast_approx", "gelu", "gelu_approx")
-
-
-def specs(dtype: str) -> list[str]:
+def modules(dtype: str) -> list[str]:
     """The build specs for a model computing in `dtype`, the likeliest first (embedding lookups,
-    KV writes, MLP activations, id and position tables, then sampling's top-p, penalties and
-    logprobs): the arrays a server indexes are its activations and KV (`dtype`), float32
-    (logits, position tables) and integers (ids, positions, argsort's uint32 orders)."""
+    KV writes, id and position tables, then sampling's top-p, penalties and logprobs): the
+    arrays a server indexes are its activations and KV (`dtype`), float32 (logits, position
+    tables) and integers (ids, positions, argsort's uint32 orders)."""
     arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64", "uint32")))
-    first = [f"gather:{dtype}:int32:1", f"act:swiglu:{dtype}", f"scatter:{dtype}:int32:Assign:1"]
-    first += [f"act:silu:{dtype}", "gather:int32:int32:1", "gather:float32:int32:1", f"act:gelu_fast_approx:{dtype}"]
-    first += [f"act:gelu:{dtype}", f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
+    first = [f"gather:{dtype}:int32:1", f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1"]
+    first += ["gather:float32:int32:1", f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
     first += ["scatter:float32:uint32:Sum:1", f"scatter:{dtype}:int32:Sum:1", "gather:uint32:uint32:1"]
-    found = [f"gather:{a}:{i}:{n}" for a in arrays for i in _INDEX_DTYPES for n in (1, 2)]
-    found += [f"gather_axis:{a}:{i}" for a in arrays[:3] for i in _INDEX_DTYPES]
-    found += [f"scatter:{a}:{i}:{op}:1" for a in arrays[:2] for i in _INDEX_DTYPES for op in ("Assign", "Sum")]
-    found += [f"masked_scatter:{dtype}"] + [f"scatter_axis:{a}:int32" for a in arrays[:2]]
-    found += [f"act:{name}:{dtype}" for name in ACTIVATIONS]
-    return list(dict.fromkeys(first + found))
+    specs = [f"gather:{a}:{i}:{n}" for a in arrays for i in _INDEX_DTYPES for n in (1, 2)]
+    specs += [f"gather_axis:{a}:{i}" for a in arrays[:3] for i in _INDEX_DTYPES]
+    specs += [f"scatter:{a}:{i}:{op}:1" for a in arrays[:2] for i in _INDEX_DTYPES for op in ("Assign", "Sum")]
+    specs += [f"masked_scatter:{dtype}"] + [f"scatter_axis:{a}:int32" for a in arrays[:2]]
+    return list(dict.fromkeys(first + specs))
 
 
 def module_name(spec: str) -> str:
-    """The name MLX files an indexing spec's module under (mlx/backend/cuda/indexing.cpp)."""
+    """The name MLX files the spec's module under (mlx/backend/cuda/indexing.cpp)."""
     kind, *parts = spec.split(":")
     if kind == "scatter_axis":
         return f"scatter_axis_{parts[0]}_{parts[1]}_Assign"
     return "_".join([kind, *parts])
-
-
-def _marker(cache: Path, spec: str) -> Path:
-    return cache / "vlmserve-prebuilt" / spec.replace(":", "-")
-
-
-def built(cache: Path, spec: str) -> bool:
-    """Whether the cache holds the spec's module: an indexing one by its name, an activation by
-    the marker its build left (its module's name is a hash of the fused graph)."""
-    if spec.startswith("act:"):
-        return _marker(cache, spec).exists()
-    return (cache / f"{module_name(spec)}.ptx").exists()
 
 
 def build(spec: str) -> None:
@@ -87,15 +65,6 @@ def build(spec: str) -> None:
     import mlx.core as mx
 
     kind, *parts = spec.split(":")
-    if kind == "act":
-        import mlx.nn as nn
-        from mlx_lm.models.activations import swiglu
-
-        # Real buffers, as a layer's outputs are (a constant-filled array is another input kind).
-        x, gate = (mx.random.normal((4, 64), key=mx.random.key(i)).astype(getattr(mx, parts[1])) for i in range(2))
-        mx.eval(x, gate)
-        mx.eval(swiglu(gate, x) if parts[0] == "swiglu" else getattr(nn, parts[0])(x))
-        return
     a = mx.zeros((4, 3), dtype=getattr(mx, parts[0]))
     index = getattr(mx, parts[1]) if len(parts) > 1 else mx.int32
     rows = mx.array([0, 2], dtype=index)
@@ -115,7 +84,7 @@ def build(spec: str) -> None:
         a[mx.array([True, False, True, False])] = ones
         out = a
     else:
-        raise ValueError(f"unknown kernel build {spec!r}")
+        raise ValueError(f"unknown indexing build {spec!r}")
     mx.eval(out)
 
 
@@ -143,9 +112,9 @@ class Prebuild:
         self._thread = threading.Thread(target=self._reap, name="vlmserve-indexing-prebuild", daemon=True)
         self._thread.start()
 
-    def count_built(self) -> int:
+    def built(self) -> int:
         """How many of the specs' modules the cache holds."""
-        return sum(built(self.cache, s) for s in self.specs)
+        return sum((self.cache / f"{module_name(s)}.ptx").exists() for s in self.specs)
 
     def _reap(self) -> None:
         pending, failed = list(self.builds), 0
@@ -160,9 +129,9 @@ class Prebuild:
             time.sleep(_POLL_S)
         if not self._stopping.is_set():
             log.info(
-                "MLX's dtype-only kernels: %d of %d modules in the kernel cache after %.1f s "
+                "MLX's indexing kernels: %d of %d modules in the kernel cache after %.1f s "
                 "(%d parallel processes, %d failed or stopped)",
-                self.count_built(),
+                self.built(),
                 len(self.specs),
                 time.monotonic() - self.started,
                 len(self.builds),
@@ -178,7 +147,7 @@ class Prebuild:
 
 
 def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
-    """Start building the dtype-only modules the kernel cache lacks for this model, in up to
+    """Start building the indexing modules the kernel cache lacks for this model, in up to
     `processes` processes; None: nothing to build, or no kernel cache."""
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
     try:
@@ -187,14 +156,14 @@ def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
         return None
     if not cache:
         return None
-    missing = [s for s in specs(activation_dtype(config)) if not built(Path(cache), s)]
+    missing = [s for s in modules(activation_dtype(config)) if not (Path(cache) / f"{module_name(s)}.ptx").exists()]
     if not missing:
         return None
     count = max(1, min(processes, len(missing)))
     try:
         return Prebuild([missing[i::count] for i in range(count)], Path(cache))
     except OSError:
-        log.warning("could not start MLX's kernel builds", exc_info=True)
+        log.warning("could not start the indexing kernel builds", exc_info=True)
         return None
 
 
@@ -210,21 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(5)  # the engine's own compiles come first where cores run short
     except OSError:
         pass
-    done = 0
+    built = 0
     for spec in args:
         try:
             build(spec)
         except Exception as e:  # noqa: BLE001 - the engine compiles it at first use instead
             print(f"{spec}: {e}", file=sys.stderr)
             continue
-        done += 1
+        built += 1
         if shared is not None and private:
             publish(Path(private), shared)
-        where = shared or (Path(private) if private else None)
-        if spec.startswith("act:") and where is not None:  # after filing: the marker says it is there
-            _marker(where, spec).parent.mkdir(parents=True, exist_ok=True)
-            _marker(where, spec).touch()
-    return 0 if done or not args else 1
+    return 0 if built or not args else 1
 
 
 if __name__ == "__main__":

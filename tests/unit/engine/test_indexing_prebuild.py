@@ -1,0 +1,194 @@
+"""MLX's indexing kernels built in side processes on a first start: the modules named as MLX
+names them, only those the cache lacks are built, spread over the processes, each filed into the
+shared cache as soon as it is built, and a spec that fails costs only itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from support.helpers import on_own_thread
+from vlmserve.engine import indexing_prebuild
+
+
+def test_modules_are_named_as_mlx_files_them_the_likeliest_first():
+    specs = indexing_prebuild.modules("float16")
+    names = [indexing_prebuild.module_name(s) for s in specs]
+    assert names[:3] == ["gather_float16_int32_1", "scatter_float16_int32_Assign_1", "gather_int32_int32_1"]
+    for name in (
+        "scatter_float32_uint32_Sum_1",
+        "scatter_float16_int32_Sum_1",
+        "gather_uint32_uint32_1",
+        "gather_float16_uint32_2",
+        "gather_int64_uint32_1",
+        "gather_axis_float32_uint32",
+        "scatter_axis_float16_int32_Assign",
+        "masked_scatter_float16",
+    ):
+        assert name in names
+    assert len(set(names)) == len(names)
+    assert not any("bfloat16" in n for n in names)  # the model's dtype only
+
+
+def test_every_spec_runs_its_op():
+    """Each spec's op runs (on the CPU here: the ops are what matter, MLX compiles only on CUDA)."""
+
+    def run_all():
+        for dtype in ("bfloat16", "float16", "float32"):
+            for spec in indexing_prebuild.modules(dtype):
+                indexing_prebuild.build(spec)  # raises for a spec it cannot run
+
+    on_own_thread(run_all)
+    with pytest.raises(ValueError):
+        indexing_prebuild.build("gather_nd:float32:int32")
+
+
+def test_a_failing_spec_costs_only_itself_and_each_build_is_filed_as_it_ends(tmp_path, monkeypatch):
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir()
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(private))
+    filed = []
+
+    def build(spec):
+        if spec == "bad":
+            raise ValueError("no such op")
+        (private / f"{spec}.ptx").write_bytes(b"cubin")
+        filed.append(sorted(p.name for p in shared.glob("*")) if shared.exists() else [])
+
+    monkeypatch.setattr(indexing_prebuild, "build", build)
+    monkeypatch.setattr(indexing_prebuild.os, "nice", lambda n: 0)
+    assert indexing_prebuild.main(["--file-into", str(shared), "one", "bad", "two"]) == 0
+    assert filed == [[], ["one.ptx"]]  # "one" was filed before "two" was built
+    assert sorted(p.name for p in shared.glob("*")) == ["one.ptx", "two.ptx"]
+    assert indexing_prebuild.main(["bad"]) == 1
+
+
+def test_a_start_builds_what_the_cache_lacks_over_the_processes_and_files_each_process(tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "kc"
+    cache.mkdir()
+    (cache / "gather_bfloat16_int32_1.ptx").write_bytes(b"built earlier")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    started, finished = [], []
+
+    class Staged:
+        def __init__(self, module, args, shared, tag, seed):
+            assert not seed  # each spec is built whatever else the cache holds
+            assert module == indexing_prebuild.__name__ and shared == cache
+            started.append(args)
+
+        def done(self):
+            return True
+
+        def finish(self, timeout):
+            finished.append(timeout)
+            return True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Staged)
+    with caplog.at_level(logging.INFO, logger=indexing_prebuild.__name__):
+        prebuild = indexing_prebuild.start(model, processes=3)
+        prebuild._thread.join(10)
+    assert len(started) == 3 and all(args[:2] == ["--file-into", str(cache)] for args in started)
+    specs = [s for args in started for s in args[2:]]
+    assert sorted(specs) == sorted(indexing_prebuild.modules("bfloat16")[1:])  # all but the cached one
+    assert finished == [5.0, 5.0, 5.0]  # each ended: its output read
+    assert "0 of 36 modules in the kernel cache" in caplog.text  # the fakes filed nothing
+    assert "(3 parallel processes, 0 failed or stopped)" in caplog.text
+
+    for spec in indexing_prebuild.modules("bfloat16"):
+        (cache / f"{indexing_prebuild.module_name(spec)}.ptx").write_bytes(b"built")
+    assert indexing_prebuild.start(model) is None  # nothing left to build
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    assert indexing_prebuild.start(model) is None  # no kernel cache: nothing is kept
+
+
+def test_a_build_past_its_time_is_stopped(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "kc"))
+    outcomes = []
+
+    class Hung:
+        def __init__(self, *args, **kwargs):
+            self.killed = False
+
+        def kill(self):
+            self.killed = True
+
+        def done(self):
+            return False
+
+        def finish(self, timeout):
+            outcomes.append(timeout)
+            return False
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Hung)
+    prebuild = indexing_prebuild.Prebuild([["a"], ["b"]], tmp_path / "kc", timeout=0.3)
+    t0 = time.monotonic()
+    prebuild._thread.join(10)
+    assert outcomes == [0.0, 0.0] and time.monotonic() - t0 < 5
+
+
+@pytest.mark.gpu
+def test_each_spec_builds_the_module_it_names(tmp_path):
+    """On CUDA: a build process leaves exactly the module `module_name` names in its cache."""
+    specs = indexing_prebuild.modules("bfloat16")[:3] + ["gather_axis:float32:uint32", "masked_scatter:bfloat16"]
+    specs += ["scatter:float32:uint32:Sum:1", "scatter_axis:float32:int32"]
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-m", indexing_prebuild.__name__, *specs], env=env, check=True, timeout=600)
+    built = {p.stem for p in tmp_path.glob("*.ptx")}
+    assert {indexing_prebuild.module_name(s) for s in specs} <= built
+
+
+def test_stopping_ends_the_builds_and_the_reaper_quietly(tmp_path, monkeypatch, caplog):
+    outcomes = []
+
+    class Running:
+        def __init__(self, *args, **kwargs):
+            self.killed = False
+
+        def done(self):
+            return self.killed
+
+        def finish(self, timeout):
+            outcomes.append(timeout)
+            return True
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Running)
+    with caplog.at_level(logging.INFO, logger=indexing_prebuild.__name__):
+        prebuild = indexing_prebuild.Prebuild([["a"], ["b"]], tmp_path)
+        prebuild.stop()
+        prebuild._thread.join(5)
+    assert all(b.killed for b in prebuild.builds) and not prebuild._thread.is_alive()
+    assert outcomes == [] and "modules in the kernel cache" not in caplog.text
+
+
+def test_a_process_that_cannot_start_stops_those_started_before_it(tmp_path, monkeypatch):
+    started = []
+
+    class Flaky:
+        def __init__(self, *args, **kwargs):
+            if len(started) == 2:
+                raise OSError("no more processes")
+            self.killed = False
+            started.append(self)
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Flaky)
+    with pytest.raises(OSError):
+        indexing_prebuild.Prebuild([["a"], ["b"], ["c"]], tmp_path)
+    assert len(started) == 2 and all(b.killed for b in started)
