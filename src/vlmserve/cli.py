@@ -255,6 +255,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument(
+        "--exit-when-warm",
+        action="store_true",
+        help="load, warm up and exit once fully warm (exit status 0): fills the kernel cache of a new "
+        "machine or image, so later starts read every kernel from it (docs/deployment.md)",
+    )
+    p.add_argument(
         "--warmup-image-sizes",
         type=lambda v: tuple(int(x) for x in _csv(v)),
         default=d.warmup_image_sizes,
@@ -328,6 +334,7 @@ def _make_server(app, config: ServerConfig):
         server.should_exit = True
 
     state.on_fatal = fatal
+    state.on_warm_exit = fatal  # --exit-when-warm: the same way out, with a clean exit status
     # log_config=None: uvicorn's loggers propagate to the root's queue (log_queue.py).
     server = Server(
         uvicorn.Config(

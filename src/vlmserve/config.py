@@ -101,6 +101,7 @@ class ServerConfig:
     # Testing aid: record the thread of every MLX entry point and fail off the worker.
     thread_guard: bool = field(default_factory=lambda: os.environ.get("VLMSERVE_THREAD_GUARD") == "1")
     warmup: bool = True
+    exit_when_warm: bool = False  # prepare a machine's kernel cache: exit once fully warm
     warmup_image_sizes: tuple[int, ...] = (64, 448)  # square images compiled before /ready
 
     @property

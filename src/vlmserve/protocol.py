@@ -139,7 +139,7 @@ class CacheGauges:
     memory: dict[str, int] = field(default_factory=dict)  # MLX's device memory in bytes: active, cache, peak
     feature_queries: int = 0  # vision-feature cache lookups since start (image requests)
     feature_hits: int = 0
-    warmup_pending: int = 0  # kernels and prompt piece lengths left after ready
+    warmup_pending: int = 0  # kernels, prompt piece lengths and kernel filings left after ready
 
 
 @dataclass

@@ -141,3 +141,19 @@ def test_sigterm_drains_and_exits_zero():
         assert "shutting down" in last["error"]["message"], last
         assert last["error"]["code"] == "worker_unavailable", last  # the server's doing: a client retries it
     assert "drain timeout: ending 4 request(s)" in log
+
+
+def test_exit_when_warm_exits_zero_once_no_warm_up_is_left():
+    """`--exit-when-warm` (preparing a machine's kernel cache): ready, then the idle warm-up, then
+    a clean exit on its own, status 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port", str(free_port())]
+        + ["--exit-when-warm"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = proc.stderr
+    ready, tokenizer = log.index("ready: qwen2_vl"), log.index("structured outputs: tokenizer built")
+    assert ready < tokenizer < log.index("exiting (--exit-when-warm)") < log.index("Application shutdown complete")

@@ -99,6 +99,7 @@ class EngineCore:
         self._peak_noted = 0  # the highest MLX peak logged (_note_peak)
         self._kernel_seconds = 0.0
         self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
+        self.indexing_builds = None  # MLX's indexing kernels building in side processes (indexing_prebuild)
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes to compile (warm-up's end)
         self._warm_shapes: list[tuple[int, int]] = []  # all of them, traced again when kernels change
         self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
@@ -385,8 +386,17 @@ class EngineCore:
             + len(self._lengths_to_warm)
             + self.model.kernels_pending()
             + (self.kernel_builds.pending() if self.kernel_builds is not None else 0)
-            + self._grammars_due(),
+            + self._grammars_due()
+            + self._kernels_filing(),
         )
+
+    def _kernels_filing(self) -> int:
+        """Kernel builds side processes are still filing into the kernel cache (MLX's indexing
+        modules, vlmserve's kernels): 1 while any are, so `warmup_pending` reaching 0 also means
+        the cache holds what this start built."""
+        filer = kernel_disk_cache.filer()
+        indexing = self.indexing_builds is not None and self.indexing_builds.running()
+        return int(indexing or (filer is not None and filer.busy()))
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
     def warm_up(self, prompts: list[PreparedRequest]) -> None:

@@ -112,6 +112,10 @@ class Prebuild:
         self._thread = threading.Thread(target=self._reap, name="vlmserve-indexing-prebuild", daemon=True)
         self._thread.start()
 
+    def running(self) -> bool:
+        """Whether builds are still under way."""
+        return self._thread.is_alive()
+
     def built(self) -> int:
         """How many of the specs' modules the cache holds."""
         return sum((self.cache / f"{module_name(s)}.ptx").exists() for s in self.specs)

@@ -105,6 +105,7 @@ class Engine:
         if self.config.thread_guard:
             GUARD.watch_model(core.model.model)
         self.info = core.info
+        core.indexing_builds = self._indexing
         core.flush_events = self._flush
         self._build_in_background(core)
         self.core = core

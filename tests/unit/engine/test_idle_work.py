@@ -286,3 +286,23 @@ def test_preparing_the_grammars_builds_the_tokenizer_once_and_a_failure_is_left_
         ModelRunner.prepare_grammars(runner)
     assert not ModelRunner.grammars_pending(runner)  # not tried again while idle
     assert "could not build the structured-output tokenizer" in caplog.text and calls == [False, True]
+
+
+def test_warm_up_is_pending_while_side_processes_file_this_starts_kernels(monkeypatch):
+    """`warmup_pending` counts 1 while MLX's indexing builds run or vlmserve's kernel builds are
+    queued or being filed: at 0 the kernel cache holds what this start built."""
+    from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.ops import kernel_disk_cache
+
+    filer = SimpleNamespace(busy=lambda: False)
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: filer)
+    core = SimpleNamespace(indexing_builds=SimpleNamespace(running=lambda: True))
+    seen = [EngineCore._kernels_filing(core)]
+    core.indexing_builds = SimpleNamespace(running=lambda: False)
+    seen.append(EngineCore._kernels_filing(core))
+    filer.busy = lambda: True
+    seen.append(EngineCore._kernels_filing(core))
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
+    core.indexing_builds = None
+    seen.append(EngineCore._kernels_filing(core))
+    assert seen == [1, 0, 1, 0]

@@ -216,6 +216,13 @@ class _Filer:
         """Builds this process noted that the cache lacked (queued for side processes to file)."""
         return len(self._queued)
 
+    def busy(self) -> bool:
+        """Whether builds are queued or being filed (a start's kernel cache is complete once not)."""
+        with self._lock:
+            if self._jobs:
+                return True
+        return self._filing.locked()
+
     def note(self, module_name: str, kernel_name: str, source: str) -> None:
         path = module_path(self.cache_dir, module_name)
         if path.exists():

@@ -43,6 +43,7 @@ log = logging.getLogger("vlmserve")
 SHUTDOWN_MESSAGE = "the server is shutting down"
 _LOOP_EXECUTOR_THREADS = 4
 _ENGINE_ANSWER_S = 5.0  # how long shutdown waits for the engine to end its requests itself
+_WARM_POLL_S = 0.5  # --exit-when-warm: how often warmup_pending is read (the engine reports as often)
 _CRASH_WINDOW_S = 600.0  # engine deaths and failed starts within this count towards --engine-restarts
 
 
@@ -93,6 +94,8 @@ class ServerState:
         self._tool_parser = None
         self._feature_seen = (0, 0)  # the engine's feature-cache counts already counted
         self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
+        self.on_warm_exit: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (--exit-when-warm)
+        self._exit_task: asyncio.Task | None = None
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -219,6 +222,22 @@ class ServerState:
         gc.freeze()
         self.ready = True
         log.info("ready: %s (%s) in %.2f s", self.model_id, self.engine.info.model_type, time.perf_counter() - t0)
+        if self.config.exit_when_warm:
+            self._exit_task = asyncio.create_task(self._exit_once_warm(t0), name="vlmserve-exit-when-warm")
+
+    async def _exit_once_warm(self, t0: float) -> None:
+        """--exit-when-warm: once no warm-up is left (`warmup_pending` 0, seen on three reports in
+        a row: the kernels this start built are filed in the kernel cache), stop the server."""
+        quiet = 0
+        while quiet < 3 and not self.draining:
+            await asyncio.sleep(_WARM_POLL_S)
+            quiet = quiet + 1 if self.engine.cache_gauges().warmup_pending == 0 else 0
+        log.info(
+            "fully warm in %.1f s, its kernels in the kernel cache: exiting (--exit-when-warm)",
+            time.perf_counter() - t0,
+        )
+        if self.on_warm_exit is not None:
+            self.on_warm_exit()
 
     @staticmethod
     async def _timed(what: str, awaitable):

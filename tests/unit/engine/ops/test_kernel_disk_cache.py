@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -350,7 +351,6 @@ def test_a_build_noted_ahead_of_its_first_use_is_queued_once_and_not_launched(fi
 
 
 def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkeypatch, caplog):
-    import threading
 
     from vlmserve.engine.ops import kernel_disk_cache as kdc
 
@@ -372,3 +372,28 @@ def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkey
     assert filer.filed == 4
     assert "filed 4 of vlmserve's CUDA kernels in the kernel cache for the next start (1 failed)" in caplog.text
     assert "1 CUDA kernels could not be filed: nvrtc: bad" in caplog.text
+
+
+def test_the_filer_is_busy_while_builds_are_queued_or_being_filed(tmp_path, monkeypatch):
+    """What `warmup_pending` counts: builds waiting to be filed, then the filing itself."""
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def build_in_process(jobs):
+        inside.set()
+        release.wait(10)
+        return {"built": len(jobs), "failed": 0}, ""
+
+    monkeypatch.setattr(kdc, "_build_in_process", build_in_process)
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
+    assert not filer.busy()
+    filer._jobs.append({"path": str(tmp_path / "a.ptx")})
+    seen.append(filer.busy())  # queued
+    worker = threading.Thread(target=filer.flush)
+    worker.start()
+    inside.wait(10)
+    seen.append(filer.busy())  # being filed: the queue is empty, the filing not over
+    release.set()
+    worker.join(10)
+    assert seen == [True, True] and not filer.busy()
