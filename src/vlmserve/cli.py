@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return caption_main(rest, hard_exit=True)  # MLX may abort in interpreter teardown after --in-process
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.exit_when_warm and not args.warmup:
+        parser.error("--exit-when-warm fills the kernel cache by warming up: it cannot go with --no-warmup")
     code = serve(config_from_args(args))
     _exit_now(code)
     return code  # not reached

@@ -143,12 +143,13 @@ def test_sigterm_drains_and_exits_zero():
     assert "drain timeout: ending 4 request(s)" in log
 
 
-def test_exit_when_warm_exits_zero_once_no_warm_up_is_left():
+@pytest.mark.parametrize("engine", ["--engine-process", "--no-engine-process"])
+def test_exit_when_warm_exits_zero_once_no_warm_up_is_left(engine):
     """`--exit-when-warm` (preparing a machine's kernel cache): ready, then the idle warm-up, then
-    a clean exit on its own, status 0."""
+    a clean exit on its own, status 0, with the engine in its own process or in the server's."""
     proc = subprocess.run(
         [sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--port", str(free_port())]
-        + ["--exit-when-warm"],
+        + ["--exit-when-warm", engine],
         capture_output=True,
         text=True,
         timeout=300,
@@ -157,3 +158,13 @@ def test_exit_when_warm_exits_zero_once_no_warm_up_is_left():
     log = proc.stderr
     ready, tokenizer = log.index("ready: qwen2_vl"), log.index("structured outputs: tokenizer built")
     assert ready < tokenizer < log.index("exiting (--exit-when-warm)") < log.index("Application shutdown complete")
+
+
+def test_exit_when_warm_needs_the_warm_up():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", "serve", str(MODELS / "qwen2_vl"), "--exit-when-warm", "--no-warmup"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "cannot go with --no-warmup" in proc.stderr

@@ -194,13 +194,15 @@ class Engine:
     async def warm_up(self, prompts: list[PreparedRequest]) -> None:
         await self.run_on_worker(self.warm_up_on_worker, prompts)
 
-    def warm_up_on_worker(self, prompts: list[PreparedRequest]) -> None:
+    def warm_up_on_worker(self, prompts: list[PreparedRequest]) -> CacheGauges:
         """Wait for the kernel builds started beside the load that nothing serves without (their
         kernels are then in the cache), then warm up: on the worker thread, in this process or
-        an engine process."""
+        an engine process. Returns the gauges as warm-up leaves them (what is left for idle
+        time), which an engine process's client takes at once instead of at its next report."""
         builds, self._prebuild = self._prebuild, []
         kernel_prebuild.wait(builds, PREBUILD_TIMEOUT_S)
         self.core.warm_up(prompts)
+        return self.core.cache_gauges()
 
     def stop_kernel_builds(self) -> None:
         """Stop the kernel build processes still running and forget the settings they held

@@ -196,7 +196,9 @@ class EngineProcessClient:
             self._outgoing.put(msg.ReleaseInputs(entry[0]))
 
     async def warm_up(self, prompts: list[PreparedRequest]) -> None:
-        await self._call("warm_up", prompts)
+        gauges = await self._call("warm_up", prompts)
+        if isinstance(gauges, CacheGauges):  # as warm-up left them: fresher than the last report
+            self._gauges = gauges
 
     async def fail_all(self, message: str) -> None:
         if self.healthy:

@@ -217,11 +217,11 @@ class _Filer:
         return len(self._queued)
 
     def busy(self) -> bool:
-        """Whether builds are queued or being filed (a start's kernel cache is complete once not)."""
+        """Whether builds are queued (for a filing thread that runs) or being filed."""
         with self._lock:
-            if self._jobs:
-                return True
-        return self._filing.locked()
+            queued = bool(self._jobs)
+        alive = self._thread is not None and self._thread.is_alive()  # a dead one files nothing more
+        return (queued and alive) or self._filing.locked()
 
     def note(self, module_name: str, kernel_name: str, source: str) -> None:
         path = module_path(self.cache_dir, module_name)

@@ -226,12 +226,23 @@ class ServerState:
             self._exit_task = asyncio.create_task(self._exit_once_warm(t0), name="vlmserve-exit-when-warm")
 
     async def _exit_once_warm(self, t0: float) -> None:
-        """--exit-when-warm: once no warm-up is left (`warmup_pending` 0, seen on three reports in
-        a row: the kernels this start built are filed in the kernel cache), stop the server."""
+        """--exit-when-warm: once no warm-up is left (`warmup_pending` 0 on three readings in a
+        row: the kernels this start built are filed in the kernel cache), stop the server, exit
+        status 0. An engine that fails meanwhile makes it a failed start (status 1)."""
         quiet = 0
-        while quiet < 3 and not self.draining:
+        while quiet < 3:
             await asyncio.sleep(_WARM_POLL_S)
-            quiet = quiet + 1 if self.engine.cache_gauges().warmup_pending == 0 else 0
+            if self.draining:
+                return
+            problem = self.engine.problem(self.config.stall_timeout, False)
+            if problem is not None:
+                self.load_error = f"the engine failed before it was fully warm: {problem}"
+                log.error("--exit-when-warm: %s", self.load_error)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return
+            idle = self.ready and self.engine.cache_gauges().warmup_pending == 0
+            quiet = quiet + 1 if idle else 0
         log.info(
             "fully warm in %.1f s, its kernels in the kernel cache: exiting (--exit-when-warm)",
             time.perf_counter() - t0,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -389,6 +390,8 @@ def test_the_filer_is_busy_while_builds_are_queued_or_being_filed(tmp_path, monk
     filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
     assert not filer.busy()
     filer._jobs.append({"path": str(tmp_path / "a.ptx")})
+    seen.append(filer.busy())  # queued, but no filing thread runs: nothing will file it
+    filer._thread = SimpleNamespace(is_alive=lambda: True)
     seen.append(filer.busy())  # queued
     worker = threading.Thread(target=filer.flush)
     worker.start()
@@ -396,4 +399,4 @@ def test_the_filer_is_busy_while_builds_are_queued_or_being_filed(tmp_path, monk
     seen.append(filer.busy())  # being filed: the queue is empty, the filing not over
     release.set()
     worker.join(10)
-    assert seen == [True, True] and not filer.busy()
+    assert seen == [False, True, True] and not filer.busy()
