@@ -87,10 +87,13 @@ def test_the_engine_waits_for_kernel_builds_before_warm_up_in_either_engine_mode
 
     engine = Engine(ServerConfig(model="unused"))
     engine._prebuild = [Build(), Build()]
-    engine.core = SimpleNamespace(warm_up=lambda prompts: order.append(f"warm-up of {len(prompts)}"))
-    CALLS["warm_up"](engine)(["a prompt"])  # what an engine process runs for the server's warm_up call
-    assert order == ["build finished", "build finished", "warm-up of 1"]
-    assert engine._prebuild == []
+    engine.core = SimpleNamespace(
+        warm_up=lambda prompts: order.append(f"warm-up of {len(prompts)}"),
+        cache_gauges=lambda: order.append("gauges read") or "gauges as warm-up left them",
+    )
+    gauges = CALLS["warm_up"](engine)(["a prompt"])  # what an engine process runs for the server's warm_up call
+    assert order == ["build finished", "build finished", "warm-up of 1", "gauges read"]
+    assert engine._prebuild == [] and gauges == "gauges as warm-up left them"  # handed to the client
 
 
 def test_private_caches_left_by_a_killed_engine_are_removed_once_stale(tmp_path):
