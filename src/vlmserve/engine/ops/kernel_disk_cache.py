@@ -255,7 +255,10 @@ class _Filer:
                 self._wake.clear()
                 if not self._wake.wait(1.0):
                     break
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - those builds are compiled at each start, as before; later ones still filed
+                log.warning("filing kernels in the kernel cache failed", exc_info=True)
 
     def flush(self) -> None:
         """File what is pending now, on this thread, and wait for a filing under way."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -400,3 +401,30 @@ def test_the_filer_is_busy_while_builds_are_queued_or_being_filed(tmp_path, monk
     release.set()
     worker.join(10)
     assert seen == [False, True, True] and not filer.busy()
+
+
+def test_a_filing_that_raises_leaves_the_filing_thread_to_file_the_next(tmp_path, monkeypatch, caplog):
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    filed = threading.Event()
+    calls = []
+
+    def build(jobs):
+        calls.append([job["path"] for job in jobs])
+        if len(calls) == 1:
+            raise KeyError("an odd summary")
+        filed.set()
+
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
+    monkeypatch.setattr(filer, "_build", build)
+    monkeypatch.setattr(kdc, "module_path", lambda cache, name: tmp_path / f"{name}.ptx")
+    with caplog.at_level("WARNING"):
+        filer.note("first", "k", "src")
+        for _ in range(100):  # the first filing (after its quiet second) raises
+            if calls:
+                break
+            time.sleep(0.05)
+        filer.note("second", "k", "src")
+        assert filed.wait(10)
+    assert calls == [[str(tmp_path / "first.ptx")], [str(tmp_path / "second.ptx")]]
+    assert "filing kernels in the kernel cache failed" in caplog.text and not filer.busy()
