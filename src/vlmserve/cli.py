@@ -330,11 +330,10 @@ def _make_server(app, config: ServerConfig):
 
             self.drain_task = asyncio.ensure_future(drain_then_exit())
 
-    def fatal():
+    def stop_serving():
         server.should_exit = True
 
-    state.on_fatal = fatal
-    state.on_warm_exit = fatal  # --exit-when-warm: the same way out, with a clean exit status
+    state.stop_serving = stop_serving
     # log_config=None: uvicorn's loggers propagate to the root's queue (log_queue.py).
     server = Server(
         uvicorn.Config(

@@ -65,7 +65,7 @@ def test_serve_runs_the_event_loop_its_flag_names():
 
     from vlmserve.cli import _make_server
 
-    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(on_fatal=None)))
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(stop_serving=None)))
     assert _make_server(app, _serve_config()).config.loop == "asyncio"
     assert _make_server(app, _serve_config("--event-loop", "uvloop")).config.loop == "uvloop"
     with pytest.raises(SystemExit):

@@ -204,7 +204,7 @@ def test_a_dead_engine_is_started_again_and_served_after_warm_up():
 def test_an_engine_that_cannot_be_started_again_stops_the_server():
     server = start_server("qwen2_vl", engine_process=True, warmup=False, engine_restarts=1)
     fatal = threading.Event()
-    server.state.on_fatal = fatal.set
+    server.state.stop_serving = fatal.set
     try:
         # The next engine fails to load: its model directory is gone.
         server.state.config = dataclasses.replace(server.state.config, model="/nonexistent/model")

@@ -93,8 +93,9 @@ class ServerState:
         self._model_names = frozenset(model_aliases(config))  # the served name is one of them
         self._tool_parser = None
         self._feature_seen = (0, 0)  # the engine's feature-cache counts already counted
-        self.on_fatal: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (load failure)
-        self.on_warm_exit: Callable[[], None] | None = None  # set by the CLI: make uvicorn exit (--exit-when-warm)
+        # Set by the CLI: make uvicorn exit (a failed load, or --exit-when-warm); the exit status
+        # follows load_error.
+        self.stop_serving: Callable[[], None] | None = None
         self._exit_task: asyncio.Task | None = None
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -238,17 +239,16 @@ class ServerState:
             if problem is not None:
                 self.load_error = f"the engine failed before it was fully warm: {problem}"
                 log.error("--exit-when-warm: %s", self.load_error)
-                if self.on_fatal is not None:
-                    self.on_fatal()
-                return
+                break
             idle = self.ready and self.engine.cache_gauges().warmup_pending == 0
             quiet = quiet + 1 if idle else 0
-        log.info(
-            "fully warm in %.1f s, its kernels in the kernel cache: exiting (--exit-when-warm)",
-            time.perf_counter() - t0,
-        )
-        if self.on_warm_exit is not None:
-            self.on_warm_exit()
+        else:
+            log.info(
+                "fully warm in %.1f s, its kernels in the kernel cache: exiting (--exit-when-warm)",
+                time.perf_counter() - t0,
+            )
+        if self.stop_serving is not None:
+            self.stop_serving()
 
     @staticmethod
     async def _timed(what: str, awaitable):
@@ -268,8 +268,8 @@ class ServerState:
             except BaseException as exc:  # noqa: BLE001 - reported, then the process exits non-zero
                 self.load_error = f"{type(exc).__name__}: {exc}"
                 log.error("failed to load %s: %s", self.config.model, exc)
-                if self.on_fatal is not None:
-                    self.on_fatal()
+                if self.stop_serving is not None:
+                    self.stop_serving()
 
         self._load_task = asyncio.create_task(load(), name="vlmserve-load")
 
@@ -382,8 +382,8 @@ class ServerState:
     def _give_up(self, reason: str) -> None:
         self.load_error, self.loading = reason, False
         log.error("%s; exiting", reason)
-        if self.on_fatal is not None:
-            self.on_fatal()
+        if self.stop_serving is not None:
+            self.stop_serving()
 
     async def stop(self) -> None:
         await self.drain()

@@ -16,8 +16,7 @@ def _state(pending: list[int], problem=None, ready=True):
         ready=ready,
         load_error=None,
         config=SimpleNamespace(stall_timeout=30.0),
-        on_fatal=lambda: calls.append("fatal"),
-        on_warm_exit=lambda: calls.append("exit"),
+        stop_serving=lambda: calls.append("exit"),
     )
     readings = iter(pending)
     state.engine = SimpleNamespace(
@@ -42,7 +41,7 @@ def test_an_engine_that_fails_first_makes_it_a_failed_start(monkeypatch):
     monkeypatch.setattr(app, "_WARM_POLL_S", 0.001)
     state, calls = _state([1, 1], problem="inference worker died")
     asyncio.run(app.ServerState._exit_once_warm(state, 0.0))
-    assert calls == ["fatal"] and "inference worker died" in state.load_error
+    assert calls == ["exit"] and "inference worker died" in state.load_error  # load_error: exit status 1
 
 
 def test_a_drain_or_an_engine_being_replaced_does_not_count_as_warm(monkeypatch):
