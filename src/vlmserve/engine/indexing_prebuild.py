@@ -60,6 +60,11 @@ def module_name(spec: str) -> str:
     return "_".join([kind, *parts])
 
 
+def in_cache(cache: Path, spec: str) -> bool:
+    """Whether the kernel cache holds the spec's module (built by a side process or the engine)."""
+    return (cache / f"{module_name(spec)}.ptx").exists()
+
+
 def build(spec: str) -> None:
     """Run the spec's op on tiny arrays: MLX compiles (and caches) its module."""
     import mlx.core as mx
@@ -118,7 +123,7 @@ class Prebuild:
 
     def built(self) -> int:
         """How many of the specs' modules the cache holds."""
-        return sum((self.cache / f"{module_name(s)}.ptx").exists() for s in self.specs)
+        return sum(in_cache(self.cache, s) for s in self.specs)
 
     def _reap(self) -> None:
         pending, failed = list(self.builds), 0
@@ -154,13 +159,13 @@ def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
     """Start building the indexing modules the kernel cache lacks for this model, in up to
     `processes` processes; None: nothing to build, or no kernel cache."""
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
+    if not cache:
+        return None
     try:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not cache:
-        return None
-    missing = [s for s in modules(activation_dtype(config)) if not (Path(cache) / f"{module_name(s)}.ptx").exists()]
+    missing = [s for s in modules(activation_dtype(config)) if not in_cache(Path(cache), s)]
     if not missing:
         return None
     count = max(1, min(processes, len(missing)))
