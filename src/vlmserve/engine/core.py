@@ -100,12 +100,16 @@ class EngineCore:
         self._kernel_seconds = 0.0
         self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
         self.indexing_builds = None  # MLX's indexing kernels building in side processes (indexing_prebuild)
+        self.rehearsal = None  # MLX's fused kernels compiling in a side process; uncompiled until it ends
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes to compile (warm-up's end)
         self._warm_shapes: list[tuple[int, int]] = []  # all of them, traced again when kernels change
         self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
         self._warmed = False  # warm_up ran: idle work may then build what only requests use (grammars)
+        # Warm-up is on its way (the engine's config asks for one): idle work waits for it, since
+        # it starts by waiting for the kernel builds queued at load, and warm-up need not.
+        self.warm_up_due = False
 
     @classmethod
     def load(
@@ -210,6 +214,8 @@ class EngineCore:
             self.runner.take_host_ms()  # what earlier steps spent is not this step's
         started = time.perf_counter()
         self.stats.steps += 1
+        if self._rehearsal_ended():
+            self._end_rehearsal()
         if self._step_memory is not None:
             self._step_memory.apply()
         self.sched.take_inbox()
@@ -392,11 +398,11 @@ class EngineCore:
 
     def _kernels_filing(self) -> int:
         """Kernel builds side processes are still filing into the kernel cache (MLX's indexing
-        modules, vlmserve's kernels): 1 while any are, so `warmup_pending` reaching 0 also means
-        the cache holds what this start built."""
+        modules and fused kernels, vlmserve's kernels): 1 while any are, so `warmup_pending`
+        reaching 0 also means the cache holds what this start built."""
         filer = kernel_disk_cache.filer()
         indexing = self.indexing_builds is not None and self.indexing_builds.running()
-        return int(indexing or (filer is not None and filer.busy()))
+        return int(indexing or self.rehearsal is not None or (filer is not None and filer.busy()))
 
     # ---- warm-up (worker thread, before any request) -----------------------------------
     def warm_up(self, prompts: list[PreparedRequest]) -> None:
@@ -410,6 +416,7 @@ class EngineCore:
         step can batch, and the compiled decode step at every slot bucket up to max_num_seqs and
         every KV capacity that prompts up to two prefill chunks use (longer ones trace once,
         when they come)."""
+        self.warm_up_due = False
         if kernel_disk_cache.filer() is not None and self._queue_decode_builds(
             min(self.sched.max_num_seqs, WARM_SLOTS)
         ):
@@ -526,7 +533,9 @@ class EngineCore:
         """Warm-up left for idle time: kernels built by side processes to take, kernels not built
         yet, decode shapes not compiled yet, attention plans for shapes traffic brought, prompt
         piece lengths not run yet, the structured-output tokenizer."""
-        if self._built_kernels_ready():
+        if self.warm_up_due:
+            return False
+        if self._built_kernels_ready() or self._rehearsal_ended():
             return True
         if self._shapes_to_warm or self._lengths_to_warm:
             return True
@@ -540,11 +549,14 @@ class EngineCore:
         return self._warmed and self.runner.grammars_pending()
 
     def idle_work(self) -> None:
-        """One piece of the warm-up left for idle time: take the kernels side processes built,
-        else build one kernel, else compile one decode shape (a second or so each on CUDA), else
-        build one attention plan (~70 ms), else run one prompt piece length, else build the
-        structured-output tokenizer; a request that arrives meanwhile waits for it."""
-        if self._built_kernels_ready():
+        """One piece of the warm-up left for idle time: switch to compiled kernels once the side
+        process compiling them is done, else take the kernels side processes built, else build one
+        kernel, else compile one decode shape (a second or so each on CUDA), else build one
+        attention plan (~70 ms), else run one prompt piece length, else build the structured-output
+        tokenizer; a request that arrives meanwhile waits for it."""
+        if self._rehearsal_ended():
+            self._end_rehearsal()
+        elif self._built_kernels_ready():
             self._take_built_kernels()
         elif self.model.kernels_pending():
             self._build_kernel()
@@ -649,8 +661,34 @@ class EngineCore:
             many_row_dequantized.release(setting, getattr(mx, dtype))
             self.runner.batches.retrace()
             self._shapes_to_warm = list(self._warm_shapes)
+            self.forget_prefixes()  # held KV came from the dequantized path: a cache never changes an output
         if not builds.pending():
             self.kernel_builds = None
+
+    def _rehearsal_ended(self) -> bool:
+        return self.rehearsal is not None and self.rehearsal.done()
+
+    def _end_rehearsal(self) -> None:
+        """The side process compiling MLX's fused kernels ended (compile_rehearsal): with what it
+        compiled filed, compile from the next graph on, which loads those kernels. The decode step
+        traces again (the warm shapes while idle, others at their next step)."""
+        rehearsal, self.rehearsal = self.rehearsal, None
+        if not rehearsal.finish():
+            log.warning(
+                "compiling MLX's fused kernels in a side process failed: this run stays uncompiled "
+                "(about 0.8x the decode throughput); the next start compiles them during its warm-up"
+            )
+            return
+        mx.enable_compile()
+        self.runner.batches.retrace()
+        self._shapes_to_warm = list(self._warm_shapes)
+        # Fused kernels may round differently from the ops they replace: KV and features computed
+        # before would then serve outputs that a fresh computation does not give.
+        self.forget_prefixes()
+        log.info(
+            "MLX's fused kernels compiled beside the engine in %.1f s and filed: compiling from now on",
+            time.monotonic() - rehearsal.started,
+        )
 
     def _vision_batch_limit(self, prepared: PreparedRequest) -> int:
         """The most images of this request's size one step embeds together: requests are taken

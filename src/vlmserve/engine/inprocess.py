@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vlmserve.config import ServerConfig
 from vlmserve.cuda_graphs import choose_cuda_graphs
-from vlmserve.engine import indexing_prebuild, kernel_prebuild
+from vlmserve.engine import compile_rehearsal, indexing_prebuild, kernel_prebuild
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
 from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
@@ -59,6 +59,7 @@ class Engine:
         self.tokenizer = None
         self._prebuild: list = []  # kernel build processes still running (kernel_prebuild)
         self._indexing = None  # MLX's indexing kernels building beside the load (indexing_prebuild)
+        self._rehearsal = None  # MLX's fused kernels compiling beside the engine (compile_rehearsal)
 
     async def start(self) -> None:
         """Resolve and load the model on the worker; raises with the reason if that fails."""
@@ -97,6 +98,11 @@ class Engine:
                     len(self._indexing.specs),
                     len(self._indexing.builds),
                 )
+            self._rehearsal = compile_rehearsal.start(
+                self.model_path, self.model_type, self.config, many_row_dequantized.held()
+            )
+            if self._rehearsal is not None:
+                log.info("compiling MLX's fused kernels in a side process; until it is done the engine runs uncompiled")
         self.tokenizer = await loop.run_in_executor(None, TextCodec, self.model_path)
         await self.run_on_worker(self._load_on_worker)
 
@@ -106,6 +112,8 @@ class Engine:
             GUARD.watch_model(core.model.model)
         self.info = core.info
         core.indexing_builds = self._indexing
+        core.rehearsal = self._rehearsal
+        core.warm_up_due = self.config.warmup
         core.flush_events = self._flush
         self._build_in_background(core)
         self.core = core
@@ -201,6 +209,8 @@ class Engine:
         time), which an engine process's client takes at once instead of at its next report."""
         builds, self._prebuild = self._prebuild, []
         kernel_prebuild.wait(builds, PREBUILD_TIMEOUT_S)
+        if self.core.rehearsal is not None:
+            self.core.rehearsal.hand_over(prompts)
         self.core.warm_up(prompts)
         return self.core.cache_gauges()
 
@@ -213,6 +223,8 @@ class Engine:
         self._prebuild = []
         if self._indexing is not None:
             self._indexing.stop()
+        if self._rehearsal is not None:
+            self._rehearsal.stop()
         builds = self.core.kernel_builds if self.core is not None else None
         if builds is not None and not self.worker.is_alive():
             builds.stop()

@@ -62,17 +62,28 @@ def make_private(shared: Path, tag: str, seed: bool = True) -> Path:
     root = staging_root(shared)
     root.mkdir(parents=True, exist_ok=True)
     private = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=root))
-    if seed and shared.is_dir():
-        for src in shared.rglob("*"):
-            if not src.is_file():
-                continue
-            dst = private / src.relative_to(shared)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
+    if seed:
+        link_missing(shared, private)
     return private
+
+
+def link_missing(shared: Path, private: Path) -> None:
+    """Give `private` hard links (copies where links fail) to the shared cache's files it lacks."""
+    if not shared.is_dir():
+        return
+    for src in shared.rglob("*"):
+        if not src.is_file():
+            continue
+        dst = private / src.relative_to(shared)
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except FileExistsError:  # its process built this one meanwhile
+            continue
+        except OSError:
+            shutil.copy2(src, dst)
 
 
 def publish(private: Path, shared: Path) -> int:

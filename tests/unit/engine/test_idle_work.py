@@ -50,11 +50,14 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         noted=[],
         _kernel_seconds=0.0,
         kernel_builds=None,
+        rehearsal=None,
+        warm_up_due=False,
         _warm_shapes=[],
         _kernels_filed=False,
         _warmed=True,
     )
     core._note_peak = core.noted.append
+    core.forget_prefixes = lambda: log.append("prefixes forgotten")
     core._build_kernel = lambda: EngineCore._build_kernel(core)
     core._built_kernels_ready = lambda: EngineCore._built_kernels_ready(core)
     core._warm_next_shape = lambda: EngineCore._warm_next_shape(core)
@@ -63,6 +66,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._build_attention_plan = lambda: EngineCore._build_attention_plan(core)
     core._queue_decode_builds = lambda rows: EngineCore._queue_decode_builds(core, rows)
     core._grammars_due = lambda: EngineCore._grammars_due(core)
+    core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
     return core, EngineCore
 
 
@@ -176,14 +180,16 @@ def test_kernels_side_processes_built_are_taken_first_and_their_layers_leave_the
     many_row_dequantized.hold({(4, 64), (8, 64)})
     try:
         engine_core.idle_work(core)
-        assert log == [("took", (4, 64)), "retrace"] and many_row_dequantized.held() == {(8, 64)}
+        # KV cached from the dequantized path is dropped: a cache never changes an output.
+        assert log == [("took", (4, 64)), "retrace", "prefixes forgotten"]
+        assert many_row_dequantized.held() == {(8, 64)}
         assert core._shapes_to_warm == [(1, 32), (2, 32)]
         engine_core.idle_work(core)  # a failed setting stays held: nothing to trace again
-        assert log[2:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
+        assert log[3:] == [("took", None)] and many_row_dequantized.held() == {(8, 64)}
         assert core.kernel_builds is None  # all taken
         while engine_core.has_idle_work(core):
             engine_core.idle_work(core)
-        assert log[3:] == ["k", "retrace", ("shape", 1), ("shape", 2)]  # then the model's own kernels
+        assert log[4:] == ["k", "retrace", ("shape", 1), ("shape", 2)]  # then the model's own kernels
     finally:
         many_row_dequantized.reset()
 
@@ -289,14 +295,15 @@ def test_preparing_the_grammars_builds_the_tokenizer_once_and_a_failure_is_left_
 
 
 def test_warm_up_is_pending_while_side_processes_file_this_starts_kernels(monkeypatch):
-    """`warmup_pending` counts 1 while MLX's indexing builds run or vlmserve's kernel builds are
-    queued or being filed: at 0 the kernel cache holds what this start built."""
+    """`warmup_pending` counts 1 while MLX's indexing builds or compile rehearsal run, or
+    vlmserve's kernel builds are queued or being filed: at 0 the kernel cache holds what this
+    start built."""
     from vlmserve.engine.core import EngineCore
     from vlmserve.engine.ops import kernel_disk_cache
 
     filer = SimpleNamespace(busy=lambda: False)
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: filer)
-    core = SimpleNamespace(indexing_builds=SimpleNamespace(running=lambda: True))
+    core = SimpleNamespace(indexing_builds=SimpleNamespace(running=lambda: True), rehearsal=None)
     seen = [EngineCore._kernels_filing(core)]
     core.indexing_builds = SimpleNamespace(running=lambda: False)
     seen.append(EngineCore._kernels_filing(core))
@@ -305,4 +312,16 @@ def test_warm_up_is_pending_while_side_processes_file_this_starts_kernels(monkey
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
     core.indexing_builds = None
     seen.append(EngineCore._kernels_filing(core))
-    assert seen == [1, 0, 1, 0]
+    core.rehearsal = object()  # the engine switches to compiled kernels when it ends
+    seen.append(EngineCore._kernels_filing(core))
+    assert seen == [1, 0, 1, 0, 1]
+
+
+def test_idle_work_waits_for_the_warm_up_on_its_way():
+    """Idle work starts by waiting for the kernel builds queued at load; a warm-up on its way
+    need not wait for them, so until it has run the worker takes it at once."""
+    core, engine_core = _core(lambda rows, width: True, kernels=["decode attention"])
+    core.warm_up_due = True
+    assert not engine_core.has_idle_work(core)
+    core.warm_up_due = False
+    assert engine_core.has_idle_work(core)

@@ -336,6 +336,12 @@ def filer() -> _Filer | None:
     return _FILER
 
 
+def keep_off() -> None:
+    """File nothing from this process (a side process whose builds the engine files)."""
+    global _FILER, _OFF
+    _FILER, _OFF = None, True
+
+
 def switch_off(reason: BaseException) -> None:
     global _FILER, _OFF
     if not _OFF:

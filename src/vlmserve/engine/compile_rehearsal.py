@@ -1,0 +1,213 @@
+"""On a first start, serve uncompiled while a side process compiles MLX's fused kernels.
+
+On CUDA, every `mx.compile`d graph (the decode step, the models' activations) runs fused
+kernels that MLX compiles with NVRTC at their first run, 4-9 s each, one after another on
+the MLX thread. Their names come from the graphs, which only the model's own code makes, so
+they cannot be listed ahead the way indexing_prebuild lists MLX's indexing kernels. A model's
+first start on a machine would spend most of a minute of its warm-up on them.
+
+So on a start whose kernel cache has never held this model's fused kernels (no marker for its
+config, serving options and versions), the engine turns MLX's compile off and warms up and
+serves uncompiled: every op then runs a kernel MLX ships built (at about 0.8x the compiled
+decode throughput on an H100). Meanwhile a second process loads the same model with compile
+on and runs the same warm-up, which compiles the fused kernels into a kernel cache of its own
+(kernel_staging.py). When it exits they move into the shared cache, and the engine turns
+compile on between two steps: its graphs then load those kernels instead of compiling them.
+The marker makes later starts compile from the first step. A rehearsal that fails leaves a
+marker too: the next start compiles during its warm-up, as without one.
+
+The second process holds a second copy of the weights for its minute, so a model only gets
+one when two copies fit comfortably in the device's memory.
+
+    python -m vlmserve.engine.compile_rehearsal JOB_DIR
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+
+from vlmserve.config import ServerConfig
+from vlmserve.engine.kernel_staging import StagedBuild, link_missing, staging_root
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 600.0  # a rehearsal past this is stopped (the engine then stays uncompiled until restarted)
+WEIGHTS_SHARE = 0.25  # rehearse only models whose weights take at most this share of the device's memory
+_JOB_WAIT_S = 900.0  # the side process waits this long for the engine's warm-up prompts
+# The serving options that shape the compiled graphs (a marker holds for these only).
+_GRAPH_OPTIONS = (
+    "max_num_seqs",
+    "prefill_chunk",
+    "prefill_token_budget",
+    "prefill_bucket",
+    "max_model_len",
+    "kv_block_size",
+    "compile_decode",
+    "mm_cache",
+    "max_pixels",
+    "warmup_image_sizes",
+)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def key(model_path: Path, config: ServerConfig) -> str:
+    """What names this model's fused kernels: its config, the serving options that shape its
+    graphs, and the versions of vlmserve and MLX."""
+    h = hashlib.sha256()
+    h.update((model_path / "config.json").read_bytes())
+    options = {name: getattr(config, name) for name in _GRAPH_OPTIONS}
+    h.update(json.dumps([options, _version("vlmserve"), mx.__version__], sort_keys=True, default=str).encode())
+    return h.hexdigest()[:20]
+
+
+def marker(cache: Path, model_path: Path, config: ServerConfig) -> Path:
+    return cache / "vlmserve-prebuilt" / f"compiled-{key(model_path, config)}"
+
+
+def _weights_bytes(model_path: Path) -> int:
+    return sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
+
+
+def _device_memory_bytes() -> int:
+    from vlmserve.engine.memory import device_memory_bytes
+
+    return device_memory_bytes()
+
+
+class Rehearsal:
+    """The side process of one start: it loads the model while the engine does, waits for the
+    warm-up prompts (`hand_over`), warms up compiled, and exits; `finish` then files its kernels."""
+
+    module = __name__  # what the side process runs (`python -m`)
+
+    def __init__(self, model_path: Path, model_type: str, config: ServerConfig, cache: Path, held):
+        self.cache = cache
+        self.marker = marker(cache, model_path, config)
+        self.started = time.monotonic()
+        self.job = Path(tempfile.mkdtemp(prefix="rehearsal-job-", dir=_job_root(cache)))
+        rehearsal_config = ServerConfig(**{**asdict(config), "engine_process": False, "thread_guard": False})
+        with open(self.job / "config.pkl", "wb") as f:
+            pickle.dump((rehearsal_config, str(model_path), model_type, sorted(held)), f)
+        try:
+            self.build = StagedBuild(self.module, [str(self.job)], cache, "rehearsal")
+        except OSError:
+            shutil.rmtree(self.job, ignore_errors=True)
+            raise
+
+    def hand_over(self, prompts) -> None:
+        """Give the side process the engine's warm-up prompts, with what the kernel cache holds by
+        now (the kernels side processes built meanwhile, which it then need not build)."""
+        link_missing(self.cache, self.build.private)
+        tmp = self.job / "prompts.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(list(prompts), f)
+        os.replace(tmp, self.job / "prompts.pkl")
+
+    def done(self) -> bool:
+        """Whether the side process has ended, or run out of time (`finish` then returns at once)."""
+        return self.build.done() or time.monotonic() - self.started > TIMEOUT_S
+
+    def finish(self) -> bool:
+        """File what it compiled and leave the marker (a failure's too); True: compile may go on."""
+        ok = self.build.finish(5.0 if self.build.done() else 0.0)
+        seconds = time.monotonic() - self.started
+        try:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(json.dumps({"ok": ok, "seconds": round(seconds, 1)}))
+        except OSError:
+            log.warning("could not write %s", self.marker, exc_info=True)
+        shutil.rmtree(self.job, ignore_errors=True)
+        return ok
+
+    def stop(self) -> None:
+        self.build.kill()
+        shutil.rmtree(self.job, ignore_errors=True)
+
+
+def _job_root(cache: Path) -> Path:
+    root = staging_root(cache)
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def start(model_path: Path, model_type: str, config: ServerConfig, held=()) -> Rehearsal | None:
+    """On CUDA with a kernel cache, for a model whose fused kernels it never held: start the
+    rehearsal and turn MLX's compile off in this process. None: compile stays as it is."""
+    cache = os.environ.get("MLX_PTX_CACHE_DIR")
+    if not cache or not config.warmup or os.environ.get("MLX_DISABLE_COMPILE"):
+        return None
+    try:
+        if marker(Path(cache), model_path, config).exists():
+            return None
+        weights = _weights_bytes(model_path)
+    except OSError:
+        return None
+    if weights > WEIGHTS_SHARE * _device_memory_bytes():
+        log.info("the model's fused kernels compile during warm-up (a second copy of its weights would not fit)")
+        return None
+    try:
+        rehearsal = Rehearsal(model_path, model_type, config, Path(cache), held)
+    except OSError:
+        log.warning("could not start the compile rehearsal; the fused kernels compile during warm-up", exc_info=True)
+        return None
+    mx.disable_compile()
+    return rehearsal
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The side process: load the model as the engine does, wait for its warm-up prompts, warm up
+    with compile on (MLX files each fused kernel in this process's cache), and exit."""
+    from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.ops import kernel_disk_cache, many_row_dequantized
+    from vlmserve.engine.runner.tokenizer import TextCodec
+
+    job = Path((sys.argv[1:] if argv is None else argv)[0])
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        os.nice(5)  # the engine's own work comes first where cores run short
+    except OSError:
+        pass
+    with open(job / "config.pkl", "rb") as f:
+        config, model_path, model_type, held = pickle.load(f)
+    parent = os.getppid()
+    kernel_disk_cache.keep_off()  # the engine files vlmserve's kernels; the hand-over brings them here
+    many_row_dequantized.hold({tuple(s) for s in held})  # as the engine serves until its builds land
+    model_path = Path(model_path)
+    core = EngineCore.load(config, model_path, model_type, TextCodec(model_path))
+    if not many_row_dequantized.installed(core.model.model):
+        many_row_dequantized.reset()
+    prompts_file, deadline = job / "prompts.pkl", time.monotonic() + _JOB_WAIT_S
+    while not prompts_file.exists():
+        if time.monotonic() > deadline or os.getppid() != parent:
+            return 3  # the engine never warmed up (or is gone)
+        time.sleep(0.1)
+    with open(prompts_file, "rb") as f:
+        prompts = pickle.load(f)
+    core.warm_up(prompts)
+    while core.has_idle_work():
+        core.idle_work()
+    mx.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""A first start serves uncompiled while a side process compiles MLX's fused kernels
+(engine/compile_rehearsal.py): when it rehearses, what the side process is handed and files,
+the marker that makes later starts compile from the first step, and the engine's switch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vlmserve.config import ServerConfig
+from vlmserve.engine import compile_rehearsal, kernel_staging
+
+# Stands in for the side process: waits for the prompts, files one "kernel", exits with argv[2].
+_FAKE = """
+import os, pathlib, pickle, sys, time
+job = pathlib.Path(sys.argv[1])
+config, model_path, model_type, held = pickle.loads((job / "config.pkl").read_bytes())
+while not (job / "prompts.pkl").exists():
+    time.sleep(0.02)
+prompts = pickle.loads((job / "prompts.pkl").read_bytes())
+cache = pathlib.Path(os.environ["MLX_PTX_CACHE_DIR"])
+seen = sorted(p.name for p in cache.iterdir())
+(cache / "fused_gelu.ptx").write_text(repr((prompts, model_type, held, seen)))
+sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+"""
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "m", "hidden_size": 8}))
+    (path / "model.safetensors").write_bytes(b"\0" * 1000)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.delenv("MLX_DISABLE_COMPILE", raising=False)
+    monkeypatch.setattr(compile_rehearsal, "_device_memory_bytes", lambda: 1 << 30)
+    return cache
+
+
+@pytest.fixture
+def compile_switch(monkeypatch):
+    """Records the engine's compile switch instead of flipping this test process's MLX."""
+    calls = []
+    monkeypatch.setattr(compile_rehearsal.mx, "disable_compile", lambda: calls.append("off"))
+    return calls
+
+
+@pytest.fixture
+def fake_side_process(tmp_path, monkeypatch):
+    (tmp_path / "fake_rehearsal.py").write_text(_FAKE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    monkeypatch.setattr(compile_rehearsal.Rehearsal, "module", "fake_rehearsal")
+
+
+def test_the_key_follows_the_model_and_the_options_that_shape_its_graphs(model):
+    config = ServerConfig()
+    first = compile_rehearsal.key(model, config)
+    assert compile_rehearsal.key(model, replace(config, port=9, api_key="k", log_level="debug")) == first
+    assert compile_rehearsal.key(model, replace(config, max_num_seqs=64)) != first
+    assert compile_rehearsal.key(model, replace(config, warmup_image_sizes=(224,))) != first
+    (model / "config.json").write_text(json.dumps({"model_type": "m", "hidden_size": 16}))
+    assert compile_rehearsal.key(model, config) != first
+
+
+def test_no_rehearsal_without_a_kernel_cache_warm_up_or_room_or_after_one_ran(
+    model, cache, compile_switch, monkeypatch
+):
+    config = ServerConfig()
+    assert compile_rehearsal.start(model, "m", replace(config, warmup=False)) is None
+    monkeypatch.setenv("MLX_DISABLE_COMPILE", "1")  # the operator's choice: nothing to rehearse
+    assert compile_rehearsal.start(model, "m", config) is None
+    monkeypatch.delenv("MLX_DISABLE_COMPILE")
+    monkeypatch.setattr(compile_rehearsal, "_device_memory_bytes", lambda: 3000)  # a second copy would not fit
+    assert compile_rehearsal.start(model, "m", config) is None
+    monkeypatch.setattr(compile_rehearsal, "_device_memory_bytes", lambda: 1 << 30)
+    marker = compile_rehearsal.marker(cache, model, config)
+    marker.parent.mkdir()
+    marker.write_text(json.dumps({"ok": False}))  # a failed one counts too: this start compiles in warm-up
+    assert compile_rehearsal.start(model, "m", config) is None
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    marker.unlink()
+    assert compile_rehearsal.start(model, "m", config) is None
+    assert compile_switch == []  # compile was left on every time
+
+
+def test_a_rehearsal_gets_the_prompts_and_the_cache_of_the_moment_then_files_its_kernels(
+    model, cache, compile_switch, fake_side_process
+):
+    (cache / "gather_early.ptx").write_text("early")
+    rehearsal = compile_rehearsal.start(model, "m", ServerConfig(), held={(4, 64)})
+    assert rehearsal is not None and compile_switch == ["off"]
+    (cache / "gather_late.ptx").write_text("built by another side process meanwhile")
+    rehearsal.hand_over(["prompt-a", "prompt-b"])
+    while not rehearsal.done():
+        pass
+    assert rehearsal.finish()
+    prompts, model_type, held, seen = eval((cache / "fused_gelu.ptx").read_text())  # noqa: S307 - our own repr
+    assert prompts == ["prompt-a", "prompt-b"] and model_type == "m" and held == [(4, 64)]
+    assert {"gather_early.ptx", "gather_late.ptx"} <= set(seen)
+    assert json.loads(rehearsal.marker.read_text())["ok"] is True
+    assert list(kernel_staging.staging_root(cache).iterdir()) == []  # its cache and job directory removed
+    assert compile_rehearsal.start(model, "m", ServerConfig()) is None  # the next start compiles at once
+
+
+def test_a_failed_rehearsal_files_nothing_and_leaves_a_failed_marker(
+    model, cache, compile_switch, fake_side_process, monkeypatch, caplog
+):
+    monkeypatch.setenv("FAKE_EXIT", "2")
+    rehearsal = compile_rehearsal.start(model, "m", ServerConfig())
+    rehearsal.hand_over([])
+    while not rehearsal.done():
+        pass
+    with caplog.at_level(logging.WARNING):
+        assert not rehearsal.finish()
+    assert not (cache / "fused_gelu.ptx").exists()
+    assert json.loads(rehearsal.marker.read_text())["ok"] is False
+    assert "exit 2" in caplog.text
+
+
+def test_the_side_process_gets_the_engines_config_for_one_process(model, cache, compile_switch, fake_side_process):
+    config = replace(ServerConfig(), engine_process=True, thread_guard=True, max_num_seqs=7)
+    rehearsal = compile_rehearsal.start(model, "m", config)
+    try:
+        sent, path, model_type, held = pickle.loads((rehearsal.job / "config.pkl").read_bytes())
+        assert (sent.max_num_seqs, sent.engine_process, sent.thread_guard) == (7, False, False)
+        assert Path(path) == model and model_type == "m" and held == []
+    finally:
+        rehearsal.stop()
+    assert not rehearsal.job.exists()
+
+
+class _Rehearsal:
+    def __init__(self, ok: bool, ended: bool = True):
+        self.ok, self.ended, self.started, self.finished = ok, ended, 0.0, 0
+
+    def done(self):
+        return self.ended
+
+    def finish(self):
+        self.finished += 1
+        return self.ok
+
+
+def _core(rehearsal, monkeypatch):
+    from vlmserve.engine import core as core_module
+    from vlmserve.engine.core import EngineCore
+
+    log = []
+    monkeypatch.setattr(core_module.mx, "enable_compile", lambda: log.append("compile on"))
+    core = SimpleNamespace(
+        rehearsal=rehearsal,
+        runner=SimpleNamespace(batches=SimpleNamespace(retrace=lambda: log.append("retrace"))),
+        _warm_shapes=[(1, 32), (2, 32)],
+        _shapes_to_warm=[],
+    )
+    core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
+    core.forget_prefixes = lambda: log.append("prefixes forgotten")
+    core._end_rehearsal = lambda: EngineCore._end_rehearsal(core)
+    return core, log
+
+
+def test_the_engine_compiles_once_the_rehearsal_filed_its_kernels(monkeypatch):
+    rehearsal = _Rehearsal(ok=True, ended=False)
+    core, log = _core(rehearsal, monkeypatch)
+    assert not core._rehearsal_ended()  # still compiling: the engine stays uncompiled
+    rehearsal.ended = True
+    assert core._rehearsal_ended()
+    core._end_rehearsal()
+    # Cached KV and features came from the uncompiled ops: dropped, so no output depends on them.
+    assert log == ["compile on", "retrace", "prefixes forgotten"] and core._shapes_to_warm == [(1, 32), (2, 32)]
+    assert core.rehearsal is None and not core._rehearsal_ended() and rehearsal.finished == 1
+
+
+def test_after_a_failed_rehearsal_the_engine_stays_uncompiled(monkeypatch, caplog):
+    core, log = _core(_Rehearsal(ok=False), monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        core._end_rehearsal()
+    assert log == [] and core._shapes_to_warm == [] and core.rehearsal is None
+    assert "stays uncompiled" in caplog.text
