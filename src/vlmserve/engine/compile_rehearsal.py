@@ -33,7 +33,9 @@ import pickle
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 600.0  # a rehearsal past this is stopped (the engine then stays uncompiled until restarted)
 WEIGHTS_SHARE = 0.25  # rehearse only models whose weights take at most this share of the device's memory
 _JOB_WAIT_S = 900.0  # the side process waits this long for the engine's warm-up prompts
+HAND_OVER_WAIT_S = 30.0  # the longest the prompts wait for the kernel builds being filed
 # The serving options that shape the compiled graphs (a marker holds for these only).
 _GRAPH_OPTIONS = (
     "max_num_seqs",
@@ -113,14 +116,27 @@ class Rehearsal:
             shutil.rmtree(self.job, ignore_errors=True)
             raise
 
-    def hand_over(self, prompts) -> None:
-        """Give the side process the engine's warm-up prompts, with what the kernel cache holds by
-        now (the kernels side processes built meanwhile, which it then need not build)."""
-        link_missing(self.cache, self.build.private)
-        tmp = self.job / "prompts.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(list(prompts), f)
-        os.replace(tmp, self.job / "prompts.pkl")
+    def hand_over(self, prompts, wait_for: Callable[[], bool] | None = None) -> None:
+        """Give the side process the engine's warm-up prompts once `wait_for()` holds (at most
+        HAND_OVER_WAIT_S later; from a thread of its own, so the engine's warm-up goes on), with
+        what the kernel cache holds by then: the kernels side processes built meanwhile, which
+        it then need not build (vlmserve's take a second each)."""
+        prompts = list(prompts)
+
+        def give() -> None:
+            deadline = time.monotonic() + HAND_OVER_WAIT_S
+            while wait_for is not None and not wait_for() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            try:
+                link_missing(self.cache, self.build.private)
+                tmp = self.job / "prompts.tmp"
+                with open(tmp, "wb") as f:
+                    pickle.dump(prompts, f)
+                os.replace(tmp, self.job / "prompts.pkl")
+            except OSError:  # stopped meanwhile (its directories are gone), or a full disk: it fails
+                log.debug("could not hand the warm-up prompts over", exc_info=True)
+
+        threading.Thread(target=give, name="vlmserve-compile-rehearsal", daemon=True).start()
 
     def done(self) -> bool:
         """Whether the side process has ended, or run out of time (`finish` then returns at once)."""
@@ -202,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.1)
     with open(prompts_file, "rb") as f:
         prompts = pickle.load(f)
+    # Warm-up runs every graph the engine compiles before ready (what it leaves for idle time
+    # builds plans and runs more shapes of the same graphs, none of MLX's fused kernels).
     core.warm_up(prompts)
-    while core.has_idle_work():
-        core.idle_work()
     mx.synchronize()
     return 0
 

@@ -17,7 +17,7 @@ from vlmserve.cuda_graphs import choose_cuda_graphs
 from vlmserve.engine import compile_rehearsal, indexing_prebuild, kernel_prebuild
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
-from vlmserve.engine.ops import cuda_kernels, many_row_dequantized
+from vlmserve.engine.ops import cuda_kernels, kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.engine.thread_guard import GUARD
@@ -210,7 +210,8 @@ class Engine:
         builds, self._prebuild = self._prebuild, []
         kernel_prebuild.wait(builds, PREBUILD_TIMEOUT_S)
         if self.core.rehearsal is not None:
-            self.core.rehearsal.hand_over(prompts)
+            filer = kernel_disk_cache.filer()  # what the load queued is handed over with the prompts
+            self.core.rehearsal.hand_over(prompts, (lambda: not filer.busy()) if filer is not None else None)
         self.core.warm_up(prompts)
         return self.core.cache_gauges()
 

@@ -9,6 +9,8 @@ import logging
 import os
 import pickle
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -107,7 +109,7 @@ def test_a_rehearsal_gets_the_prompts_and_the_cache_of_the_moment_then_files_its
     (cache / "gather_late.ptx").write_text("built by another side process meanwhile")
     rehearsal.hand_over(["prompt-a", "prompt-b"])
     while not rehearsal.done():
-        pass
+        time.sleep(0.02)
     assert rehearsal.finish()
     prompts, model_type, held, seen = eval((cache / "fused_gelu.ptx").read_text())  # noqa: S307 - our own repr
     assert prompts == ["prompt-a", "prompt-b"] and model_type == "m" and held == [(4, 64)]
@@ -117,6 +119,23 @@ def test_a_rehearsal_gets_the_prompts_and_the_cache_of_the_moment_then_files_its
     assert compile_rehearsal.start(model, "m", ServerConfig()) is None  # the next start compiles at once
 
 
+def test_the_prompts_wait_for_the_kernels_being_filed(model, cache, compile_switch, fake_side_process):
+    """The engine's warm-up goes on meanwhile; the side process then finds what was filed instead
+    of building it."""
+    filed = threading.Event()
+    rehearsal = compile_rehearsal.start(model, "m", ServerConfig())
+    rehearsal.hand_over(["p"], wait_for=filed.is_set)
+    time.sleep(0.3)
+    assert not (rehearsal.job / "prompts.pkl").exists() and not rehearsal.done()
+    (cache / "custom_kernel_late.ptx").write_text("filed by the engine's build processes")
+    filed.set()
+    while not rehearsal.done():
+        time.sleep(0.02)
+    assert rehearsal.finish()
+    _, _, _, seen = eval((cache / "fused_gelu.ptx").read_text())  # noqa: S307 - our own repr
+    assert "custom_kernel_late.ptx" in seen
+
+
 def test_a_failed_rehearsal_files_nothing_and_leaves_a_failed_marker(
     model, cache, compile_switch, fake_side_process, monkeypatch, caplog
 ):
@@ -124,7 +143,7 @@ def test_a_failed_rehearsal_files_nothing_and_leaves_a_failed_marker(
     rehearsal = compile_rehearsal.start(model, "m", ServerConfig())
     rehearsal.hand_over([])
     while not rehearsal.done():
-        pass
+        time.sleep(0.02)
     with caplog.at_level(logging.WARNING):
         assert not rehearsal.finish()
     assert not (cache / "fused_gelu.ptx").exists()

@@ -91,7 +91,7 @@ def test_the_engine_waits_for_kernel_builds_before_warm_up_in_either_engine_mode
         warm_up=lambda prompts: order.append(f"warm-up of {len(prompts)}"),
         cache_gauges=lambda: order.append("gauges read") or "gauges as warm-up left them",
         # The compile rehearsal gets the prompts once the kernels it would otherwise build are filed.
-        rehearsal=SimpleNamespace(hand_over=lambda prompts: order.append(f"{len(prompts)} handed over")),
+        rehearsal=SimpleNamespace(hand_over=lambda prompts, wait_for: order.append(f"{len(prompts)} handed over")),
     )
     gauges = CALLS["warm_up"](engine)(["a prompt"])  # what an engine process runs for the server's warm_up call
     assert order == ["build finished", "build finished", "1 handed over", "warm-up of 1", "gauges read"]
