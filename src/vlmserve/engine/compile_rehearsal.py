@@ -47,7 +47,10 @@ from vlmserve.engine.kernel_staging import StagedBuild, link_missing, staging_ro
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0  # a rehearsal past this is stopped (the engine then stays uncompiled until restarted)
-WEIGHTS_SHARE = 0.25  # rehearse only models whose weights take at most this share of the device's memory
+# Rehearse only models whose weights take at most this share of the device's memory: its copy,
+# with its warm-up's working memory, then stays within what --gpu-memory-utilization and the
+# engine's reserve leave (memory.py) while the engine's KV blocks grow.
+WEIGHTS_SHARE = 0.15
 _JOB_WAIT_S = 900.0  # the side process waits this long for the engine's warm-up prompts
 HAND_OVER_WAIT_S = 30.0  # the longest the prompts wait for the kernel builds being filed
 # The serving options that shape the compiled graphs (a marker holds for these only).
@@ -127,6 +130,8 @@ class Rehearsal:
             deadline = time.monotonic() + HAND_OVER_WAIT_S
             while wait_for is not None and not wait_for() and time.monotonic() < deadline:
                 time.sleep(0.1)
+            if not self.job.is_dir():
+                return  # stopped meanwhile
             try:
                 link_missing(self.cache, self.build.private)
                 tmp = self.job / "prompts.tmp"
