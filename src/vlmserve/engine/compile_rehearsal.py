@@ -7,17 +7,18 @@ they cannot be listed ahead the way indexing_prebuild lists MLX's indexing kerne
 first start on a machine would spend most of a minute of its warm-up on them.
 
 So on a start whose kernel cache has never held this model's fused kernels (no marker for its
-config, serving options and versions), the engine turns MLX's compile off and warms up and
-serves uncompiled: every op then runs a kernel MLX ships built (at about 0.8x the compiled
-decode throughput on an H100). Meanwhile a second process loads the same model with compile
-on and runs the same warm-up, which compiles the fused kernels into a kernel cache of its own
-(kernel_staging.py). When it exits they move into the shared cache, and the engine turns
-compile on between two steps: its graphs then load those kernels instead of compiling them.
-The marker makes later starts compile from the first step. A rehearsal that fails leaves a
-marker too: the next start compiles during its warm-up, as without one.
+config, serving options, kernel switches, GPU and versions), the engine turns MLX's compile off
+and warms up and serves uncompiled: every op then runs a kernel MLX ships built (0.5-0.7x the
+compiled throughput of a 2B model at 32 streams on an H100). Meanwhile a second process loads
+the same model with compile on and runs the same warm-up, which compiles the fused kernels into
+a kernel cache of its own (kernel_staging.py). When it exits they move into the shared cache,
+and the engine turns compile on between two steps: its graphs then load those kernels instead
+of compiling them. The marker makes later starts compile from the first step. A rehearsal that
+fails leaves a marker too: the next start compiles during its warm-up, as without one.
 
 The second process holds a second copy of the weights for its minute, so a model only gets
-one when two copies fit comfortably in the device's memory.
+one when two copies fit comfortably in the device's memory, and the engine's KV budget lends
+it what it holds until it ends.
 
     python -m vlmserve.engine.compile_rehearsal JOB_DIR
 """
@@ -31,6 +32,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -53,6 +55,13 @@ TIMEOUT_S = 600.0  # a rehearsal past this is stopped (the engine then stays unc
 WEIGHTS_SHARE = 0.15
 _JOB_WAIT_S = 900.0  # the side process waits this long for the engine's warm-up prompts
 HAND_OVER_WAIT_S = 30.0  # the longest the prompts wait for the kernel builds being filed
+# What the side process holds beside its weights and KV pool: its steps' working memory (1-2
+# GiB), MLX's buffer cache (bounded below) and its CUDA context.
+WORKING_BYTES = 3 << 30
+_SIDE_BUFFER_CACHE_GB = 0.5
+_WATCH_S = 1.0  # the side process checks this often that the engine is still there
+# Switches that change which kernels, and so which fused graphs, a model runs.
+_KERNEL_SWITCHES = ("VLMSERVE_CUDA_KERNELS", "VLMSERVE_FEW_ROW_MATMUL", "MLX_CUDA_USE_CUDNN_SDPA")
 # The serving options that shape the compiled graphs (a marker holds for these only).
 _GRAPH_OPTIONS = (
     "max_num_seqs",
@@ -77,11 +86,15 @@ def _version(package: str) -> str:
 
 def key(model_path: Path, config: ServerConfig) -> str:
     """What names this model's fused kernels: its config, the serving options that shape its
-    graphs, and the versions of vlmserve and MLX."""
+    graphs, the kernel switches, the GPU, and the versions of vlmserve, MLX and the model code."""
     h = hashlib.sha256()
     h.update((model_path / "config.json").read_bytes())
     options = {name: getattr(config, name) for name in _GRAPH_OPTIONS}
-    h.update(json.dumps([options, _version("vlmserve"), mx.__version__], sort_keys=True, default=str).encode())
+    switches = {name: os.environ.get(name) for name in _KERNEL_SWITCHES}
+    info = mx.device_info()
+    gpu = [info.get("device_name"), info.get("compute_capability_major"), info.get("compute_capability_minor")]
+    versions = [_version(p) for p in ("vlmserve", "mlx-vlm", "mlx-lm")] + [mx.__version__]
+    h.update(json.dumps([options, switches, gpu, versions], sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
 
 
@@ -105,12 +118,20 @@ class Rehearsal:
 
     module = __name__  # what the side process runs (`python -m`)
 
-    def __init__(self, model_path: Path, model_type: str, config: ServerConfig, cache: Path, held):
+    def __init__(self, model_path: Path, model_type: str, config: ServerConfig, cache: Path, held, weights: int = 0):
         self.cache = cache
+        self.weights = weights  # bytes of the copy it loads
         self.marker = marker(cache, model_path, config)
         self.started = time.monotonic()
         self.job = Path(tempfile.mkdtemp(prefix="rehearsal-job-", dir=_job_root(cache)))
-        rehearsal_config = ServerConfig(**{**asdict(config), "engine_process": False, "thread_guard": False})
+        rehearsal_config = ServerConfig(
+            **{
+                **asdict(config),
+                "engine_process": False,
+                "thread_guard": False,
+                "mlx_cache_limit_gb": _SIDE_BUFFER_CACHE_GB,
+            }
+        )
         with open(self.job / "config.pkl", "wb") as f:
             pickle.dump((rehearsal_config, str(model_path), model_type, sorted(held)), f)
         try:
@@ -160,8 +181,11 @@ class Rehearsal:
         return ok
 
     def stop(self) -> None:
+        """End it, and give this process its compile back (an engine stopped before the switch,
+        in a process that may start another)."""
         self.build.kill()
         shutil.rmtree(self.job, ignore_errors=True)
+        mx.enable_compile()
 
 
 def _job_root(cache: Path) -> Path:
@@ -186,7 +210,7 @@ def start(model_path: Path, model_type: str, config: ServerConfig, held=()) -> R
         log.info("the model's fused kernels compile during warm-up (a second copy of its weights would not fit)")
         return None
     try:
-        rehearsal = Rehearsal(model_path, model_type, config, Path(cache), held)
+        rehearsal = Rehearsal(model_path, model_type, config, Path(cache), held, weights)
     except OSError:
         log.warning("could not start the compile rehearsal; the fused kernels compile during warm-up", exc_info=True)
         return None
@@ -202,14 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     from vlmserve.engine.runner.tokenizer import TextCodec
 
     job = Path((sys.argv[1:] if argv is None else argv)[0])
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # Errors only: nobody reads its stderr before it exits, and a full pipe would block it.
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the engine process ignores them; this one ends
+        signal.signal(sig, signal.SIG_DFL)
     try:
         os.nice(5)  # the engine's own work comes first where cores run short
     except OSError:
         pass
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), name="engine-watch", daemon=True).start()
     with open(job / "config.pkl", "rb") as f:
         config, model_path, model_type, held = pickle.load(f)
-    parent = os.getppid()
     kernel_disk_cache.keep_off()  # the engine files vlmserve's kernels; the hand-over brings them here
     many_row_dequantized.hold({tuple(s) for s in held})  # as the engine serves until its builds land
     model_path = Path(model_path)
@@ -218,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         many_row_dequantized.reset()
     prompts_file, deadline = job / "prompts.pkl", time.monotonic() + _JOB_WAIT_S
     while not prompts_file.exists():
-        if time.monotonic() > deadline or os.getppid() != parent:
-            return 3  # the engine never warmed up (or is gone)
+        if time.monotonic() > deadline:
+            return 3  # the engine never warmed up
         time.sleep(0.1)
     with open(prompts_file, "rb") as f:
         prompts = pickle.load(f)
@@ -228,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     core.warm_up(prompts)
     mx.synchronize()
     return 0
+
+
+def _exit_with(parent: int) -> None:
+    """End this process once the engine that started it is gone: its copy of the weights would
+    otherwise hold device memory that a restarted engine needs."""
+    while os.getppid() == parent:
+        time.sleep(_WATCH_S)
+    os._exit(3)
 
 
 if __name__ == "__main__":

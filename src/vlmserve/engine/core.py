@@ -42,6 +42,12 @@ SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
 IDLE_PIECE_MAX_S = 0.25  # idle warm-up runs no prompt piece longer than this (an arriving request waits)
 
 
+def kv_block_bytes(model, block_size: int) -> int:
+    """Bytes of one KV block: `block_size` positions of every layer's keys and values."""
+    layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
+    return layers * block_size * heads * (dim_k + dim_v) * dtype.size
+
+
 def _pixel_shapes(prepared: PreparedRequest) -> list[tuple[int, ...]]:
     """The shapes of a request's pixel inputs (what sizes its images reached the vision tower at)."""
     return [tuple(v.shape) for k, v in prepared.model_inputs.items() if k.startswith("pixel_values")]
@@ -107,6 +113,7 @@ class EngineCore:
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
         self._warmed = False  # warm_up ran: idle work may then build what only requests use (grammars)
+        self._kv_set_aside = 0  # KV budget blocks lent to the compile rehearsal's copy of the model
         # Warm-up is on its way (the engine's config asks for one): idle work waits for it, since
         # it starts by waiting for the kernel builds queued at load, and warm-up need not.
         self.warm_up_due = False
@@ -161,8 +168,7 @@ class EngineCore:
         if not uses_plain_kv_cache(model):
             log.info("KV budget: none (this model's caches are not paged: sliding windows or recurrent state)")
             return KVBudget(1 << 40, config.kv_block_size)
-        layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
-        block_bytes = layers * config.kv_block_size * heads * (dim_k + dim_v) * dtype.size
+        block_bytes = kv_block_bytes(model, config.kv_block_size)
         budget = kv_budget_bytes(config.kv_cache_memory_gb, config.gpu_memory_utilization)
         blocks = max(1, budget // block_bytes)
         log.info(
@@ -661,9 +667,32 @@ class EngineCore:
             many_row_dequantized.release(setting, getattr(mx, dtype))
             self.runner.batches.retrace()
             self._shapes_to_warm = list(self._warm_shapes)
-            self.forget_prefixes()  # held KV came from the dequantized path: a cache never changes an output
+            self._kernels_replaced()
         if not builds.pending():
             self.kernel_builds = None
+
+    def _kernels_replaced(self) -> None:
+        """Other kernels serve from now on (compiled ones, or quantized matmuls for dequantized
+        weights), which may round differently: KV and features the old ones computed, cached or
+        held by rows in flight, never go to later requests, whose outputs would then differ from
+        a fresh computation's."""
+        self.forget_prefixes()
+        for seq in (*self.sched.prefilling, *self.sched.running, *self.sched.preempted):
+            seq.kv_reusable = False
+
+    def set_aside_for_rehearsal(self, weights: int, working: int) -> None:
+        """Take what the compile rehearsal's copy of the model holds (its weights, a KV pool the
+        size of this engine's first one, and `working` bytes) off the KV budget, at most half of
+        it, until the rehearsal ends: the two processes then stay within the device's memory."""
+        budget = self.sched.kv_budget
+        if budget is None or not uses_plain_kv_cache(self.model):
+            return
+        block = kv_block_bytes(self.model, budget.block_size)
+        pool = budget.blocks_for(self.sched.max_num_seqs * 2 * self.sched.prefill_chunk) * block
+        blocks = min(budget.total // 2, -(-(weights + pool + working) // block))
+        budget.resize(budget.total - blocks)
+        self._kv_set_aside += blocks
+        log.info("KV budget: %.2f GB set aside while the compile rehearsal runs", blocks * block / 1e9)
 
     def _rehearsal_ended(self) -> bool:
         return self.rehearsal is not None and self.rehearsal.done()
@@ -673,18 +702,22 @@ class EngineCore:
         compiled filed, compile from the next graph on, which loads those kernels. The decode step
         traces again (the warm shapes while idle, others at their next step)."""
         rehearsal, self.rehearsal = self.rehearsal, None
-        if not rehearsal.finish():
+        ok = rehearsal.finish()
+        if self._kv_set_aside:
+            budget = self.sched.kv_budget
+            budget.resize(budget.total + self._kv_set_aside)
+            self._kv_set_aside = 0
+        if not ok:
             log.warning(
                 "compiling MLX's fused kernels in a side process failed: this run stays uncompiled "
-                "(about 0.8x the decode throughput); the next start compiles them during its warm-up"
+                "(0.5-0.7x the compiled decode throughput on an H100); the next start compiles them "
+                "during its warm-up"
             )
             return
         mx.enable_compile()
         self.runner.batches.retrace()
         self._shapes_to_warm = list(self._warm_shapes)
-        # Fused kernels may round differently from the ops they replace: KV and features computed
-        # before would then serve outputs that a fresh computation does not give.
-        self.forget_prefixes()
+        self._kernels_replaced()
         log.info(
             "MLX's fused kernels compiled beside the engine in %.1f s and filed: compiling from now on",
             time.monotonic() - rehearsal.started,

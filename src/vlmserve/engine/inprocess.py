@@ -113,6 +113,8 @@ class Engine:
         self.info = core.info
         core.indexing_builds = self._indexing
         core.rehearsal = self._rehearsal
+        if self._rehearsal is not None:
+            core.set_aside_for_rehearsal(self._rehearsal.weights, compile_rehearsal.WORKING_BYTES)
         core.warm_up_due = self.config.warmup
         core.flush_events = self._flush
         self._build_in_background(core)

@@ -12,6 +12,7 @@ import pytest
 
 from vlmserve.config import DEFAULT_MODEL_DIR, ServerConfig
 from vlmserve.engine import compile_rehearsal, kernel_staging
+from vlmserve.engine.ops.cuda_kernels import on_cuda
 from vlmserve.protocol import PreparedRequest
 
 
@@ -35,3 +36,7 @@ def test_the_side_process_warms_the_model_up_and_exits(tmp_path, monkeypatch):
     assert rehearsal.finish()
     assert json.loads(rehearsal.marker.read_text())["ok"] is True
     assert list(kernel_staging.staging_root(cache).iterdir()) == []
+    if on_cuda():  # MLX files kernels on CUDA only: the fused ones the warm-up compiled are in the cache now
+        # (a fused module is named by its graph, from an upper-case letter on; MLX's others by op)
+        fused = [p.name for p in cache.glob("*.ptx") if p.name[0].isupper()]
+        assert fused, sorted(p.name for p in cache.glob("*"))

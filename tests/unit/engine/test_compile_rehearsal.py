@@ -175,22 +175,60 @@ class _Rehearsal:
         return self.ok
 
 
+class _Model:
+    """What the KV budget reads of a model: 2 layers, 2 heads of 4 + 4 dims, bfloat16 (64 bytes a position)."""
+
+    def kv_layout(self):
+        return 2, (2, 4, 4), SimpleNamespace(size=2)
+
+
 def _core(rehearsal, monkeypatch):
     from vlmserve.engine import core as core_module
     from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.sched.kv_budget import KVBudget
 
     log = []
     monkeypatch.setattr(core_module.mx, "enable_compile", lambda: log.append("compile on"))
+    monkeypatch.setattr(core_module, "uses_plain_kv_cache", lambda model: True)
     core = SimpleNamespace(
         rehearsal=rehearsal,
         runner=SimpleNamespace(batches=SimpleNamespace(retrace=lambda: log.append("retrace"))),
+        model=_Model(),
+        # A row in each state: each holds KV the uncompiled kernels computed.
+        sched=SimpleNamespace(
+            prefilling=[SimpleNamespace(kv_reusable=True)],
+            running=[SimpleNamespace(kv_reusable=True)],
+            preempted=[SimpleNamespace(kv_reusable=True)],
+            kv_budget=KVBudget(1000, 16),  # 1,000 blocks of 16 positions: 1 KiB a block
+            max_num_seqs=2,
+            prefill_chunk=64,
+        ),
         _warm_shapes=[(1, 32), (2, 32)],
         _shapes_to_warm=[],
+        _kv_set_aside=0,
     )
     core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
     core.forget_prefixes = lambda: log.append("prefixes forgotten")
+    core._kernels_replaced = lambda: EngineCore._kernels_replaced(core)
     core._end_rehearsal = lambda: EngineCore._end_rehearsal(core)
+    core.set_aside_for_rehearsal = lambda weights, working: EngineCore.set_aside_for_rehearsal(core, weights, working)
     return core, log
+
+
+def _rows(core):
+    return [seq for seqs in (core.sched.prefilling, core.sched.running, core.sched.preempted) for seq in seqs]
+
+
+def test_the_kv_budget_lends_the_rehearsal_what_its_copy_holds_until_it_ends(monkeypatch):
+    core, _ = _core(_Rehearsal(ok=True), monkeypatch)
+    # Its weights (100 KiB), a pool like the engine's first (2 rows x 2 chunks = 256 positions:
+    # 16 blocks) and its working memory (20 KiB): 136 blocks.
+    core.set_aside_for_rehearsal(100 << 10, 20 << 10)
+    assert core.sched.kv_budget.total == 1000 - 136
+    core._end_rehearsal()
+    assert core.sched.kv_budget.total == 1000 and core._kv_set_aside == 0
+    core.set_aside_for_rehearsal(10 << 20, 0)  # never more than half of it
+    assert core.sched.kv_budget.total == 500
 
 
 def test_the_engine_compiles_once_the_rehearsal_filed_its_kernels(monkeypatch):
@@ -200,8 +238,10 @@ def test_the_engine_compiles_once_the_rehearsal_filed_its_kernels(monkeypatch):
     rehearsal.ended = True
     assert core._rehearsal_ended()
     core._end_rehearsal()
-    # Cached KV and features came from the uncompiled ops: dropped, so no output depends on them.
+    # Cached KV and features came from the uncompiled ops: dropped, and the rows in flight never
+    # store theirs, so no later output depends on them.
     assert log == ["compile on", "retrace", "prefixes forgotten"] and core._shapes_to_warm == [(1, 32), (2, 32)]
+    assert not any(seq.kv_reusable for seq in _rows(core))
     assert core.rehearsal is None and not core._rehearsal_ended() and rehearsal.finished == 1
 
 
@@ -210,4 +250,5 @@ def test_after_a_failed_rehearsal_the_engine_stays_uncompiled(monkeypatch, caplo
     with caplog.at_level(logging.WARNING):
         core._end_rehearsal()
     assert log == [] and core._shapes_to_warm == [] and core.rehearsal is None
+    assert all(seq.kv_reusable for seq in _rows(core))  # the same kernels serve on
     assert "stays uncompiled" in caplog.text

@@ -58,6 +58,8 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     )
     core._note_peak = core.noted.append
     core.forget_prefixes = lambda: log.append("prefixes forgotten")
+    core.sched = SimpleNamespace(prefilling=[], running=[], preempted=[])
+    core._kernels_replaced = lambda: EngineCore._kernels_replaced(core)
     core._build_kernel = lambda: EngineCore._build_kernel(core)
     core._built_kernels_ready = lambda: EngineCore._built_kernels_ready(core)
     core._warm_next_shape = lambda: EngineCore._warm_next_shape(core)

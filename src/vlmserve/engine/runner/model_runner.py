@@ -384,7 +384,7 @@ class ModelRunner:
     def _store_prompt(self, seq: Sequence) -> None:
         """A row that joined: its prompt's KV, now in its blocks, goes into its prefix cache."""
         store, key = self._prefix_cache(seq)
-        if store is not None and seq.blocks:
+        if store is not None and seq.blocks and seq.kv_reusable:
             self._keep(seq, lambda: store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks))
 
     def _store_sequence(self, seq: Sequence) -> None:
@@ -393,7 +393,7 @@ class ModelRunner:
         if self.batch is None or not self.batch.paged or seq not in self.sched.running:
             return
         store, key = self._prefix_cache(seq)
-        if store is None or seq.cache_len <= seq.num_prompt:
+        if store is None or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
         self._keep(seq, lambda: store.store(ids, self.batch.pool_of(seq), seq.blocks))

@@ -48,6 +48,7 @@ class Sequence:
     kv_dtype: Any = None  # the dtype its KV decodes in (the runner's)
     host_kv: Any = None  # its KV while preempted, copied out of the pool
     prefix_hit: Any = None  # the cached prefix its prompt cache starts with (runner's PrefixHit), until it joins
+    kv_reusable: bool = True  # its KV may go into a prefix cache (not once kernels since replaced made it)
 
     @property
     def num_prompt(self) -> int:

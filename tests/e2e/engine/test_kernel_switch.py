@@ -1,0 +1,55 @@
+"""Kernels that change under a running engine (compiled ones replacing uncompiled, quantized
+matmuls replacing dequantized weights; EngineCore._kernels_replaced) may round differently: the
+KV computed before, whether cached or held by rows still in flight, never reaches a later
+request through the prefix cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.helpers import MODELS, on_own_thread
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.runner.tokenizer import TextCodec
+from vlmserve.engine.sched.kv_budget import KVBudget
+from vlmserve.engine.sched.request import EngineRequest
+from vlmserve.models.registry import load_model_adapter, model_type_of
+from vlmserve.protocol import PreparedRequest, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PATH = MODELS / "qwen2_vl"
+
+
+def test_rows_in_flight_at_a_kernel_switch_keep_their_kv_out_of_the_prefix_cache():
+    def run():
+        codec = TextCodec(PATH)
+        model = load_model_adapter(PATH, model_type_of(PATH), codec.eos_token_ids)
+        core = EngineCore(
+            model, codec, max_num_seqs=4, prefill_chunk=16, prefix_cache_tokens=4096, kv_budget=KVBudget(256, 16)
+        )
+
+        def serve(name: str, prompt: list[int], switch_at_step: int | None = None) -> int:
+            """Serve one greedy request; returns the prefix cache's tokens after it."""
+            events: list = []
+            sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            core.add(
+                EngineRequest(name, PreparedRequest(prompt_ids=np.array(prompt, np.int32)), sampling, events.append)
+            )
+            steps = 0
+            while core.has_work():
+                core.step()
+                steps += 1
+                if steps == switch_at_step:  # its prompt is in its KV, its answer partly
+                    core._kernels_replaced()
+            assert events[-1].finish_reason is not None and not events[-1].finish_reason.failed
+            return core.prefix_cache.size_tokens
+
+        kept = serve("before", list(range(100, 140)))
+        core.forget_prefixes()
+        kept_across_switch = serve("across", list(range(200, 240)), switch_at_step=3)
+        return kept, kept_across_switch
+
+    kept, kept_across_switch = on_own_thread(run)
+    assert kept > 0  # a row served by one set of kernels leaves its KV for reuse
+    assert kept_across_switch == 0
