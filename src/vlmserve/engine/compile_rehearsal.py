@@ -154,7 +154,7 @@ class Rehearsal:
             if not self.job.is_dir():
                 return  # stopped meanwhile
             try:
-                link_missing(self.cache, self.build.private)
+                link_missing(self.cache, self.build.private, copy=True)
                 tmp = self.job / "prompts.tmp"
                 with open(tmp, "wb") as f:
                     pickle.dump(prompts, f)

@@ -67,23 +67,28 @@ def make_private(shared: Path, tag: str, seed: bool = True) -> Path:
     return private
 
 
-def link_missing(shared: Path, private: Path) -> None:
-    """Give `private` hard links (copies where links fail) to the shared cache's files it lacks."""
+def link_missing(shared: Path, private: Path, copy: bool = False) -> None:
+    """Give `private` the shared cache's files it lacks, each module's names before its binary:
+    hard links, or (`copy`, for a process that already runs) copies, so that MLX writing a module
+    there that it compiled meanwhile writes its own file, never the shared one's."""
     if not shared.is_dir():
         return
-    for src in shared.rglob("*"):
-        if not src.is_file():
-            continue
+    for src in sorted((f for f in shared.rglob("*") if f.is_file()), key=_rank):
         dst = private / src.relative_to(shared)
         if dst.exists():
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, dst)
-        except FileExistsError:  # its process built this one meanwhile
-            continue
-        except OSError:
-            shutil.copy2(src, dst)
+        if not copy:
+            try:
+                os.link(src, dst)
+                continue
+            except FileExistsError:  # its process built this one meanwhile
+                continue
+            except OSError:
+                pass
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
 
 
 def publish(private: Path, shared: Path) -> int:

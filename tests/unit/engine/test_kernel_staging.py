@@ -107,3 +107,21 @@ def test_private_caches_left_by_a_killed_engine_are_removed_once_stale(tmp_path)
     os.utime(old, (hour_ago, hour_ago))
     assert kernel_staging.remove_stale(shared) == 1
     assert not old.exists() and fresh.exists()  # a running build's own is kept
+
+
+def test_a_running_process_gets_copies_names_first_so_its_writes_never_reach_the_shared_cache(tmp_path, monkeypatch):
+    shared, private = tmp_path / "ptx", tmp_path / "mine"
+    _write(shared / "k.ptx", "binary")
+    _write(shared / "k.txt", "names")
+    _write(private / "built.ptx", "its own")
+    _write(shared / "built.ptx", "another process's")
+    landed = []
+    real_replace = os.replace
+    monkeypatch.setattr(kernel_staging.os, "replace", lambda a, b: (landed.append(Path(b).name), real_replace(a, b)))
+    kernel_staging.link_missing(shared, private, copy=True)
+    assert landed == ["k.txt", "k.ptx"]  # MLX opens the binary, then reads the names
+    assert not os.path.samefile(private / "k.ptx", shared / "k.ptx")
+    (private / "k.ptx").write_text("rewritten by the running process")
+    assert (shared / "k.ptx").read_text() == "binary"
+    assert (private / "built.ptx").read_text() == "its own"  # what it has stays
+    assert sorted(p.name for p in private.iterdir()) == ["built.ptx", "k.ptx", "k.txt"]  # no temporaries left
