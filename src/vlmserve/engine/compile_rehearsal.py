@@ -121,6 +121,7 @@ class Rehearsal:
     def __init__(self, model_path: Path, model_type: str, config: ServerConfig, cache: Path, held, weights: int = 0):
         self.cache = cache
         self.weights = weights  # bytes of the copy it loads
+        self._lock = threading.Lock()
         self.marker = marker(cache, model_path, config)
         self.started = time.monotonic()
         self.job = Path(tempfile.mkdtemp(prefix="rehearsal-job-", dir=_job_root(cache)))
@@ -151,16 +152,17 @@ class Rehearsal:
             deadline = time.monotonic() + HAND_OVER_WAIT_S
             while wait_for is not None and not wait_for() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if not self.job.is_dir():
-                return  # stopped meanwhile
-            try:
-                link_missing(self.cache, self.build.private, copy=True)
-                tmp = self.job / "prompts.tmp"
-                with open(tmp, "wb") as f:
-                    pickle.dump(prompts, f)
-                os.replace(tmp, self.job / "prompts.pkl")
-            except OSError:  # stopped meanwhile (its directories are gone), or a full disk: it fails
-                log.debug("could not hand the warm-up prompts over", exc_info=True)
+            with self._lock:  # never while `finish` or `stop` removes its directories
+                if not self.job.is_dir():
+                    return  # ended meanwhile
+                try:
+                    link_missing(self.cache, self.build.private, copy=True)
+                    tmp = self.job / "prompts.tmp"
+                    with open(tmp, "wb") as f:
+                        pickle.dump(prompts, f)
+                    os.replace(tmp, self.job / "prompts.pkl")
+                except OSError:  # a full disk: the side process waits, then fails
+                    log.warning("could not hand the warm-up prompts to the compile rehearsal", exc_info=True)
 
         threading.Thread(target=give, name="vlmserve-compile-rehearsal", daemon=True).start()
 
@@ -170,21 +172,23 @@ class Rehearsal:
 
     def finish(self) -> bool:
         """File what it compiled and leave the marker (a failure's too); True: compile may go on."""
-        ok = self.build.finish(5.0 if self.build.done() else 0.0)
+        with self._lock:
+            ok = self.build.finish(5.0 if self.build.done() else 0.0)
+            shutil.rmtree(self.job, ignore_errors=True)
         seconds = time.monotonic() - self.started
         try:
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             self.marker.write_text(json.dumps({"ok": ok, "seconds": round(seconds, 1)}))
         except OSError:
             log.warning("could not write %s", self.marker, exc_info=True)
-        shutil.rmtree(self.job, ignore_errors=True)
         return ok
 
     def stop(self) -> None:
         """End it, and give this process its compile back (an engine stopped before the switch,
         in a process that may start another)."""
-        self.build.kill()
-        shutil.rmtree(self.job, ignore_errors=True)
+        with self._lock:
+            self.build.kill()
+            shutil.rmtree(self.job, ignore_errors=True)
         mx.enable_compile()
 
 
