@@ -74,8 +74,8 @@ class Engine:
                 log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
             else:  # MLX builds each of its kernels at first use, one after another: say why this start is slow
                 log.info(
-                    "kernel cache: %s is empty: this start builds the GPU kernels (a minute or two for a "
-                    "small model); later starts on this machine read them from there",
+                    "kernel cache: %s is empty: this start builds the GPU kernels (most beside the engine; "
+                    "a minute or two in all for a small model); later starts on this machine read them from there",
                     ptx,
                 )
         self.worker.start()
