@@ -134,7 +134,7 @@ class Rehearsal:
             }
         )
         with open(self.job / "config.pkl", "wb") as f:
-            pickle.dump((rehearsal_config, str(model_path), model_type, sorted(held)), f)
+            pickle.dump((rehearsal_config, str(model_path), model_type, sorted(held), os.getpid()), f)
         try:
             self.build = StagedBuild(self.module, [str(self.job)], cache, "rehearsal")
         except OSError:
@@ -176,6 +176,9 @@ class Rehearsal:
             ok = self.build.finish(5.0 if self.build.done() else 0.0)
             shutil.rmtree(self.job, ignore_errors=True)
         seconds = time.monotonic() - self.started
+        code = self.build.proc.returncode
+        if not ok and code is not None and code < 0 and seconds < TIMEOUT_S:
+            return False  # ended by a signal (a shutdown): the next start rehearses again
         try:
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             self.marker.write_text(json.dumps({"ok": ok, "seconds": round(seconds, 1)}))
@@ -184,12 +187,9 @@ class Rehearsal:
         return ok
 
     def stop(self) -> None:
-        """End it, and give this process its compile back (an engine stopped before the switch,
-        in a process that may start another)."""
         with self._lock:
             self.build.kill()
             shutil.rmtree(self.job, ignore_errors=True)
-        mx.enable_compile()
 
 
 def _job_root(cache: Path) -> Path:
@@ -222,6 +222,12 @@ def start(model_path: Path, model_type: str, config: ServerConfig, held=()) -> R
     return rehearsal
 
 
+def compile_again() -> None:
+    """Undo `start`'s switch: an engine that stopped before its rehearsal ended, in a process
+    that may run another."""
+    mx.enable_compile()
+
+
 def main(argv: list[str] | None = None) -> int:
     """The side process: load the model as the engine does, wait for its warm-up prompts, warm up
     with compile on (MLX files each fused kernel in this process's cache), and exit."""
@@ -238,10 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(5)  # the engine's own work comes first where cores run short
     except OSError:
         pass
-    parent = os.getppid()
-    threading.Thread(target=_exit_with, args=(parent,), name="engine-watch", daemon=True).start()
     with open(job / "config.pkl", "rb") as f:
-        config, model_path, model_type, held = pickle.load(f)
+        config, model_path, model_type, held, engine = pickle.load(f)
+    threading.Thread(target=_exit_with, args=(engine,), name="engine-watch", daemon=True).start()
     kernel_disk_cache.keep_off()  # the engine files vlmserve's kernels; the hand-over brings them here
     many_row_dequantized.hold({tuple(s) for s in held})  # as the engine serves until its builds land
     model_path = Path(model_path)
@@ -262,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_with(parent: int) -> None:
-    """End this process once the engine that started it is gone: its copy of the weights would
-    otherwise hold device memory that a restarted engine needs."""
-    while os.getppid() == parent:
+def _exit_with(engine: int) -> None:
+    """End this process once the engine that started it is gone (even before this one began):
+    its copy of the weights would otherwise hold device memory that a restarted engine needs."""
+    while os.getppid() == engine:
         time.sleep(_WATCH_S)
     os._exit(3)
 

@@ -228,6 +228,8 @@ class Engine:
             self._indexing.stop()
         if self._rehearsal is not None:
             self._rehearsal.stop()
+            if not self.worker.is_alive():  # an engine stopped before its switch: this process compiles again
+                compile_rehearsal.compile_again()
         builds = self.core.kernel_builds if self.core is not None else None
         if builds is not None and not self.worker.is_alive():
             builds.stop()

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 PATH = MODELS / "qwen2_vl"
 
 
-def test_rows_in_flight_at_a_kernel_switch_keep_their_kv_out_of_the_prefix_cache():
+@pytest.mark.parametrize("switch_at_step", [1, 4], ids=["while-prefilling", "while-decoding"])
+def test_rows_in_flight_at_a_kernel_switch_keep_their_kv_out_of_the_prefix_cache(switch_at_step):
     def run():
         codec = TextCodec(PATH)
         model = load_model_adapter(PATH, model_type_of(PATH), codec.eos_token_ids)
@@ -40,14 +41,15 @@ def test_rows_in_flight_at_a_kernel_switch_keep_their_kv_out_of_the_prefix_cache
             while core.has_work():
                 core.step()
                 steps += 1
-                if steps == switch_at_step:  # its prompt is in its KV, its answer partly
+                if steps == switch_at_step:
                     core._kernels_replaced()
             assert events[-1].finish_reason is not None and not events[-1].finish_reason.failed
             return core.prefix_cache.size_tokens
 
         kept = serve("before", list(range(100, 140)))
         core.forget_prefixes()
-        kept_across_switch = serve("across", list(range(200, 240)), switch_at_step=3)
+        # 40 prompt tokens in chunks of 16: the row joins the decode batch at step 3.
+        kept_across_switch = serve("across", list(range(200, 240)), switch_at_step=switch_at_step)
         return kept, kept_across_switch
 
     kept, kept_across_switch = on_own_thread(run)

@@ -22,15 +22,17 @@ from vlmserve.engine import compile_rehearsal, kernel_staging
 
 # Stands in for the side process: waits for the prompts, files one "kernel", exits with argv[2].
 _FAKE = """
-import os, pathlib, pickle, sys, time
+import os, pathlib, pickle, signal, sys, time
 job = pathlib.Path(sys.argv[1])
-config, model_path, model_type, held = pickle.loads((job / "config.pkl").read_bytes())
+config, model_path, model_type, held, engine = pickle.loads((job / "config.pkl").read_bytes())
 while not (job / "prompts.pkl").exists():
     time.sleep(0.02)
 prompts = pickle.loads((job / "prompts.pkl").read_bytes())
 cache = pathlib.Path(os.environ["MLX_PTX_CACHE_DIR"])
 seen = sorted(p.name for p in cache.iterdir())
 (cache / "fused_gelu.ptx").write_text(repr((prompts, model_type, held, seen)))
+if os.environ.get("FAKE_SIGNAL"):
+    os.kill(os.getpid(), signal.SIGTERM)
 sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
 """
 
@@ -151,13 +153,25 @@ def test_a_failed_rehearsal_files_nothing_and_leaves_a_failed_marker(
     assert "exit 2" in caplog.text
 
 
+def test_a_rehearsal_ended_by_a_signal_leaves_no_marker(model, cache, compile_switch, fake_side_process, monkeypatch):
+    """A shutdown's signal is no verdict on the model: the next start rehearses again."""
+    monkeypatch.setenv("FAKE_SIGNAL", "1")
+    rehearsal = compile_rehearsal.start(model, "m", ServerConfig())
+    rehearsal.hand_over([])
+    while not rehearsal.done():
+        time.sleep(0.02)
+    assert not rehearsal.finish()
+    assert not rehearsal.marker.exists()
+    assert compile_rehearsal.start(model, "m", ServerConfig()) is not None
+
+
 def test_the_side_process_gets_the_engines_config_for_one_process(model, cache, compile_switch, fake_side_process):
     config = replace(ServerConfig(), engine_process=True, thread_guard=True, max_num_seqs=7)
     rehearsal = compile_rehearsal.start(model, "m", config)
     try:
-        sent, path, model_type, held = pickle.loads((rehearsal.job / "config.pkl").read_bytes())
+        sent, path, model_type, held, engine = pickle.loads((rehearsal.job / "config.pkl").read_bytes())
         assert (sent.max_num_seqs, sent.engine_process, sent.thread_guard) == (7, False, False)
-        assert Path(path) == model and model_type == "m" and held == []
+        assert Path(path) == model and model_type == "m" and held == [] and engine == os.getpid()
     finally:
         rehearsal.stop()
     assert not rehearsal.job.exists()
@@ -192,8 +206,13 @@ def _core(rehearsal, monkeypatch):
     monkeypatch.setattr(core_module, "uses_plain_kv_cache", lambda model: True)
     core = SimpleNamespace(
         rehearsal=rehearsal,
-        runner=SimpleNamespace(batches=SimpleNamespace(retrace=lambda: log.append("retrace"))),
+        runner=SimpleNamespace(
+            batches=SimpleNamespace(
+                retrace=lambda: log.append("retrace"), budget_resized=lambda: log.append("pools' limits")
+            )
+        ),
         model=_Model(),
+        info=SimpleNamespace(context_length=1600),  # 100 blocks
         # A row in each state: each holds KV the uncompiled kernels computed.
         sched=SimpleNamespace(
             prefilling=[SimpleNamespace(kv_reusable=True)],
@@ -220,15 +239,21 @@ def _rows(core):
 
 
 def test_the_kv_budget_lends_the_rehearsal_what_its_copy_holds_until_it_ends(monkeypatch):
-    core, _ = _core(_Rehearsal(ok=True), monkeypatch)
+    core, log = _core(_Rehearsal(ok=True), monkeypatch)
     # Its weights (100 KiB), a pool like the engine's first (2 rows x 2 chunks = 256 positions:
     # 16 blocks) and its working memory (20 KiB): 136 blocks.
     core.set_aside_for_rehearsal(100 << 10, 20 << 10)
-    assert core.sched.kv_budget.total == 1000 - 136
+    assert core.sched.kv_budget.total == 1000 - 136 and log == ["pools' limits"]  # the pools grow no further
     core._end_rehearsal()
     assert core.sched.kv_budget.total == 1000 and core._kv_set_aside == 0
+    assert log.count("pools' limits") == 2  # and then up to the whole budget again
     core.set_aside_for_rehearsal(10 << 20, 0)  # never more than half of it
     assert core.sched.kv_budget.total == 500
+    core.rehearsal = _Rehearsal(ok=True)
+    core._end_rehearsal()
+    core.info.context_length = 12_000  # 750 blocks: one row at the announced context still fits
+    core.set_aside_for_rehearsal(10 << 20, 0)
+    assert core.sched.kv_budget.total == 751
 
 
 def test_the_engine_compiles_once_the_rehearsal_filed_its_kernels(monkeypatch):

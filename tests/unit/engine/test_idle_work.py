@@ -179,9 +179,12 @@ def test_kernels_side_processes_built_are_taken_first_and_their_layers_leave_the
     core, engine_core = _core(lambda rows, width: log.append(("shape", rows)) or True, kernels=["k"], log=log)
     core._shapes_to_warm, core._warm_shapes = [], [(1, 32), (2, 32)]
     core.kernel_builds = _Background([(4, 64), None], log)
+    row = SimpleNamespace(kv_reusable=True)
+    core.sched.running.append(row)
     many_row_dequantized.hold({(4, 64), (8, 64)})
     try:
         engine_core.idle_work(core)
+        assert not row.kv_reusable  # its KV came from the dequantized path: never cached for others
         # KV cached from the dequantized path is dropped: a cache never changes an output.
         assert log == [("took", (4, 64)), "retrace", "prefixes forgotten"]
         assert many_row_dequantized.held() == {(8, 64)}

@@ -416,6 +416,11 @@ class DecodeBatches:
                 self.pools[dtype].reclaim = self.reclaim
         return self.pools[dtype]
 
+    def budget_resized(self) -> None:
+        """The KV budget changed: each pool may grow up to its new share."""
+        for dtype, pool in self.pools.items():
+            pool.most = max(2, self.most_blocks(dtype))
+
     def new(self):
         if not self.paged:
             return PaddedDecodeBatch(self.model)
