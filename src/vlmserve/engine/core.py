@@ -665,17 +665,18 @@ class EngineCore:
         if taken is not None:
             setting, dtype = taken
             many_row_dequantized.release(setting, getattr(mx, dtype))
-            self.runner.batches.retrace()
-            self._shapes_to_warm = list(self._warm_shapes)
             self._kernels_replaced()
         if not builds.pending():
             self.kernel_builds = None
 
     def _kernels_replaced(self) -> None:
         """Other kernels serve from now on (compiled ones, or quantized matmuls for dequantized
-        weights), which may round differently: KV and features the old ones computed, cached or
-        held by rows in flight, never go to later requests, whose outputs would then differ from
-        a fresh computation's."""
+        weights). A compiled decode step keeps what it was traced with, so the step traces again
+        (the warm shapes while idle, others at their next step). And they may round differently:
+        KV and features the old ones computed, cached or held by rows in flight, never go to
+        later requests, whose outputs would then differ from a fresh computation's."""
+        self.runner.batches.retrace()
+        self._shapes_to_warm = list(self._warm_shapes)
         self.forget_prefixes()
         for seq in (*self.sched.prefilling, *self.sched.running, *self.sched.preempted):
             seq.kv_reusable = False
@@ -702,8 +703,7 @@ class EngineCore:
 
     def _end_rehearsal(self) -> None:
         """The side process compiling MLX's fused kernels ended (compile_rehearsal): with what it
-        compiled filed, compile from the next graph on, which loads those kernels. The decode step
-        traces again (the warm shapes while idle, others at their next step)."""
+        compiled filed, compile from the next graph on, which loads those kernels."""
         rehearsal, self.rehearsal = self.rehearsal, None
         ok = rehearsal.finish()
         if self._kv_set_aside:
@@ -719,8 +719,6 @@ class EngineCore:
             )
             return
         mx.enable_compile()
-        self.runner.batches.retrace()
-        self._shapes_to_warm = list(self._warm_shapes)
         self._kernels_replaced()
         log.info(
             "MLX's fused kernels compiled beside the engine in %.1f s and filed: compiling from now on",
