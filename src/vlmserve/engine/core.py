@@ -694,7 +694,6 @@ class EngineCore:
         room = budget.total - budget.blocks_for(self.info.context_length) - 1
         blocks = max(0, min(budget.total // 2, room, -(-(weights + pool + working) // block)))
         budget.resize(budget.total - blocks)
-        self.runner.batches.budget_resized()
         self._kv_set_aside += blocks
         log.info("KV budget: %.2f GB set aside while the compile rehearsal runs", blocks * block / 1e9)
 
@@ -709,7 +708,6 @@ class EngineCore:
         if self._kv_set_aside:
             budget = self.sched.kv_budget
             budget.resize(budget.total + self._kv_set_aside)
-            self.runner.batches.budget_resized()
             self._kv_set_aside = 0
         if not ok:
             log.warning(

@@ -31,9 +31,15 @@ _HOST_VIEW = {mx.bfloat16: mx.uint16}  # dtypes NumPy lacks travel to the host a
 
 class BlockPool:
     def __init__(
-        self, num_layers: int, kv_shape: tuple[int, int, int], dtype, block_size: int, blocks: int, most: int = 1 << 40
+        self,
+        num_layers: int,
+        kv_shape: tuple[int, int, int],
+        dtype,
+        block_size: int,
+        blocks: int,
+        most: Callable[[], int] = lambda: 1 << 40,
     ):
-        self.most = max(2, most)  # blocks the pool never grows past (the budget's, block 0 included)
+        self._most = most  # the budget's blocks (block 0 included), read at each growth: a budget may change
         self.num_layers = num_layers
         self.kv_shape = kv_shape
         self.dtype = dtype
@@ -108,6 +114,11 @@ class BlockPool:
         self.free = list(range(size - 1, len(held), -1))
         self.num_blocks = size
         return {old: new for new, old in enumerate(held, start=1)}
+
+    @property
+    def most(self) -> int:
+        """The blocks the pool never grows past."""
+        return max(2, self._most())
 
     def _grow(self, blocks: int) -> None:
         size = self.num_blocks

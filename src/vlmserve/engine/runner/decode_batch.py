@@ -409,17 +409,13 @@ class DecodeBatches:
     def pool(self, dtype) -> BlockPool:
         if dtype not in self.pools:
             layers, kv_shape, _ = self.model.kv_layout()
-            most = self.most_blocks(dtype)
-            blocks = min(self.initial_blocks, most)
-            self.pools[dtype] = BlockPool(layers, kv_shape, dtype, self.block_size, blocks, most)
+            blocks = min(self.initial_blocks, self.most_blocks(dtype))
+            self.pools[dtype] = BlockPool(
+                layers, kv_shape, dtype, self.block_size, blocks, most=lambda: self.most_blocks(dtype)
+            )
             if self.reclaim is not None:
                 self.pools[dtype].reclaim = self.reclaim
         return self.pools[dtype]
-
-    def budget_resized(self) -> None:
-        """The KV budget changed: each pool may grow up to its new share."""
-        for dtype, pool in self.pools.items():
-            pool.most = max(2, self.most_blocks(dtype))
 
     def new(self):
         if not self.paged:

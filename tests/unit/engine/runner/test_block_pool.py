@@ -35,6 +35,25 @@ def test_blocks_are_handed_out_grown_and_returned():
     on_own_thread(work)
 
 
+def test_the_pool_grows_no_further_than_the_budget_says_now():
+    """The budget may change while the pool lives (compile_rehearsal lends part of it for a
+    while): each growth reads the limit as it is then."""
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.block_pool import BlockPool
+
+    def work():
+        limit = [6]
+        pool = BlockPool(1, (1, 2, 2), mx.float32, block_size=2, blocks=4, most=lambda: limit[0])
+        pool.allocate(4)  # doubling would make 8: the limit holds it at 6
+        assert pool.num_blocks == 6 and pool.most == 6
+        limit[0] = 64  # given back
+        pool.allocate(3)
+        assert pool.num_blocks == 12 and pool.most == 64  # past 6: doubling again, as the budget now allows
+
+    on_own_thread(work)
+
+
 def test_a_rows_kv_goes_to_the_host_and_back_bit_for_bit():
     import mlx.core as mx
 
