@@ -343,10 +343,9 @@ def keep_off() -> None:
 
 
 def switch_off(reason: BaseException) -> None:
-    global _FILER, _OFF
     if not _OFF:
         log.warning("vlmserve's CUDA kernels are not filed in the kernel cache (each start compiles them): %r", reason)
-    _FILER, _OFF = None, True
+    keep_off()
 
 
 class CachedKernel:
