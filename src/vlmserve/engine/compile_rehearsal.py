@@ -34,7 +34,6 @@ import pickle
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +43,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from vlmserve.config import ServerConfig
-from vlmserve.engine.kernel_staging import StagedBuild, link_missing, staging_root
+from vlmserve.engine.kernel_staging import StagedBuild, link_missing, make_private
+from vlmserve.engine.memory import device_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -106,25 +106,21 @@ def _weights_bytes(model_path: Path) -> int:
     return sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
 
 
-def _device_memory_bytes() -> int:
-    from vlmserve.engine.memory import device_memory_bytes
-
-    return device_memory_bytes()
-
-
 class Rehearsal:
     """The side process of one start: it loads the model while the engine does, waits for the
     warm-up prompts (`hand_over`), warms up compiled, and exits; `finish` then files its kernels."""
 
     module = __name__  # what the side process runs (`python -m`)
 
-    def __init__(self, model_path: Path, model_type: str, config: ServerConfig, cache: Path, held, weights: int = 0):
+    def __init__(
+        self, model_path: Path, model_type: str, config: ServerConfig, cache: Path, done: Path, held, weights: int
+    ):
         self.cache = cache
+        self.marker = done  # written when it ends (compile_rehearsal.marker)
         self.weights = weights  # bytes of the copy it loads
         self._lock = threading.Lock()
-        self.marker = marker(cache, model_path, config)
         self.started = time.monotonic()
-        self.job = Path(tempfile.mkdtemp(prefix="rehearsal-job-", dir=_job_root(cache)))
+        self.job = make_private(cache, "rehearsal-job", seed=False)  # its config and prompts
         rehearsal_config = ServerConfig(
             **{
                 **asdict(config),
@@ -192,12 +188,6 @@ class Rehearsal:
             shutil.rmtree(self.job, ignore_errors=True)
 
 
-def _job_root(cache: Path) -> Path:
-    root = staging_root(cache)
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
 def start(model_path: Path, model_type: str, config: ServerConfig, held=()) -> Rehearsal | None:
     """On CUDA with a kernel cache, for a model whose fused kernels it never held: start the
     rehearsal and turn MLX's compile off in this process. None: compile stays as it is."""
@@ -205,16 +195,17 @@ def start(model_path: Path, model_type: str, config: ServerConfig, held=()) -> R
     if not cache or not config.warmup or os.environ.get("MLX_DISABLE_COMPILE"):
         return None
     try:
-        if marker(Path(cache), model_path, config).exists():
+        done = marker(Path(cache), model_path, config)
+        if done.exists():
             return None
         weights = _weights_bytes(model_path)
     except OSError:
         return None
-    if weights > WEIGHTS_SHARE * _device_memory_bytes():
+    if weights > WEIGHTS_SHARE * device_memory_bytes():
         log.info("the model's fused kernels compile during warm-up (a second copy of its weights would not fit)")
         return None
     try:
-        rehearsal = Rehearsal(model_path, model_type, config, Path(cache), held, weights)
+        rehearsal = Rehearsal(model_path, model_type, config, Path(cache), done, held, weights)
     except OSError:
         log.warning("could not start the compile rehearsal; the fused kernels compile during warm-up", exc_info=True)
         return None

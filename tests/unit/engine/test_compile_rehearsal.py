@@ -52,7 +52,7 @@ def cache(tmp_path, monkeypatch):
     cache.mkdir()
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
     monkeypatch.delenv("MLX_DISABLE_COMPILE", raising=False)
-    monkeypatch.setattr(compile_rehearsal, "_device_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(compile_rehearsal, "device_memory_bytes", lambda: 1 << 30)
     return cache
 
 
@@ -89,9 +89,9 @@ def test_no_rehearsal_without_a_kernel_cache_warm_up_or_room_or_after_one_ran(
     monkeypatch.setenv("MLX_DISABLE_COMPILE", "1")  # the operator's choice: nothing to rehearse
     assert compile_rehearsal.start(model, "m", config) is None
     monkeypatch.delenv("MLX_DISABLE_COMPILE")
-    monkeypatch.setattr(compile_rehearsal, "_device_memory_bytes", lambda: 3000)  # a second copy would not fit
+    monkeypatch.setattr(compile_rehearsal, "device_memory_bytes", lambda: 3000)  # a second copy would not fit
     assert compile_rehearsal.start(model, "m", config) is None
-    monkeypatch.setattr(compile_rehearsal, "_device_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(compile_rehearsal, "device_memory_bytes", lambda: 1 << 30)
     marker = compile_rehearsal.marker(cache, model, config)
     marker.parent.mkdir()
     marker.write_text(json.dumps({"ok": False}))  # a failed one counts too: this start compiles in warm-up
