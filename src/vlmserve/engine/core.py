@@ -120,13 +120,20 @@ class EngineCore:
 
     @classmethod
     def load(
-        cls, config: ServerConfig, model_path: Path, model_type: str, tokenizer: TextCodec, hooks: Any = None
+        cls,
+        config: ServerConfig,
+        model_path: Path,
+        model_type: str,
+        tokenizer: TextCodec,
+        hooks: Any = None,
+        before_first_forward: Callable[[], object] | None = None,
     ) -> EngineCore:
-        """Load the model behind its family's adapter and build the core (on the worker thread)."""
+        """Load the model behind its family's adapter and build the core (on the worker thread);
+        `before_first_forward` runs between reading the weights and the load's first forward."""
         mx.set_cache_limit(int(config.mlx_cache_limit_gb * (1 << 30)))
         log.info("loading weights: %s (%s)", model_path, model_type)
         t0 = time.perf_counter()
-        model = load_model_adapter(model_path, model_type, tokenizer.eos_token_ids)
+        model = load_model_adapter(model_path, model_type, tokenizer.eos_token_ids, before_first_forward)
         log.info(
             "loaded weights in %.1f s: %.2f GB on the device", time.perf_counter() - t0, mx.get_active_memory() / 1e9
         )

@@ -26,23 +26,26 @@ import threading
 import time
 from pathlib import Path
 
-from vlmserve.engine.kernel_prebuild import activation_dtype
+from vlmserve.engine.kernel_prebuild import activation_dtype, settings
 from vlmserve.engine.kernel_staging import SIDE_PROCESSES, StagedBuild, publish
 
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 240.0  # a build process past this is stopped (the engine compiles what it lacks)
+FIRST_WAIT_S = 10.0  # the longest a load waits for the first modules (one takes 4-5 s of a core)
 _POLL_S = 0.2
 _INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort/argmax outputs are
 
 
-def modules(dtype: str) -> list[str]:
+def modules(dtype: str, quantized: bool = False) -> list[str]:
     """The build specs for a model computing in `dtype`, the likeliest first (embedding lookups,
     KV writes, id and position tables, then sampling's top-p, penalties and logprobs): the
     arrays a server indexes are its activations and KV (`dtype`), float32 (logits, position
-    tables) and integers (ids, positions, argsort's uint32 orders)."""
+    tables) and integers (ids, positions, argsort's uint32 orders). A `quantized` model's
+    embedding lookup gathers its packed uint32 weights too."""
     arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64", "uint32")))
-    first = [f"gather:{dtype}:int32:1", f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1"]
+    first = [f"gather:{dtype}:int32:1"] + (["gather:uint32:int32:1"] if quantized else [])
+    first += [f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1"]
     first += ["gather:float32:int32:1", f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
     first += ["scatter:float32:uint32:Sum:1", f"scatter:{dtype}:int32:Sum:1", "gather:uint32:uint32:1"]
     specs = [f"gather:{a}:{i}:{n}" for a in arrays for i in _INDEX_DTYPES for n in (1, 2)]
@@ -101,6 +104,7 @@ class Prebuild:
         self.started = time.monotonic()
         self.cache = cache
         self.specs = [spec for part in parts for spec in part]
+        self._firsts = [part[0] for part in parts]
         self._timeout = timeout
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # the reaper and `stop` never act on a process at once
@@ -120,6 +124,20 @@ class Prebuild:
     def running(self) -> bool:
         """Whether builds are still under way."""
         return self._thread.is_alive()
+
+    def wait_for_first(self, timeout: float = FIRST_WAIT_S) -> float:
+        """Wait (at most `timeout` s) until each process's first module, the likeliest ones, built
+        since the processes started, is in the cache or its process has ended; returns the
+        seconds waited. What is left of a build under way takes less than compiling the module
+        again on the MLX thread, which a first forward would do."""
+        t0 = time.monotonic()
+        pending = list(zip(self.builds, self._firsts))
+        while time.monotonic() - t0 < timeout and not self._stopping.is_set():
+            pending = [(b, spec) for b, spec in pending if not in_cache(self.cache, spec) and not b.done()]
+            if not pending:
+                break
+            time.sleep(_POLL_S / 4)
+        return time.monotonic() - t0
 
     def built(self) -> int:
         """How many of the specs' modules the cache holds."""
@@ -165,7 +183,8 @@ def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    missing = [s for s in modules(activation_dtype(config)) if not in_cache(Path(cache), s)]
+    specs = modules(activation_dtype(config), quantized=bool(settings(config)))
+    missing = [s for s in specs if not in_cache(Path(cache), s)]
     if not missing:
         return None
     count = max(1, min(processes, len(missing)))

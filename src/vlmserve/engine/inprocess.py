@@ -14,12 +14,13 @@ from pathlib import Path
 
 from vlmserve.config import ServerConfig
 from vlmserve.cuda_graphs import choose_cuda_graphs
-from vlmserve.engine import compile_rehearsal, indexing_prebuild, kernel_prebuild
+from vlmserve.engine import compile_rehearsal, kernel_prebuild, side_builds
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.event_stream import deliver, read_events
 from vlmserve.engine.ops import cuda_kernels, kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest
+from vlmserve.engine.side_builds import SideBuilds
 from vlmserve.engine.thread_guard import GUARD
 from vlmserve.engine.worker import MLXWorkerThread
 from vlmserve.kernel_cache import use_persistent_kernel_cache
@@ -45,7 +46,8 @@ def _worker_unavailable() -> EngineError:
 
 
 class Engine:
-    def __init__(self, config: ServerConfig, hooks=None):
+    def __init__(self, config: ServerConfig, hooks=None, side: SideBuilds | None = None):
+        """`side`: the kernel builds already started for this model (side_builds.start_early)."""
         self.config = config
         self.hooks = hooks
         self.worker = MLXWorkerThread()
@@ -57,8 +59,9 @@ class Engine:
         self.model_type: str | None = None
         self.core: EngineCore | None = None
         self.tokenizer = None
-        self._prebuild: list = []  # kernel build processes still running (kernel_prebuild)
-        self._indexing = None  # MLX's indexing kernels building beside the load (indexing_prebuild)
+        self._side = side
+        self._prebuild: list = side.qmm if side else []  # kernel build processes still running (kernel_prebuild)
+        self._indexing = side.indexing if side else None  # MLX's indexing kernels building beside the load
         self._rehearsal = None  # MLX's fused kernels compiling beside the engine (compile_rehearsal)
 
     async def start(self) -> None:
@@ -66,38 +69,25 @@ class Engine:
         loop = asyncio.get_running_loop()
         # `vlmserve serve` named the caches before MLX started CUDA; here (MLX imported) only MLX's
         # own PTX directory still takes effect, for an engine embedded some other way.
-        ptx = use_persistent_kernel_cache()
+        use_persistent_kernel_cache()
         choose_cuda_graphs(self.config.cuda_graphs)  # takes effect unless this process already ran GPU work
-        if cuda_kernels.on_cuda():
-            entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
-            if entries:
-                log.info("kernel cache: %s (%d entries from earlier runs)", ptx, entries)
-            else:  # MLX builds each of its kernels at first use, one after another: say why this start is slow
-                log.info(
-                    "kernel cache: %s is empty: this start builds the GPU kernels (most beside the engine; "
-                    "a minute or two in all for a small model); later starts on this machine read them from there",
-                    ptx,
-                )
         self.worker.start()
         if self.config.thread_guard:
             GUARD.install(self.worker.ident)
-        self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
+        if self._side is not None:
+            self.model_path = self._side.model_path
+        else:
+            self.model_path = await loop.run_in_executor(None, resolve_model_path, self.config.model)
         # An unknown model fails here, named, before the tokenizer or weights load.
         self.model_type = await loop.run_in_executor(None, model_type_of, self.model_path)
-        if cuda_kernels.on_cuda():  # MLX's quantized matmul kernels, built beside the load (kernel_prebuild)
-            self._prebuild = kernel_prebuild.start(self.model_path)
+        if self._side is None:
+            side = side_builds.start(self.model_path)
+            self._prebuild, self._indexing = side.qmm, side.indexing
+        if cuda_kernels.on_cuda():
             if self._prebuild:
-                log.info("building %d quantized matmul kernels in parallel processes", len(self._prebuild))
-                # Until they are built, layers many_row_dequantized serves run dequantized (from the
-                # load's probes on); _load_on_worker lets go of what it does not serve.
+                # Until their builds land, layers many_row_dequantized serves run dequantized (from
+                # the load's probes on); _load_on_worker lets go of what it does not serve.
                 many_row_dequantized.hold({b.setting for b in self._prebuild if b.mode == "affine"})
-            self._indexing = indexing_prebuild.start(self.model_path)
-            if self._indexing is not None:
-                log.info(
-                    "building %d of MLX's indexing kernels in %d parallel processes",
-                    len(self._indexing.specs),
-                    len(self._indexing.builds),
-                )
             self._rehearsal = compile_rehearsal.start(
                 self.model_path, self.model_type, self.config, many_row_dequantized.held()
             )
@@ -107,7 +97,9 @@ class Engine:
         await self.run_on_worker(self._load_on_worker)
 
     def _load_on_worker(self) -> None:
-        core = EngineCore.load(self.config, self.model_path, self.model_type, self.tokenizer, self.hooks)
+        core = EngineCore.load(
+            self.config, self.model_path, self.model_type, self.tokenizer, self.hooks, self._await_first_kernels
+        )
         if self.config.thread_guard:
             GUARD.watch_model(core.model.model)
         self.info = core.info
@@ -120,6 +112,14 @@ class Engine:
         self._build_in_background(core)
         self.core = core
         self.worker.core = core
+
+    def _await_first_kernels(self) -> None:
+        """Before the load's first forward: let the indexing builds under way land instead of
+        compiling those modules a second time on this thread (indexing_prebuild.Prebuild.wait_for_first)."""
+        if self._indexing is not None:
+            waited = self._indexing.wait_for_first()
+            if waited >= 0.1:
+                log.info("waited %.1f s for the first of MLX's indexing kernels being built", waited)
 
     def _build_in_background(self, core: EngineCore) -> None:
         """Hand the kernel builds whose layers run dequantized meanwhile to the worker, which takes

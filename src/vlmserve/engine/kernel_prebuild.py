@@ -88,9 +88,10 @@ class KernelBuild:
         self.staged.kill()
 
 
-def start(model_path: Path) -> list[KernelBuild]:
+def start(model_path: Path, background: tuple[str, ...] = ()) -> list[KernelBuild]:
     """Start a build process per kernel this model's config calls for and no earlier run built;
-    returns them (an empty list: nothing to build, or not possible here)."""
+    returns them (an empty list: nothing to build, or not possible here). The builds of the
+    `background` modes, which the engine serves without meanwhile, yield the CPU to the rest."""
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
     if not cache:
         return []
@@ -105,6 +106,7 @@ def start(model_path: Path) -> list[KernelBuild]:
             if _marker(Path(cache), dtype, bits, group, mode, rows).exists():
                 continue
             args = ["--bits", str(bits), "--group-size", str(group), "--mode", mode, "--dtype", dtype]
+            args += ["--background"] if mode in background else []
             try:
                 staged = StagedBuild(__name__, [*args, "--rows", str(rows)], Path(cache), "qmm")
             except OSError:
@@ -214,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="affine")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     p.add_argument("--rows", type=int, required=True)
+    p.add_argument("--background", action="store_true", help="yield the CPU to the start's other work")
     args = p.parse_args(argv)
+    if args.background:
+        try:  # what a first start waits for (the engine, the indexing kernels, vlmserve's kernels) comes first
+            os.nice(10)
+        except OSError:
+            pass
     build(args.bits, args.group_size, args.mode, args.dtype, args.rows)
     cache = os.environ.get("MLX_PTX_CACHE_DIR")
     if cache:

@@ -203,14 +203,19 @@ def main(conn, config: ServerConfig) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     started = time.perf_counter()
     keep_torch_out()  # before transformers loads (torchless.py)
-    from vlmserve.engine.inprocess import Engine
+    from vlmserve.engine import side_builds
     from vlmserve.logging import start_logging
 
     logs = start_logging(config.log_level)
+    # Before the imports below (seconds): on a first start the load's first forward needs
+    # kernels these builds are making.
+    side = side_builds.start_early(config.model)
+    from vlmserve.engine.inprocess import Engine
+
     log.info("engine process: MLX and the model libraries imported in %.1f s", time.perf_counter() - started)
     if config.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
-    engine = Engine(config, hooks=ForwardedHooks())
+    engine = Engine(config, hooks=ForwardedHooks(), side=side)
     code = 0
     try:
         asyncio.run(engine.start())

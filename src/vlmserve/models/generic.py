@@ -149,7 +149,12 @@ class PromptState:
 class GenericModel:
     """The loaded model plus the calls the scheduler needs, all on the worker thread."""
 
-    def __init__(self, model_path: Path, fallback_eos: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        model_path: Path,
+        fallback_eos: tuple[int, ...] = (),
+        before_first_forward: Callable[[], object] | None = None,
+    ):
         self.path = model_path
         started = time.perf_counter()
         self.model = load_model(model_path, lazy=False)
@@ -180,6 +185,8 @@ class GenericModel:
         self.kernel_checks: list[Callable[[], bool]] = []
         self.attention_plans: AttentionPlans | None = None  # set where a fast path plans attention shapes
         self.install_fast_paths()
+        if before_first_forward is not None:  # the engine's kernel builds under way (side_builds)
+            before_first_forward()
         swapped = time.perf_counter()
         self.token_dtype = _embed_tokens(self.language_model)(mx.zeros((1, 1), dtype=mx.int32)).dtype
         self.prompt_path_differs = self._prompt_path_differs()

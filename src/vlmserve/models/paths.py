@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local directory, or a Hugging Face repo id fetched (or found in the cache) via huggingface_hub."""
+def resolve_model_path(model: str, local_only: bool = False) -> Path:
+    """A local directory, or a Hugging Face repo id fetched (or, `local_only`, only found in the
+    cache) via huggingface_hub."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -16,4 +17,4 @@ def resolve_model_path(model: str) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py"]
-    return Path(snapshot_download(model, allow_patterns=patterns))
+    return Path(snapshot_download(model, allow_patterns=patterns, local_files_only=local_only))

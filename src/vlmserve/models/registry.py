@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from vlmserve.models.base import ModelAdapter, ProcessorAdapter
@@ -67,7 +68,13 @@ def model_type_of(model_path: Path) -> str:
     return model_type
 
 
-def load_model_adapter(model_path: Path, model_type: str, fallback_eos: tuple[int, ...] = ()) -> ModelAdapter:
+def load_model_adapter(
+    model_path: Path,
+    model_type: str,
+    fallback_eos: tuple[int, ...] = (),
+    before_first_forward: Callable[[], object] | None = None,
+) -> ModelAdapter:
     """Load the model at `model_path` (on the MLX worker thread) behind its family's adapter;
-    `model_type` as `model_type_of` resolved it."""
-    return model_adapter_class(model_type)(model_path, fallback_eos)
+    `model_type` as `model_type_of` resolved it. `before_first_forward` runs once its weights
+    are read, before the load runs the model."""
+    return model_adapter_class(model_type)(model_path, fallback_eos, before_first_forward)

@@ -37,3 +37,20 @@ def test_prompt_path_probe_tells_models_that_read_ids_differently(caplog):
     assert not caplog.records  # both answers came from the comparison, not from a probe that failed
     assert plain is False  # the same bits both ways: the last position may ride the first decode step
     assert scaled is True  # else the first token would come from another embedding than mlx_vlm's
+
+
+def test_the_engines_hook_runs_once_between_reading_the_weights_and_the_first_forward(monkeypatch):
+    """load_model_adapter's `before_first_forward` (where the engine waits for kernels under way)
+    runs once, after the weights are read and the fast paths installed, before the probe runs the model."""
+    from vlmserve.models import generic
+    from vlmserve.models.registry import load_model_adapter, model_type_of
+
+    calls = []
+    probe = generic.GenericModel._prompt_path_differs
+    monkeypatch.setattr(
+        generic.GenericModel, "_prompt_path_differs", lambda self: calls.append("forward") or probe(self)
+    )
+    monkeypatch.setattr(generic.GenericModel, "install_fast_paths", lambda self: calls.append("fast paths"))
+    path = MODELS / "qwen2_vl"
+    on_own_thread(lambda: load_model_adapter(path, model_type_of(path), (), lambda: calls.append("hook")))
+    assert calls == ["fast paths", "hook", "forward"]

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -34,6 +35,15 @@ def test_modules_are_named_as_mlx_files_them_the_likeliest_first():
         assert name in names
     assert len(set(names)) == len(names)
     assert not any("bfloat16" in n for n in names)  # the model's dtype only
+
+
+def test_a_quantized_models_embedding_lookup_comes_first():
+    """Its embedding gathers packed uint32 weights by int32 ids besides its scales: both modules
+    lead, so a first start's first processes build what the load's first forward needs."""
+    names = [indexing_prebuild.module_name(s) for s in indexing_prebuild.modules("bfloat16", quantized=True)]
+    assert names[:2] == ["gather_bfloat16_int32_1", "gather_uint32_int32_1"]
+    assert len(set(names)) == len(names)
+    assert set(names) == {indexing_prebuild.module_name(s) for s in indexing_prebuild.modules("bfloat16")}
 
 
 def test_every_spec_runs_its_op():
@@ -192,3 +202,44 @@ def test_a_process_that_cannot_start_stops_those_started_before_it(tmp_path, mon
     with pytest.raises(OSError):
         indexing_prebuild.Prebuild([["a"], ["b"], ["c"]], tmp_path)
     assert len(started) == 2 and all(b.killed for b in started)
+
+
+def test_the_load_waits_for_the_first_modules_until_filed_or_their_process_ends(tmp_path, monkeypatch):
+    """wait_for_first returns once each process's first module is in the cache (or its process
+    has ended), whatever the later ones do, and never past its timeout."""
+
+    class Building:
+        def __init__(self, *args, **kwargs):
+            self.ended = False
+
+        def done(self):
+            return self.ended
+
+        def finish(self, timeout):
+            return True
+
+        def kill(self):
+            self.ended = True
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Building)
+    cache = tmp_path / "kc"
+    cache.mkdir()
+    prebuild = indexing_prebuild.Prebuild(
+        [["gather:bfloat16:int32:1", "gather:int32:int32:1"], ["masked_scatter:bfloat16"]], cache
+    )
+    try:
+        assert prebuild.wait_for_first(timeout=0.3) >= 0.3  # neither filed, both running: the timeout
+
+        def land():
+            time.sleep(0.3)
+            (cache / "gather_bfloat16_int32_1.ptx").write_bytes(b"x")  # the first process's first module
+            time.sleep(0.3)
+            prebuild.builds[1].ended = True  # the second process ended without filing its module
+
+        lander = threading.Thread(target=land)
+        lander.start()
+        waited = prebuild.wait_for_first(timeout=10)
+        lander.join()
+        assert 0.5 <= waited < 5  # until both, not for the later module of the first process
+    finally:
+        prebuild.stop()

@@ -53,6 +53,21 @@ def test_builds_run_leave_markers_and_a_later_start_skips_them(tmp_path, monkeyp
     assert kernel_prebuild.start(model) == []  # all built: nothing to start
 
 
+def test_builds_of_the_modes_served_meanwhile_run_behind_the_rest(tmp_path, monkeypatch):
+    """A mode the engine serves without its kernels meanwhile (affine: dequantized) builds at a
+    lower priority; one it waits for does not."""
+    model = tmp_path / "model"
+    model.mkdir()
+    quant = {"group_size": 64, "bits": 4, "lm_head": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+    (model / "config.json").write_text(json.dumps({"quantization": quant}))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(kernel_prebuild, "ROW_CLASSES", (16,))
+    monkeypatch.setattr(kernel_prebuild, "StagedBuild", lambda module, args, *rest: args)
+    builds = kernel_prebuild.start(model, background=("affine",))
+    assert sorted((b.mode, "--background" in b.staged) for b in builds) == [("affine", True), ("mxfp4", False)]
+    assert all("--background" not in b.staged for b in kernel_prebuild.start(model))
+
+
 def test_the_worker_takes_a_background_builds_kernels_once_it_has_ended(tmp_path, monkeypatch, caplog):
     model = tmp_path / "model"
     model.mkdir()

@@ -143,7 +143,7 @@ def run_jobs(jobs: list[dict]) -> tuple[int, int]:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        os.nice(10)  # a background chore: the server's own threads come first
+        os.nice(5)  # the server's own threads come first; as high as the indexing builds, as warm-up may wait for both
     except OSError:
         pass
     t0 = time.perf_counter()
