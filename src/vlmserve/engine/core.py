@@ -110,6 +110,7 @@ class EngineCore:
         self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes to compile (warm-up's end)
         self._warm_shapes: list[tuple[int, int]] = []  # all of them, traced again when kernels change
         self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
+        self._decode_builds_noted = False  # note_decode_builds ran
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
         self._warmed = False  # warm_up ran: idle work may then build what only requests use (grammars)
@@ -430,13 +431,7 @@ class EngineCore:
         every KV capacity that prompts up to two prefill chunks use (longer ones trace once,
         when they come)."""
         self.warm_up_due = False
-        if kernel_disk_cache.filer() is not None and self._queue_decode_builds(
-            min(self.sched.max_num_seqs, WARM_SLOTS)
-        ):
-            # Queued now, the decode step's builds compile beside the generations below instead
-            # of on this thread at their first step. The traces went through kernels the decode
-            # checks may still replace: drop them (_warm_decode traces again).
-            self.runner.batches.retrace()
+        self.note_decode_builds()
         jobs = [(f"warmup-{i}", p) for i, p in enumerate(prompts)]
         bucket = self.sched.prefill_bucket
         if bucket > 0 and prompts:
@@ -501,6 +496,21 @@ class EngineCore:
                     self._lengths_to_warm[0],
                     self._lengths_to_warm[-1],
                 )
+
+    def note_decode_builds(self) -> None:
+        """Queue the decode step's kernel builds for side processes and start filing what is
+        queued (the model's builds too): they then compile beside the load's end and warm-up's
+        first generations, which wait for those under way instead of compiling them on this
+        thread at their first step. Once; a no-op where nothing is filed."""
+        filer = kernel_disk_cache.filer()
+        if self._decode_builds_noted or filer is None:
+            return
+        self._decode_builds_noted = True
+        if self._queue_decode_builds(min(self.sched.max_num_seqs, WARM_SLOTS)):
+            # The traces went through kernels the decode checks may still replace: drop them
+            # (_warm_decode traces again).
+            self.runner.batches.retrace()
+        filer.hurry()
 
     def _warm_decode(self, rows: int) -> None:
         """Build and check the decode step's kernels, then trace the compiled step at every row

@@ -37,17 +37,22 @@ _POLL_S = 0.2
 _INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort/argmax outputs are
 
 
-def modules(dtype: str, quantized: bool = False) -> list[str]:
-    """The build specs for a model computing in `dtype`, the likeliest first (embedding lookups,
-    KV writes, id and position tables, then sampling's top-p, penalties and logprobs): the
-    arrays a server indexes are its activations and KV (`dtype`), float32 (logits, position
-    tables) and integers (ids, positions, argsort's uint32 orders). A `quantized` model's
-    embedding lookup gathers its packed uint32 weights too."""
-    arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64", "uint32")))
+def likeliest(dtype: str, quantized: bool = False) -> list[str]:
+    """The specs a model's first forwards and requests meet, in the order they meet them:
+    embedding lookups (a `quantized` model's gathers its packed uint32 weights too), KV writes,
+    id and position tables, then sampling's top-p, penalties and logprobs."""
     first = [f"gather:{dtype}:int32:1"] + (["gather:uint32:int32:1"] if quantized else [])
     first += [f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1"]
     first += ["gather:float32:int32:1", f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
-    first += ["scatter:float32:uint32:Sum:1", f"scatter:{dtype}:int32:Sum:1", "gather:uint32:uint32:1"]
+    return first + ["scatter:float32:uint32:Sum:1", f"scatter:{dtype}:int32:Sum:1", "gather:uint32:uint32:1"]
+
+
+def modules(dtype: str, quantized: bool = False) -> list[str]:
+    """The build specs for a model computing in `dtype`, the likeliest first: the arrays a server
+    indexes are its activations and KV (`dtype`), float32 (logits, position tables) and integers
+    (ids, positions, argsort's uint32 orders)."""
+    arrays = list(dict.fromkeys((dtype, "float32", "int32", "int64", "uint32")))
+    first = likeliest(dtype, quantized)
     specs = [f"gather:{a}:{i}:{n}" for a in arrays for i in _INDEX_DTYPES for n in (1, 2)]
     specs += [f"gather_axis:{a}:{i}" for a in arrays[:3] for i in _INDEX_DTYPES]
     specs += [f"scatter:{a}:{i}:{op}:1" for a in arrays[:2] for i in _INDEX_DTYPES for op in ("Assign", "Sum")]
@@ -100,11 +105,14 @@ class Prebuild:
     """The build processes of one start, reaped by one thread as each ends (each files its own
     modules as it builds them); `stop` ends them."""
 
-    def __init__(self, parts: list[list[str]], cache: Path, timeout: float = TIMEOUT_S):
+    def __init__(self, parts: list[list[str]], cache: Path, timeout: float = TIMEOUT_S, likely=None):
+        """`likely`: the specs a load's first forward may meet (all where None), which it waits for
+        while they are under way (wait_for_first)."""
         self.started = time.monotonic()
         self.cache = cache
         self.specs = [spec for part in parts for spec in part]
-        self._firsts = [part[0] for part in parts]
+        self._parts = parts
+        self._firsts = {part[0] for part in parts if likely is None or part[0] in likely}
         self._timeout = timeout
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # the reaper and `stop` never act on a process at once
@@ -126,12 +134,12 @@ class Prebuild:
         return self._thread.is_alive()
 
     def wait_for_first(self, timeout: float = FIRST_WAIT_S) -> float:
-        """Wait (at most `timeout` s) until each process's first module, the likeliest ones, built
-        since the processes started, is in the cache or its process has ended; returns the
-        seconds waited. What is left of a build under way takes less than compiling the module
-        again on the MLX thread, which a first forward would do."""
+        """Wait (at most `timeout` s) until each process's first module, if one of the likely ones,
+        is in the cache or its process has ended; returns the seconds waited. What is left of a
+        build under way since the processes started takes less than compiling the module again
+        on the MLX thread, which a first forward would do."""
         t0 = time.monotonic()
-        pending = list(zip(self.builds, self._firsts))
+        pending = [(b, part[0]) for b, part in zip(self.builds, self._parts) if part[0] in self._firsts]
         while time.monotonic() - t0 < timeout and not self._stopping.is_set():
             pending = [(b, spec) for b, spec in pending if not in_cache(self.cache, spec) and not b.done()]
             if not pending:
@@ -183,13 +191,14 @@ def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    specs = modules(activation_dtype(config), quantized=bool(settings(config)))
-    missing = [s for s in specs if not in_cache(Path(cache), s)]
+    dtype, quantized = activation_dtype(config), bool(settings(config))
+    missing = [s for s in modules(dtype, quantized) if not in_cache(Path(cache), s)]
     if not missing:
         return None
     count = max(1, min(processes, len(missing)))
     try:
-        return Prebuild([missing[i::count] for i in range(count)], Path(cache))
+        parts = [missing[i::count] for i in range(count)]
+        return Prebuild(parts, Path(cache), likely=set(likeliest(dtype, quantized)))
     except OSError:
         log.warning("could not start the indexing kernel builds", exc_info=True)
         return None

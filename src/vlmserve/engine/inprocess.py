@@ -108,6 +108,8 @@ class Engine:
         if self._rehearsal is not None:
             core.set_aside_for_rehearsal(self._rehearsal.weights, compile_rehearsal.WORKING_BYTES)
         core.warm_up_due = self.config.warmup
+        if core.warm_up_due:  # their builds start now, beside what is left of the start
+            core.note_decode_builds()
         core.flush_events = self._flush
         self._build_in_background(core)
         self.core = core

@@ -239,11 +239,19 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
     core._step_memory = None
     core._warm_decode = lambda rows: log.append(("warm decode", rows))
     core.model.prefills_pieces = False
-    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: SimpleNamespace(found=0, queued=0))
+    core.note_decode_builds = lambda: engine_core.note_decode_builds(core)
+    core._decode_builds_noted = False
+    filer = SimpleNamespace(found=0, queued=0, hurry=lambda: log.append("file now"))
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: filer)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
-    assert log == [("note", 1), ("note", 2), "retrace", ("generate", "warmup-0"), ("warm decode", 2)]
+    assert log == [("note", 1), ("note", 2), "retrace", "file now", ("generate", "warmup-0"), ("warm decode", 2)]
+
+    log.clear()  # queued at load already (the engine does it as its load ends): not again
+    engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
+    assert log == [("generate", "warmup-0"), ("warm decode", 2)]
 
     log.clear()  # where builds are not filed, nothing is traced ahead
+    core._decode_builds_noted = False
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
     assert log == [("generate", "warmup-0"), ("warm decode", 2)]

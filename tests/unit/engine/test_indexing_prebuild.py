@@ -243,3 +243,9 @@ def test_the_load_waits_for_the_first_modules_until_filed_or_their_process_ends(
         assert 0.5 <= waited < 5  # until both, not for the later module of the first process
     finally:
         prebuild.stop()
+    # A cache that lacks only unlikely modules (a start stopped early): nothing to wait for.
+    later = indexing_prebuild.Prebuild([["gather_axis:float32:uint32"]], cache, likely={"gather:bfloat16:int32:1"})
+    try:
+        assert later.wait_for_first(timeout=5) < 0.5
+    finally:
+        later.stop()

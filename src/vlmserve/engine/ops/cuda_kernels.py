@@ -74,11 +74,12 @@ def kernel(
     return kernel_disk_cache.CachedKernel(built, name, input_names, output_names, source)
 
 
-def note_build(kernel, *, inputs, output_dtypes, template) -> None:
+def note_build(kernel, *, inputs, output_dtypes, template, later: bool = False) -> None:
     """Queue the build these arguments name for the kernel cache ahead of its first use, where
-    `kernel` files its builds (a kernel_disk_cache.CachedKernel); a no-op elsewhere."""
+    `kernel` files its builds (a kernel_disk_cache.CachedKernel); a no-op elsewhere. `later`:
+    nothing uses it soon (its filing builds the others first)."""
     if isinstance(kernel, kernel_disk_cache.CachedKernel):
-        kernel.note(inputs=inputs, output_dtypes=output_dtypes, template=template)
+        kernel.note(inputs=inputs, output_dtypes=output_dtypes, template=template, later=later)
 
 
 def compact(source: str) -> str:

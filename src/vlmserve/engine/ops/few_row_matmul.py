@@ -299,10 +299,11 @@ def _agrees(weight: mx.array, bias: mx.array | None, rows: int) -> bool:
 
 def prefetch(items) -> None:
     """Queue the builds the checks of `items` ((layer, rows), from `pending`) will take, so that
-    they compile in side processes before the checks run (kernel_disk_cache)."""
+    they compile in side processes before the checks run (kernel_disk_cache), after what the
+    first requests run (the checks come after warm-up's generations)."""
     for layer, rows in items:
         x, w, b, shape = _check_inputs(layer["weight"], layer.get("bias", None), rows)
-        prepare(x, w, b, shape).note(x)
+        prepare(x, w, b, shape).note(x, later=True)
 
 
 def prefetch_served(module: nn.Module) -> None:
@@ -366,9 +367,12 @@ class Launch:
         self.grid = (n // (16 * f) * 32 * warps, 1, 1)
         self.threadgroup = (32 * warps, 1, 1)
 
-    def note(self, x: mx.array) -> None:
-        """Queue this launch's build for the kernel cache ahead of its first use (kernel_disk_cache)."""
-        cuda_kernels.note_build(self.kernel, inputs=[x, *self.inputs], output_dtypes=[x.dtype], template=self.template)
+    def note(self, x: mx.array, later: bool = False) -> None:
+        """Queue this launch's build for the kernel cache ahead of its first use (kernel_disk_cache;
+        `later`: after the builds its filing needs sooner)."""
+        cuda_kernels.note_build(
+            self.kernel, inputs=[x, *self.inputs], output_dtypes=[x.dtype], template=self.template, later=later
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.kernel(

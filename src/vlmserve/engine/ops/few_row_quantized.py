@@ -255,10 +255,11 @@ def _check_inputs(layer: nn.Module, dtype: mx.Dtype, rows: int):
 
 def prefetch(items) -> None:
     """Queue the builds the checks of `items` ((layer, dtype, rows), from `pending`) will take,
-    so that they compile in side processes before the checks run (kernel_disk_cache)."""
+    so that they compile in side processes before the checks run (kernel_disk_cache), after what
+    the first requests run (the checks come after warm-up's generations)."""
     for layer, dtype, rows in items:
         x, part, shape = _check_inputs(layer, dtype, rows)
-        prepare(part, x, shape).note(x)
+        prepare(part, x, shape).note(x, later=True)
 
 
 def _agrees(layer: nn.Module, dtype: mx.Dtype, rows: int) -> bool:

@@ -370,14 +370,15 @@ def test_a_prefetch_queues_the_very_builds_the_checks_and_decode_launches_take(m
 
         from vlmserve.engine.ops import cuda_kernels, few_row_matmul, few_row_quantized, kernel_disk_cache
 
-        noted, launched = set(), set()
+        noted, launched, checked, served = set(), set(), [], []
 
         class Recorder(kernel_disk_cache.CachedKernel):  # a kernel that files its builds
             def __init__(self, name):
                 self.name = name
 
-            def note(self, *, inputs, output_dtypes, template):
+            def note(self, *, inputs, output_dtypes, template, later=False):
                 noted.add((self.name, tuple(x.dtype for x in inputs), tuple(template)))
+                (checked if later else served).append(template)
 
             def __call__(self, *, inputs, output_dtypes, template, **launch):
                 launched.add((self.name, tuple(x.dtype for x in inputs), tuple(template)))
@@ -407,8 +408,10 @@ def test_a_prefetch_queues_the_very_builds_the_checks_and_decode_launches_take(m
         lay = model.layers[2]
         for rows in (2, 5, 8, 9, 32, 64):  # every tile count a decode launch takes
             few_row_matmul.prepare(x := mx.zeros((rows, 1, 256), dtype=mx.bfloat16), lay["weight"], lay["bias"])(x)
-        return noted, launched, len(quantized), len(dense)
+        return noted, launched, len(quantized), len(dense), len(checked), len(served)
 
-    noted, launched, quantized, dense = on_own_thread(work)
+    noted, launched, quantized, dense, checked, served = on_own_thread(work)
     assert quantized == 2 * 3 and dense == 1  # two quantized settings at three tile counts, one narrow dense
     assert noted == launched and len(noted) == quantized + 3  # the dense layer at 1, 4 and 8 row tiles
+    # The checks' builds (run after warm-up's generations) are filed after what decode serves unchecked.
+    assert checked == quantized + dense and served == 2

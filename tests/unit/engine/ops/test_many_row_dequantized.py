@@ -132,7 +132,7 @@ def test_a_prefetch_queues_the_dequantize_builds_the_layers_take(monkeypatch):
             def __init__(self):
                 pass
 
-            def note(self, *, inputs, output_dtypes, template):
+            def note(self, *, inputs, output_dtypes, template, later=False):
                 noted.append(tuple(template))
 
             def __call__(self, *, inputs, output_dtypes, template, output_shapes, **launch):

@@ -138,7 +138,7 @@ def test_a_noted_build_is_the_very_build_the_launch_takes(monkeypatch):
             def __init__(self, name, shared_memory):
                 self.id = (name, shared_memory)
 
-            def note(self, *, inputs, output_dtypes, template):
+            def note(self, *, inputs, output_dtypes, template, later=False):
                 noted.append((self.id, build(inputs, template), tuple(output_dtypes)))
 
             def __call__(self, *, inputs, output_dtypes, template, **launch):
