@@ -499,9 +499,9 @@ class EngineCore:
 
     def note_decode_builds(self) -> None:
         """Queue the decode step's kernel builds for side processes and start filing what is
-        queued (the model's builds too): they then compile beside the load's end and warm-up's
-        first generations, which wait for those under way instead of compiling them on this
-        thread at their first step. Once; a no-op where nothing is filed."""
+        queued (the model's builds too): they compile beside warm-up, which then reads those
+        that landed in time, and the filing is over sooner (the compile rehearsal's hand-over
+        waits for it). Once; a no-op where nothing is filed."""
         filer = kernel_disk_cache.filer()
         if self._decode_builds_noted or filer is None:
             return

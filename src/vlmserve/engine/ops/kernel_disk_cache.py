@@ -94,7 +94,6 @@ using Strides = cuda::std::array<int64_t, MAX_NDIM>;
 }
 """
 _MAX_FILE_NAME = 245  # MLX splits longer module names into directories
-AWAIT_S = 10.0  # the longest a first use waits for its build under way (a build takes 1-3 s of a core)
 
 
 def _template_value(value) -> str:
@@ -211,8 +210,6 @@ class _Filer:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._options: list[str] | None = None
-        self._parts: list[list[dict]] = []  # the filing under way: each process's jobs, in order
-        self._unfiled: set[str] = set()  # queued builds whose filing has not ended
         self._hurry = False
 
     @property
@@ -227,13 +224,13 @@ class _Filer:
         alive = self._thread is not None and self._thread.is_alive()  # a dead one files nothing more
         return (queued and alive) or self._filing.locked()
 
-    def note(self, module_name: str, kernel_name: str, source: str, later: bool = False) -> Path | None:
-        """Queue the build for filing (`later`: after the others of its filing, as nothing needs it
-        soon); returns where it will be filed, None where the cache holds it."""
+    def note(self, module_name: str, kernel_name: str, source: str, later: bool = False) -> None:
+        """Queue the build for filing unless the cache holds it (`later`: after the others of its
+        filing, as nothing needs it soon)."""
         path = module_path(self.cache_dir, module_name)
         if path.exists():
             self.found += 1
-            return None
+            return
         if self._options is None:
             self._options = _nvrtc_options(self.nvrtc)
         job = {
@@ -247,40 +244,18 @@ class _Filer:
         }
         with self._lock:
             if job["path"] in self._queued:
-                return path
+                return
             self._queued.add(job["path"])
-            self._unfiled.add(job["path"])
             self._jobs.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="vlmserve-kernel-filer", daemon=True)
                 self._thread.start()
         self._wake.set()
-        return path
 
     def hurry(self) -> None:
         """Start filing what is queued now, without waiting for more to gather."""
         self._hurry = True
         self._wake.set()
-
-    def unfiled(self, path: Path) -> bool:
-        """Whether this build is queued or being filed (its filing has not ended)."""
-        return str(path) in self._unfiled
-
-    def building(self, path: Path) -> bool:
-        """Whether a filing process is compiling this build now (not queued behind another)."""
-        with self._lock:
-            for part in self._parts:
-                for i, job in enumerate(part):
-                    if job["path"] == str(path):
-                        return i == 0 or Path(part[i - 1]["path"]).exists()
-        return False
-
-    def await_build(self, path: Path, timeout: float = AWAIT_S) -> None:
-        """Wait (at most `timeout` s) while a filing process compiles this build: what is left of
-        it takes less than compiling it again on the MLX thread, which a first use would do."""
-        deadline = time.monotonic() + timeout
-        while not path.exists() and self.building(path) and time.monotonic() < deadline:
-            time.sleep(0.02)
 
     def _run(self) -> None:
         while True:
@@ -313,15 +288,8 @@ class _Filer:
         jobs = sorted(jobs, key=lambda job: job.get("later", False))  # each process builds its share in turn
         count = max(1, min(len(jobs), SIDE_PROCESSES))
         parts = [jobs[i::count] for i in range(count)]
-        with self._lock:
-            self._parts = parts
-        try:
-            with ThreadPoolExecutor(count) as pool:
-                outcomes = list(pool.map(_build_in_process, parts))
-        finally:
-            with self._lock:
-                self._parts = []
-                self._unfiled.difference_update(job["path"] for job in jobs)
+        with ThreadPoolExecutor(count) as pool:
+            outcomes = list(pool.map(_build_in_process, parts))
         built = sum(result["built"] for result, _ in outcomes if result)
         failed = sum(result["failed"] for result, _ in outcomes if result)
         for (result, errors), part in zip(outcomes, parts):
@@ -405,44 +373,35 @@ class CachedKernel:
         self._output_names = tuple(output_names)
         self._source = source
         self._seen: set = set()
-        self._ahead: dict[tuple, Path] = {}  # builds noted ahead of their first use, and where they go
 
     def __call__(self, *, inputs, output_dtypes, template=None, **kwargs):
         key = tuple(template) if template else ()
         if key not in self._seen:
             self._seen.add(key)
             self._note(inputs, output_dtypes, template or [])
-        elif self._ahead and key in self._ahead:  # noted ahead: a build under way lands first
-            target, path = filer(), self._ahead[key]
-            if target is None or not target.unfiled(path):
-                del self._ahead[key]  # filed (or given up): MLX reads it from disk, or compiles it
-            else:  # until its filing ends (a trace that does not run it may come first)
-                target.await_build(path)
         return self._kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def note(self, *, inputs, output_dtypes, template=None, later: bool = False) -> None:
         """Queue this build for the kernel cache unless it is there or queued. Called ahead of a
-        build's first use, the build compiles in a side process meanwhile, and that use waits
-        for it if it is under way, then reads it from disk instead of compiling it on the MLX
-        thread. `later`: nothing uses it soon, so its filing builds it after the others."""
+        build's first use, the build compiles in a side process meanwhile and that use reads it
+        from disk instead of compiling it on the MLX thread (where it lands in time: a first use
+        before that compiles it here, as side processes at a start's busiest are slower than
+        this thread). `later`: nothing uses it soon, so its filing builds it after the others."""
         key = tuple(template) if template else ()
         if key not in self._seen:
             self._seen.add(key)
-            path = self._note(inputs, output_dtypes, template or [], later)
-            if path is not None:
-                self._ahead[key] = path
+            self._note(inputs, output_dtypes, template or [], later)
 
-    def _note(self, inputs, output_dtypes, template, later: bool = False) -> Path | None:
+    def _note(self, inputs, output_dtypes, template, later: bool = False) -> None:
         target = filer()
         if target is None or not all(isinstance(x, mx.array) for x in inputs):
-            return None  # scalars become arrays of MLX's choosing: left to MLX's compile
+            return  # scalars become arrays of MLX's choosing: left to MLX's compile
         try:
             kernel_name, source = generated_source(
                 self._name, self._source, self._input_names, inputs, self._output_names, output_dtypes, template
             )
-            return target.note(f"{kernel_name}_{cxx_string_hash(source.encode()):x}", kernel_name, source, later)
+            target.note(f"{kernel_name}_{cxx_string_hash(source.encode()):x}", kernel_name, source, later)
         except KeyError:  # a dtype this module does not name: left to MLX's compile
             pass
         except Exception as e:  # noqa: BLE001 - filing is an optimisation; a launch must never fail for it
             switch_off(e)
-        return None

@@ -7,7 +7,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -448,74 +447,6 @@ def test_a_filing_builds_what_is_needed_soon_first(tmp_path, monkeypatch):
     ]
     filer._file(jobs)
     assert sorted(part[0] for part in parts) == ["decode", "prompt"]
-    assert not filer._parts  # the filing is over
-
-
-def test_a_first_use_waits_only_for_a_build_a_process_compiles_now(tmp_path, monkeypatch):
-    """A process's first build is under way from the filing's start, its next once the one
-    before has landed; a first use waits for such a build until it lands, and for nothing else."""
-    from vlmserve.engine.ops import kernel_disk_cache as kdc
-
-    started, release = threading.Event(), threading.Event()
-    paths = {name: tmp_path / f"{name}.ptx" for name in ("a", "b", "c")}
-
-    def build_in_process(jobs):
-        started.set()
-        release.wait(10)
-        for job in jobs:
-            Path(job["path"]).write_bytes(b"cubin")
-            time.sleep(0.2)
-        return {"built": len(jobs), "failed": 0}, ""
-
-    monkeypatch.setattr(kdc, "SIDE_PROCESSES", 1)
-    monkeypatch.setattr(kdc, "_build_in_process", build_in_process)
-    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
-    monkeypatch.setattr(kdc, "module_path", lambda cache, name: paths[name])
-    monkeypatch.setattr(kdc._Filer, "_run", lambda self: None)
-    for name in ("a", "b"):
-        assert filer.note(name, "k", "src") == paths[name]
-    assert filer.unfiled(paths["a"]) and not filer.building(paths["a"])  # queued, not under way
-    t0 = time.monotonic()
-    filer.await_build(paths["a"])  # nothing compiles it yet: no wait
-    assert time.monotonic() - t0 < 0.5
-    filing = threading.Thread(target=filer.flush)
-    filing.start()
-    assert started.wait(10)
-    assert filer.building(paths["a"]) and not filer.building(paths["b"])  # b waits behind a
-    threading.Timer(0.3, release.set).start()
-    filer.await_build(paths["a"], timeout=10)
-    assert paths["a"].exists()
-    assert filer.building(paths["b"]) or paths["b"].exists()  # a landed: b is under way
-    filer.await_build(paths["b"], timeout=10)
-    assert paths["b"].exists() and not paths["c"].exists()
-    filing.join(10)
-    assert not filer.unfiled(paths["a"]) and not filer.unfiled(paths["b"])
-
-
-def test_a_build_noted_ahead_is_awaited_at_its_uses_until_its_filing_ends(filing_here, monkeypatch):
-    """A use before its filing starts (a trace that is not run) does not wait and leaves the
-    build noted; a later use waits while it is built; once its filing is over uses ask nothing."""
-    kdc = filing_here
-    awaited = []
-    monkeypatch.setattr(kdc._Filer, "await_build", lambda self, path, timeout=0: awaited.append(path))
-
-    def work():
-        import mlx.core as mx
-
-        kernel = kdc.CachedKernel(lambda **kw: ["y"], "ahead", ("x",), ("out",), "out[0] = 1;")
-        x = mx.zeros((4,), dtype=mx.float32)
-        kernel.note(inputs=[x], output_dtypes=[x.dtype], template=[("N", 4)])
-        call = dict(inputs=[x], output_dtypes=[x.dtype], template=[("N", 4)], output_shapes=[(4,)], grid=(1, 1, 1))
-        kernel(**call)
-        kernel(**call)
-        filer = kdc.filer()
-        filer._unfiled.clear()  # its filing ended
-        kernel(**call)
-        kernel(**call)
-        return len(awaited), kernel._ahead
-
-    waits, ahead = on_own_thread(work)
-    assert waits == 2 and ahead == {}
 
 
 def test_hurry_starts_a_filing_without_waiting_for_more(tmp_path, monkeypatch):
