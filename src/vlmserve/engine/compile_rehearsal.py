@@ -120,6 +120,7 @@ class Rehearsal:
         self.weights = weights  # bytes of the copy it loads
         self._lock = threading.Lock()
         self.started = time.monotonic()
+        self.interrupted = False  # `finish` found it ended by a signal (no marker left)
         self.job = make_private(cache, "rehearsal-job", seed=False)  # its config and prompts
         rehearsal_config = ServerConfig(
             **{
@@ -174,7 +175,8 @@ class Rehearsal:
         seconds = time.monotonic() - self.started
         code = self.build.proc.returncode
         if not ok and code is not None and code < 0 and seconds < TIMEOUT_S:
-            return False  # ended by a signal (a shutdown): the next start rehearses again
+            self.interrupted = True  # ended by a signal (a shutdown): the next start rehearses again
+            return False
         try:
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             self.marker.write_text(json.dumps({"ok": ok, "seconds": round(seconds, 1)}))

@@ -160,7 +160,7 @@ def test_a_rehearsal_ended_by_a_signal_leaves_no_marker(model, cache, compile_sw
     rehearsal.hand_over([])
     while not rehearsal.done():
         time.sleep(0.02)
-    assert not rehearsal.finish()
+    assert not rehearsal.finish() and rehearsal.interrupted
     assert not rehearsal.marker.exists()
     assert compile_rehearsal.start(model, "m", ServerConfig()) is not None
 
@@ -178,8 +178,9 @@ def test_the_side_process_gets_the_engines_config_for_one_process(model, cache, 
 
 
 class _Rehearsal:
-    def __init__(self, ok: bool, ended: bool = True):
+    def __init__(self, ok: bool, ended: bool = True, interrupted: bool = False):
         self.ok, self.ended, self.started, self.finished = ok, ended, 0.0, 0
+        self.interrupted = interrupted
 
     def done(self):
         return self.ended
@@ -272,3 +273,11 @@ def test_after_a_failed_rehearsal_the_engine_stays_uncompiled(monkeypatch, caplo
     assert log == [] and core._shapes_to_warm == [] and core.rehearsal is None
     assert all(seq.kv_reusable for seq in _rows(core))  # the same kernels serve on
     assert "stays uncompiled" in caplog.text
+
+
+def test_a_rehearsal_stopped_by_a_shutdown_is_not_reported_as_failed(monkeypatch, caplog):
+    core, log = _core(_Rehearsal(ok=False, interrupted=True), monkeypatch)
+    with caplog.at_level(logging.INFO):
+        core._end_rehearsal()
+    assert log == [] and core.rehearsal is None
+    assert "was stopped" in caplog.text and "failed" not in caplog.text
