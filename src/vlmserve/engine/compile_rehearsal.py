@@ -174,8 +174,8 @@ class Rehearsal:
             shutil.rmtree(self.job, ignore_errors=True)
         seconds = time.monotonic() - self.started
         code = self.build.proc.returncode
-        if not ok and code is not None and code < 0 and seconds < TIMEOUT_S:
-            self.interrupted = True  # ended by a signal (a shutdown): the next start rehearses again
+        if not ok and code in (-signal.SIGINT, -signal.SIGTERM) and seconds < TIMEOUT_S:
+            self.interrupted = True  # a shutdown's signal: no verdict on the model, the next start rehearses again
             return False
         try:
             self.marker.parent.mkdir(parents=True, exist_ok=True)

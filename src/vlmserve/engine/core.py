@@ -726,7 +726,7 @@ class EngineCore:
             budget = self.sched.kv_budget
             budget.resize(budget.total + self._kv_set_aside)
             self._kv_set_aside = 0
-        if not ok and rehearsal.interrupted:  # a shutdown's signal reached it first
+        if rehearsal.interrupted:  # a shutdown's signal reached it first
             log.info("the side process compiling MLX's fused kernels was stopped; the next start compiles them again")
             return
         if not ok:

@@ -37,13 +37,18 @@ _POLL_S = 0.2
 _INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort/argmax outputs are
 
 
-def likeliest(dtype: str, quantized: bool = False) -> list[str]:
-    """The specs a model's first forwards and requests meet, in the order they meet them:
-    embedding lookups (a `quantized` model's gathers its packed uint32 weights too), KV writes,
-    id and position tables, then sampling's top-p, penalties and logprobs."""
+def first_forward(dtype: str, quantized: bool = False) -> list[str]:
+    """The specs a model's first forward meets: embedding lookups (a `quantized` model's gathers
+    its packed uint32 weights too), KV writes, id and position tables."""
     first = [f"gather:{dtype}:int32:1"] + (["gather:uint32:int32:1"] if quantized else [])
-    first += [f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1"]
-    first += ["gather:float32:int32:1", f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
+    return first + [f"scatter:{dtype}:int32:Assign:1", "gather:int32:int32:1", "gather:float32:int32:1"]
+
+
+def likeliest(dtype: str, quantized: bool = False) -> list[str]:
+    """The specs a model's first forwards and requests meet, in the order they meet them: the
+    first forward's, then sampling's top-p, penalties and logprobs."""
+    first = first_forward(dtype, quantized)
+    first += [f"gather:{dtype}:int32:2", f"gather:{dtype}:uint32:1", "gather:int64:uint32:1"]
     return first + ["scatter:float32:uint32:Sum:1", f"scatter:{dtype}:int32:Sum:1", "gather:uint32:uint32:1"]
 
 
@@ -198,7 +203,7 @@ def start(model_path: Path, processes: int = SIDE_PROCESSES) -> Prebuild | None:
     count = max(1, min(processes, len(missing)))
     try:
         parts = [missing[i::count] for i in range(count)]
-        return Prebuild(parts, Path(cache), likely=set(likeliest(dtype, quantized)))
+        return Prebuild(parts, Path(cache), likely=set(first_forward(dtype, quantized)))
     except OSError:
         log.warning("could not start the indexing kernel builds", exc_info=True)
         return None

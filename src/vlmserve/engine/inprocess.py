@@ -131,8 +131,8 @@ class Engine:
         self._prebuild = [b for b in self._prebuild if b not in later]
         for b in self._prebuild:
             many_row_dequantized.unhold(b.setting)
-        if later:
-            core.kernel_builds = kernel_prebuild.Background(later, PREBUILD_TIMEOUT_S)
+        if later:  # at a lower priority than the rest (side_builds): more time before they are given up
+            core.kernel_builds = kernel_prebuild.Background(later, 2 * PREBUILD_TIMEOUT_S)
             log.info(
                 "%d quantized matmul kernels build in the background; until they are built, quantized "
                 "layers run dequantized over %d rows or more",

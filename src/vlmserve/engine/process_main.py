@@ -210,7 +210,12 @@ def main(conn, config: ServerConfig) -> None:
     # Before the imports below (seconds): on a first start the load's first forward needs
     # kernels these builds are making.
     side = side_builds.start_early(config.model)
-    from vlmserve.engine.inprocess import Engine
+    try:
+        from vlmserve.engine.inprocess import Engine
+    except BaseException:
+        if side is not None:
+            side_builds.stop(side)
+        raise
 
     log.info("engine process: MLX and the model libraries imported in %.1f s", time.perf_counter() - started)
     if config.gil_switch_interval_ms > 0:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmserve.engine import indexing_prebuild, kernel_prebuild
+from vlmserve.engine.ops import cuda_kernels
 from vlmserve.kernel_cache import use_persistent_kernel_cache
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,19 @@ class SideBuilds:
 
 def start(model_path: Path) -> SideBuilds:
     """Start the builds this model lacks in the kernel cache (none off CUDA)."""
-    from vlmserve.engine.ops import cuda_kernels
-
     builds = SideBuilds(model_path)
     if not cuda_kernels.on_cuda():
         return builds
+    try:
+        _start_on_cuda(builds)
+    except BaseException:
+        stop(builds)  # none outlives a start that fails halfway
+        raise
+    return builds
+
+
+def _start_on_cuda(builds: SideBuilds) -> None:
+    model_path = builds.model_path
     ptx = use_persistent_kernel_cache()
     entries = sum(1 for _ in ptx.iterdir()) if ptx.is_dir() else 0
     if entries:
@@ -57,7 +66,6 @@ def start(model_path: Path) -> SideBuilds:
             len(builds.indexing.specs),
             len(builds.indexing.builds),
         )
-    return builds
 
 
 def start_early(model: str) -> SideBuilds | None:
@@ -69,4 +77,16 @@ def start_early(model: str) -> SideBuilds | None:
         path = resolve_model_path(model, local_only=True)
     except Exception:  # noqa: BLE001 - not here yet, or no model: the engine's start deals with it
         return None
-    return start(path)
+    try:
+        return start(path)
+    except Exception:  # noqa: BLE001 - an odd config or cache: the engine's start tries again, and says why
+        log.warning("could not start the kernel builds ahead of the load", exc_info=True)
+        return None
+
+
+def stop(builds: SideBuilds) -> None:
+    """End the build processes still running (what they filed stays filed)."""
+    for build in builds.qmm:
+        build.kill()
+    if builds.indexing is not None:
+        builds.indexing.stop()

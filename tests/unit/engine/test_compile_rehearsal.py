@@ -32,7 +32,7 @@ cache = pathlib.Path(os.environ["MLX_PTX_CACHE_DIR"])
 seen = sorted(p.name for p in cache.iterdir())
 (cache / "fused_gelu.ptx").write_text(repr((prompts, model_type, held, seen)))
 if os.environ.get("FAKE_SIGNAL"):
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), getattr(signal, os.environ["FAKE_SIGNAL"]))
 sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
 """
 
@@ -155,14 +155,22 @@ def test_a_failed_rehearsal_files_nothing_and_leaves_a_failed_marker(
 
 def test_a_rehearsal_ended_by_a_signal_leaves_no_marker(model, cache, compile_switch, fake_side_process, monkeypatch):
     """A shutdown's signal is no verdict on the model: the next start rehearses again."""
-    monkeypatch.setenv("FAKE_SIGNAL", "1")
+    monkeypatch.setenv("FAKE_SIGNAL", "SIGTERM")
     rehearsal = compile_rehearsal.start(model, "m", ServerConfig())
     rehearsal.hand_over([])
     while not rehearsal.done():
         time.sleep(0.02)
     assert not rehearsal.finish() and rehearsal.interrupted
     assert not rehearsal.marker.exists()
-    assert compile_rehearsal.start(model, "m", ServerConfig()) is not None
+    # Killed outright (the kernel's out-of-memory killer, a crash): a failure, with its marker.
+    monkeypatch.setenv("FAKE_SIGNAL", "SIGKILL")
+    again = compile_rehearsal.start(model, "m", ServerConfig())
+    assert again is not None
+    again.hand_over([])
+    while not again.done():
+        time.sleep(0.02)
+    assert not again.finish() and not again.interrupted
+    assert json.loads(again.marker.read_text())["ok"] is False
 
 
 def test_the_side_process_gets_the_engines_config_for_one_process(model, cache, compile_switch, fake_side_process):

@@ -253,16 +253,20 @@ class _Filer:
         self._wake.set()
 
     def hurry(self) -> None:
-        """Start filing what is queued now, without waiting for more to gather."""
-        self._hurry = True
+        """Start filing what is queued now, without waiting for more to gather (nothing queued:
+        nothing changes, so a later burst still gathers)."""
+        with self._lock:
+            if not self._jobs:
+                return
+            self._hurry = True
         self._wake.set()
 
     def _run(self) -> None:
         while True:
             self._wake.wait()
-            while not self._hurry:  # let a burst of first uses (a warm-up, a new shape) gather into one filing
+            while True:  # let a burst of first uses (a warm-up, a new shape) gather into one filing
                 self._wake.clear()
-                if not self._wake.wait(1.0):
+                if self._hurry or not self._wake.wait(1.0):
                     break
             self._hurry = False
             try:
@@ -375,10 +379,7 @@ class CachedKernel:
         self._seen: set = set()
 
     def __call__(self, *, inputs, output_dtypes, template=None, **kwargs):
-        key = tuple(template) if template else ()
-        if key not in self._seen:
-            self._seen.add(key)
-            self._note(inputs, output_dtypes, template or [])
+        self.note(inputs=inputs, output_dtypes=output_dtypes, template=template)
         return self._kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def note(self, *, inputs, output_dtypes, template=None, later: bool = False) -> None:

@@ -456,7 +456,14 @@ def test_hurry_starts_a_filing_without_waiting_for_more(tmp_path, monkeypatch):
     filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
     monkeypatch.setattr(filer, "_build", lambda jobs: filed.set())
     monkeypatch.setattr(kdc, "module_path", lambda cache, name: tmp_path / f"{name}.ptx")
+    filer.hurry()  # nothing queued: nothing changes (a later burst still gathers)
+    assert not filer._hurry
     filer.note("one", "k", "src")
     t0 = time.monotonic()
     filer.hurry()
     assert filed.wait(10) and time.monotonic() - t0 < 0.8  # not after the quiet second a burst waits for
+    for _ in range(100):
+        if not filer._hurry:
+            break
+        time.sleep(0.01)
+    assert not filer._hurry  # spent on that filing
