@@ -159,22 +159,29 @@ def test_each_spec_builds_the_module_it_names(tmp_path):
     assert {indexing_prebuild.module_name(s) for s in specs} <= built
 
 
+class _Running:
+    """A build process stand-in that runs until killed, and succeeds."""
+
+    def __init__(self, *args, **kwargs):
+        self.killed = False
+
+    def done(self):
+        return self.killed
+
+    def finish(self, timeout):
+        return True
+
+    def kill(self):
+        self.killed = True
+
+
 def test_stopping_ends_the_builds_and_the_reaper_quietly(tmp_path, monkeypatch, caplog):
     outcomes = []
 
-    class Running:
-        def __init__(self, *args, **kwargs):
-            self.killed = False
-
-        def done(self):
-            return self.killed
-
+    class Running(_Running):
         def finish(self, timeout):
             outcomes.append(timeout)
             return True
-
-        def kill(self):
-            self.killed = True
 
     monkeypatch.setattr(indexing_prebuild, "StagedBuild", Running)
     with caplog.at_level(logging.INFO, logger=indexing_prebuild.__name__):
@@ -207,21 +214,7 @@ def test_a_process_that_cannot_start_stops_those_started_before_it(tmp_path, mon
 def test_the_load_waits_for_the_first_modules_until_filed_or_their_process_ends(tmp_path, monkeypatch):
     """wait_for_first returns once each process's first module is in the cache (or its process
     has ended), whatever the later ones do, and never past its timeout."""
-
-    class Building:
-        def __init__(self, *args, **kwargs):
-            self.ended = False
-
-        def done(self):
-            return self.ended
-
-        def finish(self, timeout):
-            return True
-
-        def kill(self):
-            self.ended = True
-
-    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Building)
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", _Running)
     cache = tmp_path / "kc"
     cache.mkdir()
     prebuild = indexing_prebuild.Prebuild(
@@ -234,7 +227,7 @@ def test_the_load_waits_for_the_first_modules_until_filed_or_their_process_ends(
             time.sleep(0.3)
             (cache / "gather_bfloat16_int32_1.ptx").write_bytes(b"x")  # the first process's first module
             time.sleep(0.3)
-            prebuild.builds[1].ended = True  # the second process ended without filing its module
+            prebuild.builds[1].killed = True  # the second process ended without filing its module
 
         lander = threading.Thread(target=land)
         lander.start()
