@@ -217,7 +217,11 @@ def main(conn, config: ServerConfig) -> None:
             side_builds.stop(side)
         raise
 
-    log.info("engine process: MLX and the model libraries imported in %.1f s", time.perf_counter() - started)
+    log.info(
+        "engine process: MLX and the model libraries imported%s in %.1f s",
+        " (kernel builds started first)" if side is not None and (side.qmm or side.indexing) else "",
+        time.perf_counter() - started,
+    )
     if config.gil_switch_interval_ms > 0:
         sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     engine = Engine(config, hooks=ForwardedHooks(), side=side)
