@@ -26,17 +26,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlmserve"
 
 
-def _mlx_version() -> str:
-    """MLX's version without importing it (MLX's own headers are part of every kernel it builds)."""
+def package_version(package: str) -> str:
+    """An installed package's version without importing it ("unknown" where it is not installed):
+    what a cache of kernels built with it is keyed by."""
     try:
-        return metadata.version("mlx")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "unknown"
 
 
 def use_persistent_kernel_cache() -> Path:
     """Name the caches in the environment (for this process and those it starts); returns MLX's directory."""
-    ptx = Path(os.environ.setdefault("MLX_PTX_CACHE_DIR", str(cache_root() / "mlx-ptx" / _mlx_version())))
+    # MLX's own headers are part of every kernel it builds: one directory per MLX version.
+    ptx = Path(os.environ.setdefault("MLX_PTX_CACHE_DIR", str(cache_root() / "mlx-ptx" / package_version("mlx"))))
     os.environ.setdefault("CUDA_CACHE_PATH", str(cache_root() / "cuda"))
     os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(DRIVER_CACHE_BYTES))
     # MLX's in-memory caches on CUDA (attention plans, matmul setups) raise on every miss once a

@@ -26,7 +26,6 @@ it what it holds until it ends.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ import mlx.core as mx
 from vlmserve.config import ServerConfig
 from vlmserve.engine.kernel_staging import StagedBuild, link_missing, make_private
 from vlmserve.engine.memory import device_memory_bytes
+from vlmserve.kernel_cache import package_version
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,6 @@ _GRAPH_OPTIONS = (
 )
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def key(model_path: Path, config: ServerConfig) -> str:
     """What names this model's fused kernels: its config, the serving options that shape its
     graphs, the kernel switches, the GPU, and the versions of vlmserve, MLX and the model code."""
@@ -93,7 +86,7 @@ def key(model_path: Path, config: ServerConfig) -> str:
     switches = {name: os.environ.get(name) for name in _KERNEL_SWITCHES}
     info = mx.device_info()
     gpu = [info.get("device_name"), info.get("compute_capability_major"), info.get("compute_capability_minor")]
-    versions = [_version(p) for p in ("vlmserve", "mlx-vlm", "mlx-lm")] + [mx.__version__]
+    versions = [package_version(p) for p in ("vlmserve", "mlx-vlm", "mlx-lm")] + [mx.__version__]
     h.update(json.dumps([options, switches, gpu, versions], sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
 
