@@ -93,9 +93,9 @@ class ServerState:
         self._model_names = frozenset(model_aliases(config))  # the served name is one of them
         self._tool_parser = None
         self._feature_seen = (0, 0)  # the engine's feature-cache counts already counted
-        # Set by the CLI: make uvicorn exit (a failed load, or --exit-when-warm); the exit status
-        # follows load_error.
-        self.stop_serving: Callable[[], None] | None = None
+        # Replaced by the CLI: make uvicorn exit (a failed load, or --exit-when-warm); the exit
+        # status follows load_error. An embedded server has nothing to stop.
+        self.stop_serving: Callable[[], None] = lambda: None
         self._exit_task: asyncio.Task | None = None
         self._load_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
@@ -247,8 +247,7 @@ class ServerState:
                 "fully warm in %.1f s, its kernels in the kernel cache: exiting (--exit-when-warm)",
                 time.perf_counter() - t0,
             )
-        if self.stop_serving is not None:
-            self.stop_serving()
+        self.stop_serving()
 
     @staticmethod
     async def _timed(what: str, awaitable):
@@ -268,8 +267,7 @@ class ServerState:
             except BaseException as exc:  # noqa: BLE001 - reported, then the process exits non-zero
                 self.load_error = f"{type(exc).__name__}: {exc}"
                 log.error("failed to load %s: %s", self.config.model, exc)
-                if self.stop_serving is not None:
-                    self.stop_serving()
+                self.stop_serving()
 
         self._load_task = asyncio.create_task(load(), name="vlmserve-load")
 
@@ -382,8 +380,7 @@ class ServerState:
     def _give_up(self, reason: str) -> None:
         self.load_error, self.loading = reason, False
         log.error("%s; exiting", reason)
-        if self.stop_serving is not None:
-            self.stop_serving()
+        self.stop_serving()
 
     async def stop(self) -> None:
         await self.drain()
