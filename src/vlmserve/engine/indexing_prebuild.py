@@ -116,8 +116,8 @@ class Prebuild:
         self.started = time.monotonic()
         self.cache = cache
         self.specs = [spec for part in parts for spec in part]
-        self._parts = parts
-        self._firsts = {part[0] for part in parts if likely is None or part[0] in likely}
+        self._firsts = [part[0] for part in parts]  # each process's, under way from its start
+        self._likely = likely
         self._timeout = timeout
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # the reaper and `stop` never act on a process at once
@@ -144,7 +144,8 @@ class Prebuild:
         build under way since the processes started takes less than compiling the module again
         on the MLX thread, which a first forward would do."""
         t0 = time.monotonic()
-        pending = [(b, part[0]) for b, part in zip(self.builds, self._parts) if part[0] in self._firsts]
+        likely = self._likely
+        pending = [(b, s) for b, s in zip(self.builds, self._firsts) if likely is None or s in likely]
         while time.monotonic() - t0 < timeout and not self._stopping.is_set():
             pending = [(b, spec) for b, spec in pending if not in_cache(self.cache, spec) and not b.done()]
             if not pending:
