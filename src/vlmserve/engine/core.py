@@ -482,7 +482,7 @@ class EngineCore:
                 cached.found,
                 cached.queued,
             )
-        self._warm_decode(min(self.sched.max_num_seqs, WARM_SLOTS))
+        self._warm_decode(min(self.sched.max_num_seqs, WARM_SLOTS), later_rows=self.sched.max_num_seqs)
         self._warmed = True
         # On CUDA a padded length's first run costs tens of ms (the matmuls' setup per shape);
         # elsewhere nothing measured does, and the forwards would only keep the worker busy.
@@ -512,14 +512,16 @@ class EngineCore:
             self.runner.batches.retrace()
         filer.hurry()
 
-    def _warm_decode(self, rows: int) -> None:
+    def _warm_decode(self, rows: int, later_rows: int = 0) -> None:
         """Build and check the decode step's kernels, then trace the compiled step at every row
         bucket up to `rows` and every KV width prompts of two prefill chunks take: before ready,
         as on a first start each costs seconds of compiling that every stream would wait for.
         vlmserve's kernels among them compile side by side in build processes (queued at load
         for the checks, by a trace that is not run for the steps), and are then read from the
         kernel cache; MLX's own fused kernels compile here. Bounded whatever --max-num-seqs is:
-        bigger batches and longer rows are traced when they come, on their second step."""
+        the row buckets past `rows` up to `later_rows` are left for idle time, and what idle time
+        has not traced yet (bigger batches, longer rows) is traced when it comes, on its second
+        step."""
         t0 = time.perf_counter()
         while self._built_kernels_ready():  # traced with them, not again
             self._take_built_kernels()
@@ -537,13 +539,21 @@ class EngineCore:
         while self._shapes_to_warm:
             traced += self._warm_next_shape()
         log.info("decode step: kernels checked and %d shapes compiled in %.1f s", traced, time.perf_counter() - t0)
+        later = [s for s in self.runner.batches.shapes_to_warm(later_rows, self._warm_capacity()) if s not in shapes]
+        if later:
+            self._warm_shapes += later
+            self._shapes_to_warm = later
+            log.info("%d decode shapes of more than %d rows to compile while idle", len(later), rows)
+
+    def _warm_capacity(self) -> int:
+        """The longest row the warm decode shapes hold: two prefill chunks."""
+        return min(self.info.context_length, 2 * self.sched.prefill_chunk)
 
     def _queue_decode_builds(self, rows: int) -> list[tuple[int, int]]:
         """Trace the compiled decode step, without running it, at each shape warm-up compiles for
         up to `rows` rows: the builds of vlmserve's kernels it launches are queued for side
         processes (kernel_disk_cache). Returns those shapes."""
-        capacity = min(self.info.context_length, 2 * self.sched.prefill_chunk)
-        shapes = self.runner.batches.shapes_to_warm(rows, capacity)
+        shapes = self.runner.batches.shapes_to_warm(rows, self._warm_capacity())
         if shapes and kernel_disk_cache.filer() is not None:
             try:
                 for n, width in shapes:

@@ -67,6 +67,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     core._build_attention_plan = lambda: EngineCore._build_attention_plan(core)
     core._queue_decode_builds = lambda rows: EngineCore._queue_decode_builds(core, rows)
+    core._warm_capacity = lambda: EngineCore._warm_capacity(core)
     core._grammars_due = lambda: EngineCore._grammars_due(core)
     core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
     return core, EngineCore
@@ -219,6 +220,29 @@ def test_warm_up_checks_the_decode_kernels_then_compiles_every_warm_shape_with_t
     assert not engine_core.has_idle_work(core)
 
 
+def test_decode_shapes_past_the_warm_rows_are_compiled_while_idle_and_again_after_a_kernel_swap(monkeypatch):
+    """Warm-up's bound (its row count) leaves the bigger row buckets up to --max-num-seqs to
+    idle time, instead of to a full batch's second step; a kernel swap queues them again."""
+    from vlmserve.engine.ops import kernel_disk_cache
+
+    log = []
+    core, engine_core = _core(lambda rows, width: log.append(("compile", rows)) or True, [], log)
+    core._shapes_to_warm = []
+    core.runner.batches.shapes_to_warm = lambda rows, capacity: [(n, 32) for n in (1, 2, 4, 8) if n <= rows]
+    core.runner.batches.note_builds = lambda rows, width: None
+    core.info = SimpleNamespace(context_length=4096)
+    core.sched = SimpleNamespace(prefill_chunk=512, prefilling=[], running=[], preempted=[])
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
+    engine_core._warm_decode(core, 2, later_rows=8)
+    assert log == [("compile", 1), ("compile", 2)]
+    assert core._shapes_to_warm == [(4, 32), (8, 32)] and engine_core.has_idle_work(core)
+    while engine_core.has_idle_work(core):
+        engine_core.idle_work(core)
+    assert log[2:] == [("compile", 4), ("compile", 8)]
+    engine_core._kernels_replaced(core)
+    assert core._shapes_to_warm == [(1, 32), (2, 32), (4, 32), (8, 32)]
+
+
 def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then_drops_those_traces(monkeypatch):
     """The decode step's builds are queued (traced unrun) before the generations, so side
     processes compile them meanwhile; those traces are dropped before anything runs, since the
@@ -237,7 +261,7 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
     core.forget_prefixes = lambda: None
     core._generate_alone = lambda name, prepared: log.append(("generate", name))
     core._step_memory = None
-    core._warm_decode = lambda rows: log.append(("warm decode", rows))
+    core._warm_decode = lambda rows, later_rows: log.append(("warm decode", rows))
     core.model.prefills_pieces = False
     core.note_decode_builds = lambda: engine_core.note_decode_builds(core)
     core._decode_builds_noted = False
