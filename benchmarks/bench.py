@@ -458,8 +458,9 @@ def plot(runs: list[dict], path: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
-        last = max(lv.get("pass", 1) for lv in run["levels"])
-        run = {**run, "levels": [lv for lv in run["levels"] if lv.get("pass", 1) == last]}  # the last pass's
+        # The first pass's: what a server makes of requests it has not seen (a later pass of the
+        # same requests may be served by its caches).
+        run = {**run, "levels": [lv for lv in run["levels"] if lv.get("pass", 1) == 1]}
         cs = [lv["concurrency"] for lv in run["levels"]]
         ax1.plot(cs, [lv["output_tok_s"] for lv in run["levels"]], marker="o", label=run["label"])
         ax2.plot(cs, [lv["ttft_p50_s"] or 0 for lv in run["levels"]], marker="o", label=f"{run['label']} p50")

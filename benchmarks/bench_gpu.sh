@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Reproduce the benchmarks on the lent H100: for each model format (bf16, and 4-bit with bf16
 # scales made by mlx-vlm's convert), vlmserve, then `python -m mlx_vlm.server`, one server on the
-# GPU at a time; each server runs W1 at every level in LEVELS, then the mixed workload at
-# MIXED_LEVELS three times: the first pass meets every shape for the first time, the second sends
-# the very same requests (vlmserve's caches serve much of it), the third the same shapes with new
-# pixels and words (no new shape, no cache hit); each is reported.
+# GPU at a time; each server runs W1 at every level in LEVELS twice (the second pass sends the very
+# same requests), then the mixed workload at MIXED_LEVELS three times: the first pass meets every
+# shape for the first time, the second sends the very same requests (vlmserve's caches serve much
+# of it), the third the same shapes with new pixels and words (no new shape, no cache hit); each
+# pass is reported.
 # On this machine:   GPU_EXTRA_WHEELS="mlx-audio cryptography cffi pycparser websockets opentelemetry-api importlib-metadata" bash ../shared/gpu/stage.sh
 # GPU command 1:     bash .gpu-a/device-setup.sh a
 # GPU command 2:     bash .gpu-b/device-setup.sh b && bash benchmarks/bench_gpu.sh
@@ -68,7 +69,8 @@ serve_and_bench() {  # format name ready_url label model_id cmd...
       python3 benchmarks/multiturn.py --url "${ready%/*}" --model "$model_id" --out "$OUT/$format-$name-multiturn.json" || true
       continue
     fi
-    local levels=$LEVELS passes=1 plot=(--plot "$OUT/$format-$workload.png")
+    # Each workload's first pass meets its requests (and mixed's shapes) first; the second sends the same again.
+    local levels=$LEVELS passes=2 plot=(--plot "$OUT/$format-$workload.png")
     if [ "$workload" = mixed ]; then levels=$MIXED_LEVELS passes=3; fi
     python3 benchmarks/bench.py --url "${ready%/*}" --label "$label" --model "$model_id" --workload "$workload" \
       --passes "$passes" --new-content-from 3 --concurrency "$levels" --client-processes "$CLIENTS" \
