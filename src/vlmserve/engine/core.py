@@ -519,9 +519,9 @@ class EngineCore:
         vlmserve's kernels among them compile side by side in build processes (queued at load
         for the checks, by a trace that is not run for the steps), and are then read from the
         kernel cache; MLX's own fused kernels compile here. Bounded whatever --max-num-seqs is:
-        the row buckets past `rows` up to `later_rows` are left for idle time, and what idle time
-        has not traced yet (bigger batches, longer rows) is traced when it comes, on its second
-        step."""
+        the row buckets past `rows` up to `later_rows` are left for idle time, and a shape idle
+        time has not traced yet (a big batch right after start) or never traces (a grown pool, a
+        longer row where attention gathers) is traced when it comes, on its second step."""
         t0 = time.perf_counter()
         while self._built_kernels_ready():  # traced with them, not again
             self._take_built_kernels()

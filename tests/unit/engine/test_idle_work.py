@@ -257,28 +257,37 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
     core.runner.batches.shapes_to_warm = lambda rows, capacity: [(n, 32) for n in (1, 2, 4) if n <= rows]
     core.runner.batches.note_builds = lambda rows, width: log.append(("note", rows))
     core.info = SimpleNamespace(context_length=4096)
-    core.sched = SimpleNamespace(prefill_chunk=512, prefill_bucket=0, max_num_seqs=2, lone_takes_budget=True)
+    core.sched = SimpleNamespace(prefill_chunk=512, prefill_bucket=0, max_num_seqs=40, lone_takes_budget=True)
     core.forget_prefixes = lambda: None
     core._generate_alone = lambda name, prepared: log.append(("generate", name))
     core._step_memory = None
-    core._warm_decode = lambda rows, later_rows: log.append(("warm decode", rows))
+    core._warm_decode = lambda rows, later_rows: log.append(("warm decode", rows, later_rows))
     core.model.prefills_pieces = False
     core.note_decode_builds = lambda: engine_core.note_decode_builds(core)
     core._decode_builds_noted = False
     filer = SimpleNamespace(found=0, queued=0, hurry=lambda: log.append("file now"))
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: filer)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
-    assert log == [("note", 1), ("note", 2), "retrace", "file now", ("generate", "warmup-0"), ("warm decode", 2)]
+    # Warm-up traces up to WARM_SLOTS rows before ready; idle time, the rows up to --max-num-seqs.
+    assert log == [
+        ("note", 1),
+        ("note", 2),
+        ("note", 4),
+        "retrace",
+        "file now",
+        ("generate", "warmup-0"),
+        ("warm decode", 32, 40),
+    ]
 
     log.clear()  # queued at load already (the engine does it as its load ends): not again
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
-    assert log == [("generate", "warmup-0"), ("warm decode", 2)]
+    assert log == [("generate", "warmup-0"), ("warm decode", 32, 40)]
 
     log.clear()  # where builds are not filed, nothing is traced ahead
     core._decode_builds_noted = False
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
-    assert log == [("generate", "warmup-0"), ("warm decode", 2)]
+    assert log == [("generate", "warmup-0"), ("warm decode", 32, 40)]
 
 
 def test_the_structured_output_tokenizer_is_built_last_while_idle():

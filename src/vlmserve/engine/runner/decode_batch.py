@@ -375,8 +375,10 @@ class DecodeSteps:
         if shape in self.traced:
             return False
         out = self._warm_call(pool, rows, width)
-        mx.eval(out)
+        # The pool takes the step's outputs before they are evaluated, as a served step's does:
+        # holding its inputs meanwhile would keep a second copy of every layer's KV.
         pool.set_arrays(out[1:])
+        mx.eval(out)
         self.traced.add(shape)
         return True
 
