@@ -149,6 +149,11 @@ class PromptState:
 class GenericModel:
     """The loaded model plus the calls the scheduler needs, all on the worker thread."""
 
+    # The language model masks its sliding-window layers' window itself (make_mask with a
+    # window_size, handed to exactly those layers), so plain caches may stand in for its rotating
+    # ones (kv_caches.plain_for_windows): a family sets it once its forward is known to.
+    windows_in_masks = False
+
     def __init__(
         self,
         model_path: Path,
@@ -168,6 +173,8 @@ class GenericModel:
             self.model.image_newline = newline.astype(mx.float32)
         self.config = json.loads((model_path / "config.json").read_text())
         self.language_model = self.model.language_model
+        if self.windows_in_masks:
+            kv_caches.plain_for_windows(self.language_model)
         # M-RoPE families take explicit (3, B, L) positions; decode passes them per row.
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
         # Prefix-LM families (PaliGemma): the whole prompt attends bidirectionally, and the language

@@ -35,12 +35,14 @@ class RaggedLayerCache:
         self.width = -(-ends // WIDTH_STEP) * WIDTH_STEP
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
-        """(rows, 1, n, width): query i of row r sees keys up to starts[r] + i."""
-        if window_size:
-            raise NotImplementedError("a sliding window is not prefilled in ragged pieces")
+        """(rows, 1, n, width): query i of row r sees keys up to starts[r] + i (and, with a
+        sliding window, the `window_size` last of them)."""
         keys = mx.arange(self.width)[None, None, None, :]
         last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
-        return keys <= last
+        mask = keys <= last
+        if window_size:
+            mask = mask & (keys > last - window_size)
+        return mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys, values (rows, kv_heads, n, dim), right-padded: each row's real positions go into its

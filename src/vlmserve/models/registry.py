@@ -13,6 +13,7 @@ from vlmserve.models.base import ModelAdapter, ProcessorAdapter
 # model_type -> (processor adapter, model adapter), as "module:attribute" (None: the generic
 # one), imported on use so the CPU side never imports a family's device code.
 _FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
+    "gemma3": (None, "vlmserve.models.gemma3.adapter:Gemma3Model"),
     "internvl_chat": ("vlmserve.models.internvl_chat.processing:InternVLProcessing", None),
     "kimi_vl": ("vlmserve.models.kimi_vl.processing:KimiVLProcessing", None),
     "llava_next": ("vlmserve.models.llava_next.processing:LlavaNextProcessing", None),

@@ -46,7 +46,8 @@ class PagedLayerCache:
 
     @property
     def plain_mask(self) -> bool:
-        """The step's mask (made once, from one layer's cache) is `position < length`, no window."""
+        """The step's masks (each made once, from one layer's cache) are `position < length`: no
+        layer of this step attends through a sliding window."""
         return self.step.get("window", 0) == 0
 
     @property
@@ -55,7 +56,9 @@ class PagedLayerCache:
         return self.table.shape[1] * self.block_size
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any):
-        self.step["window"] = window_size or 0
+        # A model with sliding-window layers makes a full mask too, in either order: one window
+        # means no layer of the step takes the window-less kernel.
+        self.step["window"] = max(self.step.get("window", 0), window_size or 0)
         pos = mx.arange(self.width)[None, None, None, :]
         end = (self.offset + n)[:, None, None, None]
         mask = pos < end
