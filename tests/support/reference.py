@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from pathlib import Path
 
@@ -57,9 +58,25 @@ def mlx_vlm_generate(server, prompt: str, image_paths: list[Path], max_tokens: i
     model = server.engine.core.model.model
 
     def run():
-        result = mlx_vlm.generate(
-            model, processor, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0, verbose=False
-        )
+        with own_caches(model.language_model):
+            result = mlx_vlm.generate(
+                model, processor, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0, verbose=False
+            )
         return result.text
 
     return server.on_worker(run)
+
+
+@contextlib.contextmanager
+def own_caches(language_model):
+    """The language model's own caches (its class's make_cache), not those the engine swapped in
+    (kv_caches.plain_for_windows): the reference runs mlx-vlm's path as it ships."""
+    swapped = vars(language_model).get("make_cache")
+    if swapped is None:
+        yield
+        return
+    del language_model.make_cache
+    try:
+        yield
+    finally:
+        language_model.make_cache = swapped

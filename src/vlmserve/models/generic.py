@@ -173,14 +173,14 @@ class GenericModel:
             self.model.image_newline = newline.astype(mx.float32)
         self.config = json.loads((model_path / "config.json").read_text())
         self.language_model = self.model.language_model
-        if self.windows_in_masks:
-            kv_caches.plain_for_windows(self.language_model)
         # M-RoPE families take explicit (3, B, L) positions; decode passes them per row.
         self.uses_mrope = hasattr(self.language_model, "get_rope_index")
         # Prefix-LM families (PaliGemma): the whole prompt attends bidirectionally, and the language
         # model then builds no mask of its own, not even for decode.
         text_config = getattr(self.model.config, "text_config", None)
         self.prefix_lm = bool(getattr(text_config, "use_bidirectional_attention", False))
+        if self.windows_in_masks and not self.prefix_lm:  # a mask handed in would replace the windows
+            kv_caches.plain_for_windows(self.language_model)
         # Caches mlx-lm cannot merge (ChunkedKVCache, QuantizedKVCache, ...) decode one row at a time.
         caches = vlm_cache.make_prompt_cache(self.language_model)
         self.can_batch = all(_mergeable(c) for c in caches)
