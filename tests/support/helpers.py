@@ -63,6 +63,14 @@ def chat_body(model: str, text: str, image_urls=(), **kwargs) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": content}], **kwargs}
 
 
+def greedy_bodies(model: str, cases, max_tokens: int) -> list[dict]:
+    """A greedy chat request per (text, image paths) case, the images as data URIs."""
+    return [
+        chat_body(model, text, [data_uri(p) for p in paths], max_tokens=max_tokens, temperature=0)
+        for text, paths in cases
+    ]
+
+
 def run(coro):
     return asyncio.run(coro)
 

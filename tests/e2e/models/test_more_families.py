@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from support.helpers import chat_body, data_uri, images
+from support.helpers import chat_body, data_uri, greedy_bodies, images
 from support.reference import mlx_vlm_text
 from support.server import start_server
 from vlmserve.models.qwen2_vl import adapter as qwen_adapter
@@ -39,10 +39,7 @@ def _text(response: httpx.Response) -> str:
 
 
 def test_family_matches_mlx_vlm_alone_and_batched(family_server):
-    bodies = [
-        chat_body(family_server.model_id, t, [data_uri(p) for p in ps], max_tokens=MAX_TOKENS, temperature=0)
-        for t, ps in _cases()
-    ]
+    bodies = greedy_bodies(family_server.model_id, _cases(), MAX_TOKENS)
 
     async def run():
         async with httpx.AsyncClient(base_url=family_server.base_url, timeout=120) as c:

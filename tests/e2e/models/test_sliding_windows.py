@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from support.helpers import MODELS, chat_body, data_uri, images
+from support.helpers import MODELS, greedy_bodies, images
 from support.reference import mlx_vlm_text, own_caches
 from support.server import start_server
 
@@ -80,10 +80,7 @@ def test_the_sliding_window_layers_take_the_paged_pool_and_a_kv_budget(window_se
 
 
 def test_greedy_equals_mlx_vlm_through_rotating_caches_alone_and_batched(window_server):
-    bodies = [
-        chat_body(window_server.model_id, t, [data_uri(p) for p in ps], max_tokens=MAX_TOKENS, temperature=0)
-        for t, ps in _cases()
-    ]
+    bodies = greedy_bodies(window_server.model_id, _cases(), MAX_TOKENS)
 
     async def run():
         async with httpx.AsyncClient(base_url=window_server.base_url, timeout=120) as c:
@@ -119,19 +116,9 @@ def test_prompt_kv_reused_past_the_window_gives_the_same_tokens(window_model):
     max_num_seqs rows of two chunks: room for every prompt's cached blocks at once.)"""
     server = start_server(str(window_model), prefill_chunk=CHUNK, max_num_seqs=64)
     try:
+        bodies = greedy_bodies(server.model_id, _cases(), MAX_TOKENS)
         with server.client() as c:
-            answers = [
-                [
-                    c.post(
-                        "/v1/chat/completions",
-                        json=chat_body(
-                            server.model_id, t, [data_uri(p) for p in ps], max_tokens=MAX_TOKENS, temperature=0
-                        ),
-                    ).json()
-                    for t, ps in _cases()
-                ]
-                for _ in range(2)
-            ]
+            answers = [[c.post("/v1/chat/completions", json=b).json() for b in bodies] for _ in range(2)]
         first, second = ([a["choices"][0]["message"]["content"] for a in run] for run in answers)
         assert second == first == [mlx_vlm_text(server, t, ps, MAX_TOKENS) for t, ps in _cases()]
         cached = [a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for a in answers[1]]
