@@ -173,11 +173,10 @@ class EngineCore:
     @staticmethod
     def kv_budget(model, config: ServerConfig) -> KVBudget:
         """The KV budget in blocks, from --kv-cache-memory or --gpu-memory-utilization."""
-        if not uses_plain_kv_cache(model):
-            log.info("KV budget: none (this model's caches are not paged: sliding windows or recurrent state)")
-            return KVBudget(1 << 40, config.kv_block_size)
-        block_bytes = kv_block_bytes(model, config.kv_block_size)
         budget = kv_budget_bytes(config.kv_cache_memory_gb, config.gpu_memory_utilization)
+        if not uses_plain_kv_cache(model):
+            return EngineCore._padded_budget(model, config, budget)
+        block_bytes = kv_block_bytes(model, config.kv_block_size)
         blocks = max(1, budget // block_bytes)
         log.info(
             "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)",
@@ -187,6 +186,29 @@ class EngineCore:
             blocks * config.kv_block_size,
         )
         return KVBudget(blocks, config.kv_block_size)
+
+    @staticmethod
+    def _padded_budget(model, config: ServerConfig, budget: int) -> KVBudget:
+        """The budget of a model whose caches are not paged (one padded batch): each row counted
+        at its positions' bytes plus its fixed state (a recurrent or convolution state), the
+        padding up to the batch's longest row not counted."""
+        memory = model.row_memory()
+        if memory is None:
+            log.info("KV budget: none (this model's caches are neither paged nor of kinds it can count)")
+            return KVBudget(1 << 40, config.kv_block_size, bounded=False)
+        per_position, fixed = memory
+        block_bytes = max(1, per_position * config.kv_block_size)
+        blocks = max(1, budget // block_bytes)
+        row_blocks = -(-fixed // block_bytes)
+        log.info(
+            "KV budget: %.2f GB, %d blocks of %d positions, %d a row for its fixed state (caches not paged: "
+            "one padded batch)",
+            blocks * block_bytes / 1e9,
+            blocks,
+            config.kv_block_size,
+            row_blocks,
+        )
+        return KVBudget(blocks, config.kv_block_size, row_blocks=row_blocks)
 
     @property
     def info(self):

@@ -126,6 +126,11 @@ class ModelAdapter(Protocol):
         """Build one of those plans (`hot`: the one due); that shape goes to cuDNN from the next call on."""
         ...
 
+    def row_memory(self) -> tuple[int, int] | None:
+        """A request's caches on the device: bytes per position and fixed bytes (recurrent
+        state); None where they cannot be counted (the KV budget of an unpaged model)."""
+        ...
+
     def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
         """Build the vision tower's shapes for this request's image sizes at up to `max_images`
         images per call; returns the tower runs made (0 where nothing needs building)."""

@@ -227,6 +227,28 @@ class GenericModel:
             many_row_dequantized.install(self.model)
             many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile
 
+    def row_memory(self) -> tuple[int, int] | None:
+        """What one request's caches hold on the device: bytes per position (the keys and values of
+        every layer that keeps positions) and fixed bytes (recurrent or convolution state), from
+        caches filled by a two-token forward; None where a cache is of a kind not counted here."""
+        counted = (vlm_cache.KVCache, vlm_cache.RotatingKVCache, vlm_cache.ArraysCache)
+        caches = vlm_cache.make_prompt_cache(self.language_model)
+        if any(type(c) not in counted for c in caches):
+            return None
+        try:
+            self.language_model(mx.zeros((1, 2), dtype=mx.int32), cache=caches)
+        finally:
+            self._forget_positions()
+        per_position = fixed = 0
+        for cache in caches:
+            arrays = [a for a in cache.state if a is not None]
+            mx.eval(arrays)
+            if type(cache) is vlm_cache.ArraysCache:
+                fixed += sum(a.nbytes for a in arrays)
+            else:  # the state holds the two positions
+                per_position += sum(a.nbytes for a in arrays) // 2
+        return per_position, fixed
+
     def kernels_pending(self) -> int:
         """Kernel builds and checks left for the engine (`build_next_kernel`): warm-up runs them."""
         return len(self.kernel_checks)

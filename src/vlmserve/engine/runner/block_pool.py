@@ -24,9 +24,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-log = logging.getLogger(__name__)
+from vlmserve.engine.runner import host_arrays
 
-_HOST_VIEW = {mx.bfloat16: mx.uint16}  # dtypes NumPy lacks travel to the host as same-size ints
+log = logging.getLogger(__name__)
 
 
 class BlockPool:
@@ -159,16 +159,9 @@ class BlockPool:
             where = mx.concatenate([where, mx.broadcast_to(where[:1], (size - length,))])
         return [(k[where], v[where]) for k, v in zip(self.keys, self.values)]
 
-    def to_host(self, blocks: list[int], length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def to_host(self, blocks: list[int], length: int) -> list:
         """A row's KV copied out to host memory (a preempted row's, until it resumes)."""
-        view = _HOST_VIEW.get(self.dtype, self.dtype)
-        layers = [(k.view(view), v.view(view)) for k, v in self.read(blocks, length)]
-        mx.eval(layers)
-        return [(np.array(k), np.array(v)) for k, v in layers]
+        return [host_arrays.to_host(list(kv)) for kv in self.read(blocks, length)]
 
-    def from_host(self, blocks: list[int], layers: list[tuple[np.ndarray, np.ndarray]], length: int) -> None:
-        view = _HOST_VIEW.get(self.dtype)
-        back = [(mx.array(k), mx.array(v)) for k, v in layers]
-        if view is not None:
-            back = [(k.view(self.dtype), v.view(self.dtype)) for k, v in back]
-        self.write(blocks, back, length)
+    def from_host(self, blocks: list[int], layers: list, length: int) -> None:
+        self.write(blocks, [tuple(host_arrays.from_host(kv)) for kv in layers], length)

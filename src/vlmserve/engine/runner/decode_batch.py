@@ -23,6 +23,7 @@ import numpy as np
 from mlx_vlm.models import cache as vlm_cache
 
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+from vlmserve.engine.runner import host_arrays
 from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.models import kv_caches
 
@@ -74,7 +75,12 @@ def make_decode_step(decode: Callable, block_size: int, compiled: bool) -> Calla
 
 
 class PaddedDecodeBatch:
-    paged = False  # its KV is mlx_vlm's, outside the block pools and the KV budget
+    """Rows of a model whose caches are not all plain (recurrent or convolution state, rotating
+    windows) in mlx_vlm's own batch caches, left-padded to the longest row; the KV budget counts
+    each row's positions and fixed state (GenericModel.row_memory), and a preempted row's caches
+    go to host memory and come back by the same merge a joining row takes."""
+
+    paged = False  # its KV is mlx_vlm's, outside the block pools
 
     def __init__(self, model):
         self.model = model
@@ -108,6 +114,33 @@ class PaddedDecodeBatch:
 
     def forward_pieces(self, tokens: mx.array, rows: list[Any]) -> list[tuple[int, int, mx.array]]:
         return [(0, len(rows), self.model.decode(tokens, self.cache, self.model.decode_positions(rows)))]
+
+    def grow(self) -> None:
+        """Nothing to place: each layer's batch cache grows its own buffers."""
+
+    def evict(self, owner: Any) -> list:
+        """Copy a row's caches to the host and take it out of the batch (preemption)."""
+        i = self.rows.index(owner)
+        host = []
+        for layer in self.cache:
+            if type(layer) is vlm_cache.ArraysCache:  # its extract drops the state's empty slots
+                state, meta = [None if a is None else a[i : i + 1] for a in layer.state], ""
+            else:
+                row = layer.extract(i)
+                state, meta = list(row.state), row.meta_state
+            host.append((host_arrays.to_host(state), meta))
+        self.remove([owner])
+        return host
+
+    def resume(self, owner: Any, host: list) -> None:
+        """A preempted row comes back with the caches `evict` gave out, joining as a new row does."""
+        caches = vlm_cache.make_prompt_cache(self.model.language_model)
+        for cache, (state, meta) in zip(caches, host):
+            arrays = host_arrays.from_host(state)
+            cache.state = arrays if type(cache) is vlm_cache.ArraysCache else tuple(arrays)
+            if meta:
+                cache.meta_state = meta
+        self.join([owner], self.model.merge_caches([caches]))
 
 
 class PagedDecodeBatch:

@@ -430,12 +430,17 @@ class ModelRunner:
         if self.batch is None:
             self.batch = self.batches.new()
         rows = None
-        if self.batch.paged:
+        if self.budget.bounded:
             index = {id(s): i for i, s in enumerate(seqs)}
-            seqs = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
-            if not seqs:
+            paid = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
+            if not paid:
                 return
-            rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
+            rows = [index[id(s)] for s in paid]  # each row's place in rows_cache
+            if not self.batch.paged and len(paid) < len(seqs):  # a padded batch takes rows_cache whole
+                for layer in rows_cache:
+                    layer.filter(mx.array(rows, dtype=mx.int32))
+                rows = None
+            seqs = paid
         try:
             self.batch.join(seqs, rows_cache, rows)
         finally:
@@ -483,7 +488,7 @@ class ModelRunner:
             self._resolve(prev)
             self.flush_events()
             prev = None
-        if self.batch is not None and self.batch.paged and self.sched.running:
+        if self.batch is not None and self.budget.bounded and self.sched.running:
             prev = self._grow_blocks(prev)
         if self.sched.running:
             try:
@@ -572,14 +577,16 @@ class ModelRunner:
     def _weight(self, dtype) -> int:
         """Budget blocks one block of `dtype` KV costs (float32 rows in a bfloat16 model: 2)."""
         weight = self._weights.get(dtype)
+        if weight is None and not self.batches.paged:  # a padded batch's rows: counted by row_memory
+            weight = self._weights[dtype] = 1
         if weight is None:  # asked for every row at every step: worked out once per dtype
             model_dtype = self.model.kv_layout()[2]
             weight = self._weights[dtype] = max(1, (dtype or model_dtype).size // model_dtype.size)
         return weight
 
     def _cost(self, tokens: int, dtype) -> int:
-        """Budget blocks that `tokens` positions of `dtype` KV cost."""
-        return self._weight(dtype) * self.budget.blocks_for(tokens)
+        """Budget blocks that a row of `tokens` positions of `dtype` KV costs (with its fixed state)."""
+        return self._weight(dtype) * self.budget.blocks_for(tokens) + self.budget.row_blocks
 
     def _pay_for_prompts(self, seqs: list[Sequence], dtype) -> list[Sequence]:
         """Settle what joining rows' blocks cost against what was reserved at admission (the
@@ -627,8 +634,10 @@ class ModelRunner:
         return sum(self._row_growth(s) for s in self.sched.running)
 
     def _row_growth(self, seq: Sequence) -> int:
-        """Budget blocks a row's next position needs beyond what it holds."""
-        return self._cost(seq.cache_len + 1, seq.kv_dtype) - self._weight(seq.kv_dtype) * len(seq.blocks)
+        """Budget blocks a row's next position needs beyond what it holds (a padded batch's row
+        holds no blocks of its own: what it was counted)."""
+        held = self._weight(seq.kv_dtype) * len(seq.blocks) if self.batches.paged else seq.kv_units
+        return self._cost(seq.cache_len + 1, seq.kv_dtype) - held
 
     def _grow_blocks(self, prev):
         """Before a step: the block each row's next position needs. When too few are free, the

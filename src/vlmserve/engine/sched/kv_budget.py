@@ -12,11 +12,15 @@ import math
 
 
 class KVBudget:
-    def __init__(self, total_blocks: int, block_size: int):
+    def __init__(self, total_blocks: int, block_size: int, row_blocks: int = 0, bounded: bool = True):
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
         self.block_size = block_size
         self.total = max(1, total_blocks)
+        # Blocks every row holds besides its positions' (a recurrent or convolution state).
+        self.row_blocks = row_blocks
+        # False: no budget measured (a model whose caches it cannot count); nothing grows or is preempted.
+        self.bounded = bounded
         self.used = 0
         self.preemptions = 0
 

@@ -124,7 +124,7 @@ class Scheduler:
         reserve = budget.total // 100  # room for the running rows' next blocks
         while self.waiting and not self.preempted and self.num_running < self.max_num_seqs:
             req = self.waiting[0]
-            need = budget.blocks_for(req.prepared.num_prompt_tokens + 1)
+            need = budget.blocks_for(req.prepared.num_prompt_tokens + 1) + budget.row_blocks
             if need > budget.total:
                 self.waiting.popleft()
                 too_long = PromptTooLong(f"the prompt needs {need} KV blocks; the budget holds {budget.total}")

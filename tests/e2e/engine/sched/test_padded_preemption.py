@@ -1,0 +1,71 @@
+"""Models whose caches are not paged (recurrent and convolution state: LFM2-VL, Qwen3.5) decode
+as one padded batch under a KV budget too: admission counts each row's positions and fixed
+state, and when the budget runs out the rows that arrived last go to host memory and resume
+where they were, with the tokens each gives alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from support.families import checkpoint
+from support.helpers import chat_body
+from support.server import start_server
+
+pytestmark = pytest.mark.slow
+
+BUDGET_BLOCKS = 12  # holds any one request below, grown, but not all four
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(f"vlmserve:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_padded_rows_preempted_for_the_budget_resume_with_the_same_tokens(family, tmp_path_factory):
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    path = checkpoint(family, "float32", cache_dir)
+    probe = start_server(str(path), max_num_seqs=4, prefix_cache_tokens=0)
+    try:
+        core = probe.engine.core
+        per_position, fixed = probe.on_worker(core.model.row_memory)
+        assert not core.runner.batches.paged and core.sched.kv_budget.bounded
+    finally:
+        probe.stop()
+    block_bytes = per_position * 32
+    server = start_server(
+        str(path), max_num_seqs=4, prefix_cache_tokens=0, kv_cache_memory_gb=BUDGET_BLOCKS * block_bytes / (1 << 30)
+    )
+    try:
+        budget = server.engine.core.sched.kv_budget
+        assert budget.total == BUDGET_BLOCKS and budget.row_blocks == -(-fixed // block_bytes) >= 1
+        bodies = [
+            chat_body(server.model_id, f"Short request {i}.", [], max_tokens=110, temperature=0, ignore_eos=True)
+            for i in range(4)
+        ]
+
+        async def run(concurrent):
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as c:
+
+                async def text(body):
+                    r = await c.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    return r.json()["choices"][0]["message"]["content"]
+
+                if concurrent:
+                    return list(await asyncio.gather(*(text(b) for b in bodies)))
+                return [await text(b) for b in bodies]
+
+        alone = asyncio.run(run(False))
+        assert _metric(httpx.get(f"{server.base_url}/metrics").text, "num_preemptions") == 0
+        together = asyncio.run(run(True))
+        assert together == alone
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert _metric(metrics, "num_preemptions") >= 1
+        assert _metric(metrics, "kv_blocks_used") == 0 and _metric(metrics, "kv_blocks_free") == BUDGET_BLOCKS
+    finally:
+        server.stop()
