@@ -200,6 +200,9 @@ class EngineCore:
         block_bytes = max(1, per_position * config.kv_block_size)
         blocks = max(1, budget // block_bytes)
         row_blocks = -(-fixed // block_bytes)
+        if row_blocks >= blocks:
+            log.warning("KV budget: none (%.2f GB holds no row's fixed state and a position)", budget / 1e9)
+            return KVBudget(1 << 40, config.kv_block_size, bounded=False)
         log.info(
             "KV budget: %.2f GB, %d blocks of %d positions, %d a row for its fixed state (caches not paged: "
             "one padded batch)",

@@ -229,24 +229,31 @@ class GenericModel:
 
     def row_memory(self) -> tuple[int, int] | None:
         """What one request's caches hold on the device: bytes per position (the keys and values of
-        every layer that keeps positions) and fixed bytes (recurrent or convolution state), from
-        caches filled by a two-token forward; None where a cache is of a kind not counted here."""
+        every layer that keeps all positions) and fixed bytes (recurrent or convolution state, and
+        a rotating cache's window, counted full), from caches filled by a two-token forward; None
+        where a cache is of a kind not counted here, or the forward fails."""
         counted = (vlm_cache.KVCache, vlm_cache.RotatingKVCache, vlm_cache.ArraysCache)
         caches = vlm_cache.make_prompt_cache(self.language_model)
         if any(type(c) not in counted for c in caches):
             return None
         try:
             self.language_model(mx.zeros((1, 2), dtype=mx.int32), cache=caches)
+            layers = [[a for a in cache.state if a is not None] for cache in caches]
+            mx.eval(layers)
+        except Exception:  # noqa: BLE001 - an unusual forward: the model runs without a KV budget
+            log.warning("%s: could not measure a request's caches", self.info.model_type, exc_info=True)
+            return None
         finally:
             self._forget_positions()
         per_position = fixed = 0
-        for cache in caches:
-            arrays = [a for a in cache.state if a is not None]
-            mx.eval(arrays)
+        for cache, arrays in zip(caches, layers):
+            nbytes = sum(a.nbytes for a in arrays)
             if type(cache) is vlm_cache.ArraysCache:
-                fixed += sum(a.nbytes for a in arrays)
+                fixed += nbytes
+            elif type(cache) is vlm_cache.RotatingKVCache:  # at most its window, whatever the context
+                fixed += nbytes // 2 * cache.max_size
             else:  # the state holds the two positions
-                per_position += sum(a.nbytes for a in arrays) // 2
+                per_position += nbytes // 2
         return per_position, fixed
 
     def kernels_pending(self) -> int:

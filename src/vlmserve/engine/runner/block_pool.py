@@ -161,7 +161,7 @@ class BlockPool:
 
     def to_host(self, blocks: list[int], length: int) -> list:
         """A row's KV copied out to host memory (a preempted row's, until it resumes)."""
-        return [host_arrays.to_host(list(kv)) for kv in self.read(blocks, length)]
+        return host_arrays.to_host([list(kv) for kv in self.read(blocks, length)])
 
     def from_host(self, blocks: list[int], layers: list, length: int) -> None:
         self.write(blocks, [tuple(host_arrays.from_host(kv)) for kv in layers], length)

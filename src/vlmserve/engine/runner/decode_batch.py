@@ -121,14 +121,16 @@ class PaddedDecodeBatch:
     def evict(self, owner: Any) -> list:
         """Copy a row's caches to the host and take it out of the batch (preemption)."""
         i = self.rows.index(owner)
-        host = []
+        states, metas = [], []
         for layer in self.cache:
-            if type(layer) is vlm_cache.ArraysCache:  # its extract drops the state's empty slots
-                state, meta = [None if a is None else a[i : i + 1] for a in layer.state], ""
+            if type(layer) is vlm_cache.ArraysCache:  # its extract fails on the state's empty slots
+                states.append([None if a is None else a[i : i + 1] for a in layer.state])
+                metas.append("")
             else:
                 row = layer.extract(i)
-                state, meta = list(row.state), row.meta_state
-            host.append((host_arrays.to_host(state), meta))
+                states.append(list(row.state))
+                metas.append(row.meta_state)
+        host = list(zip(host_arrays.to_host(states), metas))
         self.remove([owner])
         return host
 

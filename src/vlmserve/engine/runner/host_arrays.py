@@ -8,11 +8,15 @@ import numpy as np
 _HOST_VIEW = {mx.bfloat16: mx.uint16}  # dtypes NumPy lacks travel to the host as same-size ints
 
 
-def to_host(arrays: list[mx.array | None]) -> list[tuple[np.ndarray, mx.Dtype] | None]:
-    """Each array (None stays None) as a NumPy copy with the dtype it comes back as."""
-    views = [None if a is None else a.view(_HOST_VIEW.get(a.dtype, a.dtype)) for a in arrays]
-    mx.eval([v for v in views if v is not None])
-    return [None if a is None else (np.array(v), a.dtype) for a, v in zip(arrays, views)]
+def to_host(groups: list[list[mx.array | None]]) -> list[list[tuple[np.ndarray, mx.Dtype] | None]]:
+    """Each array of each group (None stays None) as a NumPy copy with the dtype it comes back
+    as; one evaluation for all of them."""
+    views = [[None if a is None else a.view(_HOST_VIEW.get(a.dtype, a.dtype)) for a in group] for group in groups]
+    mx.eval([v for group in views for v in group if v is not None])
+    return [
+        [None if a is None else (np.array(v), a.dtype) for a, v in zip(group, viewed)]
+        for group, viewed in zip(groups, views)
+    ]
 
 
 def from_host(copies: list[tuple[np.ndarray, mx.Dtype] | None]) -> list[mx.array | None]:

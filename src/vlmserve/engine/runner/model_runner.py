@@ -430,17 +430,12 @@ class ModelRunner:
         if self.batch is None:
             self.batch = self.batches.new()
         rows = None
-        if self.budget.bounded:
+        if self.budget.bounded:  # a padded batch's rows join one at a time (their caches are not batchable)
             index = {id(s): i for i, s in enumerate(seqs)}
-            paid = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
-            if not paid:
+            seqs = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
+            if not seqs:
                 return
-            rows = [index[id(s)] for s in paid]  # each row's place in rows_cache
-            if not self.batch.paged and len(paid) < len(seqs):  # a padded batch takes rows_cache whole
-                for layer in rows_cache:
-                    layer.filter(mx.array(rows, dtype=mx.int32))
-                rows = None
-            seqs = paid
+            rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
         try:
             self.batch.join(seqs, rows_cache, rows)
         finally:

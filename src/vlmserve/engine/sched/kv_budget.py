@@ -34,8 +34,8 @@ class KVBudget:
 
     @property
     def max_tokens(self) -> int:
-        """The longest context one row can ever hold."""
-        return self.total * self.block_size
+        """The longest context one row can ever hold (besides its fixed state)."""
+        return max(0, self.total - self.row_blocks) * self.block_size
 
     def take(self, blocks: int) -> bool:
         """Count `blocks` as used if they fit; False (nothing changes) if not."""

@@ -43,6 +43,8 @@ def test_padded_rows_preempted_for_the_budget_resume_with_the_same_tokens(family
     try:
         budget = server.engine.core.sched.kv_budget
         assert budget.total == BUDGET_BLOCKS and budget.row_blocks == -(-fixed // block_bytes) >= 1
+        # The context a request may have: what the budget holds besides one row's fixed state.
+        assert server.engine.core.info.context_length == (BUDGET_BLOCKS - budget.row_blocks) * 32
         bodies = [
             chat_body(server.model_id, f"Short request {i}.", [], max_tokens=110, temperature=0, ignore_eos=True)
             for i in range(4)
