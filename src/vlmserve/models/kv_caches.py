@@ -15,22 +15,18 @@ def all_plain(caches: list[Any]) -> bool:
     return all(type(c) is KVCache for c in caches)
 
 
-def plain_for_windows(language_model: Any) -> int:
+def plain_for_windows(language_model: Any) -> None:
     """Make `language_model.make_cache` give a plain KVCache for each sliding-window layer's
-    RotatingKVCache (one that keeps no leading positions); returns how many layers it covers.
+    RotatingKVCache (one that keeps no leading positions).
 
     Only for a model whose forward asks its caches for a mask of the window (`make_mask(...,
     window_size=W)`) and hands that mask to exactly those layers: each query then attends to
     the same keys as through the rotating buffer, which only drops keys the mask excludes. Every
     position is kept (memory as for a full-attention layer), and the engine's shared paths serve
     the model."""
-    made = language_model.make_cache()
-    covered = sum(1 for c in made if type(c) is RotatingKVCache and c.keep == 0)
-    if covered:
-        own = language_model.make_cache
+    own = language_model.make_cache
 
-        def make_cache() -> list[Any]:
-            return [KVCache() if type(c) is RotatingKVCache and c.keep == 0 else c for c in own()]
+    def make_cache() -> list[Any]:
+        return [KVCache() if type(c) is RotatingKVCache and c.keep == 0 else c for c in own()]
 
-        language_model.make_cache = make_cache
-    return covered
+    language_model.make_cache = make_cache
