@@ -71,6 +71,12 @@ def greedy_bodies(model: str, cases, max_tokens: int) -> list[dict]:
     ]
 
 
+def metric_value(text: str, name: str) -> float:
+    """The value of vlmserve's metric `name` (its one labelled sample) in a /metrics page."""
+    line = next(x for x in text.splitlines() if x.startswith(f"vlmserve:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def run(coro):
     return asyncio.run(coro)
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from support.helpers import MODELS, free_port
+from support.helpers import MODELS, free_port, metric_value
 
 
 class RunningServer:
@@ -55,9 +55,7 @@ class RunningServer:
         runs model forwards of its own, which a test counting forwards must not see."""
         deadline = time.monotonic() + timeout
         while True:
-            metrics = httpx.get(f"{self.base_url}/metrics").text
-            line = next(x for x in metrics.splitlines() if x.startswith("vlmserve:warmup_pending"))
-            if float(line.rsplit(" ", 1)[1]) == 0:
+            if metric_value(httpx.get(f"{self.base_url}/metrics").text, "warmup_pending") == 0:
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError("the idle warm-up did not finish")

@@ -11,17 +11,12 @@ import httpx
 import pytest
 
 from support.families import checkpoint
-from support.helpers import chat_body
+from support.helpers import chat_body, metric_value
 from support.server import start_server
 
 pytestmark = pytest.mark.slow
 
 BUDGET_BLOCKS = 12  # holds any one request below, grown, but not all four
-
-
-def _metric(text: str, name: str) -> float:
-    line = next(x for x in text.splitlines() if x.startswith(f"vlmserve:{name}{{"))
-    return float(line.rsplit(" ", 1)[1])
 
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
@@ -63,11 +58,11 @@ def test_padded_rows_preempted_for_the_budget_resume_with_the_same_tokens(family
                 return [await text(b) for b in bodies]
 
         alone = asyncio.run(run(False))
-        assert _metric(httpx.get(f"{server.base_url}/metrics").text, "num_preemptions") == 0
+        assert metric_value(httpx.get(f"{server.base_url}/metrics").text, "num_preemptions") == 0
         together = asyncio.run(run(True))
         assert together == alone
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert _metric(metrics, "num_preemptions") >= 1
-        assert _metric(metrics, "kv_blocks_used") == 0 and _metric(metrics, "kv_blocks_free") == BUDGET_BLOCKS
+        assert metric_value(metrics, "num_preemptions") >= 1
+        assert metric_value(metrics, "kv_blocks_used") == 0 and metric_value(metrics, "kv_blocks_free") == BUDGET_BLOCKS
     finally:
         server.stop()

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from support.helpers import chat_body, data_uri, images
+from support.helpers import chat_body, data_uri, images, metric_value
 from support.reference import mlx_vlm_text
 from support.server import start_server
 
@@ -420,11 +420,6 @@ def test_a_first_token_is_handed_out_before_the_next_step_is_launched(qwen_serve
 _FIXTURE_BLOCK_BYTES = 2 * 32 * 2 * (16 + 16) * 4  # the qwen2_vl fixture: layers, block, KV heads, dims, float32
 
 
-def _metric(text: str, name: str) -> float:
-    line = next(x for x in text.splitlines() if x.startswith(f"vlmserve:{name}{{"))
-    return float(line.rsplit(" ", 1)[1])
-
-
 @pytest.mark.parametrize("compile_decode", ["off", "on"])
 def test_rows_preempted_for_kv_blocks_resume_with_the_same_tokens(compile_decode):
     """A KV budget of 12 blocks (384 positions) holds any one of these requests but not all four
@@ -452,18 +447,22 @@ def test_rows_preempted_for_kv_blocks_resume_with_the_same_tokens(compile_decode
 
         alone = asyncio.run(run(False))
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert _metric(metrics, "num_preemptions") == 0
+        assert metric_value(metrics, "num_preemptions") == 0
         together = asyncio.run(run(True))
         assert together == alone
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert _metric(metrics, "num_preemptions") >= 1
-        assert _metric(metrics, "kv_blocks_used") == 0 and _metric(metrics, "kv_blocks_free") == 12
+        assert metric_value(metrics, "num_preemptions") >= 1
+        assert metric_value(metrics, "kv_blocks_used") == 0 and metric_value(metrics, "kv_blocks_free") == 12
         pool = next(x for x in metrics.splitlines() if x.startswith("vlmserve:device_memory_bytes") and "kv_pool" in x)
         assert float(pool.rsplit(" ", 1)[1]) > 0  # kept until idle for --release-cache-after-idle
         deadline = time.monotonic() + 60  # the warm-up left for idle time ends, and says so
-        while _metric(httpx.get(f"{server.base_url}/metrics").text, "warmup_pending") and time.monotonic() < deadline:
+
+        def pending() -> float:
+            return metric_value(httpx.get(f"{server.base_url}/metrics").text, "warmup_pending")
+
+        while pending() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _metric(httpx.get(f"{server.base_url}/metrics").text, "warmup_pending") == 0
+        assert pending() == 0
         assert not server.engine.core.has_idle_work()
     finally:
         server.stop()
@@ -596,16 +595,16 @@ def test_cached_prefixes_give_way_to_running_rows():
         asyncio.run(run(warm))
         pc = server.engine.core.prefix_cache
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        cached_blocks = _metric(metrics, "kv_blocks_cached")
+        cached_blocks = metric_value(metrics, "kv_blocks_cached")
         assert pc.size_tokens > 0 and cached_blocks >= 5  # the cached prompts hold blocks, nothing runs
-        assert _metric(metrics, "kv_blocks_used") == 0
+        assert metric_value(metrics, "kv_blocks_used") == 0
         together = asyncio.run(run(bodies, concurrent=True))
         assert together == alone
         _wait_idle(server)
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert _metric(metrics, "num_preemptions") == 0
-        assert _metric(metrics, "kv_blocks_used") == 0
-        left = _metric(metrics, "kv_blocks_cached")
+        assert metric_value(metrics, "num_preemptions") == 0
+        assert metric_value(metrics, "kv_blocks_used") == 0
+        left = metric_value(metrics, "kv_blocks_cached")
         pool = next(iter(server.engine.core.runner.batches.pools.values()))
         assert pool.used == left and pool.num_blocks <= 13  # every held block is a cached one; the budget's size
     finally:
