@@ -195,14 +195,14 @@ class EngineCore:
         memory = model.row_memory()
         if memory is None:
             log.info("KV budget: none (this model's caches are neither paged nor of kinds it can count)")
-            return KVBudget(1 << 40, config.kv_block_size, bounded=False)
+            return KVBudget.unbounded(config.kv_block_size)
         per_position, fixed = memory
         block_bytes = max(1, per_position * config.kv_block_size)
         blocks = max(1, budget // block_bytes)
         row_blocks = -(-fixed // block_bytes)
         if row_blocks >= blocks:
             log.warning("KV budget: none (%.2f GB holds no row's fixed state and a position)", budget / 1e9)
-            return KVBudget(1 << 40, config.kv_block_size, bounded=False)
+            return KVBudget.unbounded(config.kv_block_size)
         log.info(
             "KV budget: %.2f GB, %d blocks of %d positions, %d a row for its fixed state (caches not paged: "
             "one padded batch)",

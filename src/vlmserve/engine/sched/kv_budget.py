@@ -19,10 +19,14 @@ class KVBudget:
         self.total = max(1, total_blocks)
         # Blocks every row holds besides its positions' (a recurrent or convolution state).
         self.row_blocks = row_blocks
-        # False: no budget measured (a model whose caches it cannot count); nothing grows or is preempted.
-        self.bounded = bounded
+        self.bounded = bounded  # False: `unbounded`
         self.used = 0
         self.preemptions = 0
+
+    @classmethod
+    def unbounded(cls, block_size: int) -> KVBudget:
+        """No budget (a model whose caches it cannot count): nothing grows or is preempted."""
+        return cls(1 << 40, block_size, bounded=False)
 
     @property
     def free(self) -> int:
