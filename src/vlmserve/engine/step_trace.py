@@ -36,10 +36,14 @@ class StepTrace:
         self._phases = {}
 
     def mark(self, phase: str) -> None:
-        """The phase that ends now: its time, with the device's work it queued."""
+        """The phase that ends now: its time, with the device's work it queued, and the host's
+        share of it (`_queued_ms`, until the phase returned: the device idles through what of it
+        comes before the phase's first evaluation is queued)."""
+        queued = time.perf_counter()
         mx.synchronize()
         now = time.perf_counter()
         self._phases[f"{phase}_ms"] = round((now - self._last) * 1e3, 3)
+        self._phases[f"{phase}_queued_ms"] = round((queued - self._last) * 1e3, 3)
         self._last = now
 
     def end(self, **facts) -> None:

@@ -706,6 +706,8 @@ def test_a_step_trace_records_every_step_with_its_phases(monkeypatch, tmp_path):
         phases = ("admit_ms", "embed_ms", "prefill_ms", "stage_ms", "decode_ms")
         # (each figure rounded to the microsecond)
         assert all(all(s[p] >= 0 for p in phases) and s["step_ms"] + 0.01 >= sum(s[p] for p in phases) for s in steps)
+        # the host's share of each phase: until it returned, before the device's rest of it
+        assert all(0 <= s[p.replace("_ms", "_queued_ms")] <= s[p] + 0.01 for s in steps for p in phases)
         first = steps[0]
         assert first["embedded"] == 1 and first["images"] == 1 and first["prefill_tokens"] > 0
         assert first["embed_ms"] > 0 and first["prefill_ms"] > 0
