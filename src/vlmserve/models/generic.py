@@ -28,6 +28,7 @@ from vlmserve.engine.ops import (
     fused_projections,
     many_row_dequantized,
     rope_rotation,
+    tower_attention,
 )
 from vlmserve.engine.ops.attention_plans import AttentionPlans
 from vlmserve.models import kv_caches
@@ -226,6 +227,11 @@ class GenericModel:
         if cuda_kernels.enabled():  # elsewhere MLX's quantized matmul stays (and mlx_vlm's outputs, bit for bit)
             many_row_dequantized.install(self.model)
             many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile
+        # The tower's own attention calls skip cuDNN for shapes without a plan (tower_attention),
+        # unless a family routes them itself (and set attention_plans before this).
+        self.routes_tower_attention = self.attention_plans is None and cuda_kernels.cudnn_enabled()
+        if self.routes_tower_attention:
+            self.attention_plans = AttentionPlans()
 
     def row_memory(self) -> tuple[int, int] | None:
         """What one request's caches hold on the device: bytes per position (the keys and values of
@@ -332,8 +338,31 @@ class GenericModel:
 
     def warm_vision(self, prepared: PreparedRequest, max_images: int) -> int:
         """Build the vision tower's shapes for this request's image sizes at up to `max_images`
-        images per call; returns the tower runs made. Nothing to build on the generic path."""
-        return 0
+        images per call; returns the tower runs made: on CUDA, one of the request's own, whose
+        attention shapes get their cuDNN plans (tower_attention)."""
+        if not (self.routes_tower_attention and prepared.has_pixels):
+            return 0
+        input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
+        inputs = self.stage_inputs(prepared)
+        pixel_values = inputs.pop("pixel_values", None)
+        with self.attention_plans.building():
+            out = self._embed_pixels(input_ids, pixel_values, mx.ones(input_ids.shape, dtype=mx.int32), inputs)
+            mx.eval(out.inputs_embeds)
+        return 1
+
+    def _embed_pixels(self, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict):
+        """The model's embedding of a prompt with its images (the vision tower's call), its
+        attention routed off new cuDNN plans where this model's is (tower_attention)."""
+        if not self.routes_tower_attention or pixel_values is None:
+            return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+
+        def rebuild() -> None:  # the same call again, for the plans of its shapes (while idle)
+            again = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+            self._forget_positions()
+            mx.async_eval(again.inputs_embeds)
+
+        with tower_attention.routed(self.attention_plans, rebuild):
+            return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
 
     def embed_prompt(
         self,
@@ -357,7 +386,7 @@ class GenericModel:
             hit = self.feature_cache.lookup((key,), fits=lambda found: found[0][0].shape[0] == len(positions))
             if hit is not None:
                 return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
-        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        out = self._embed_pixels(input_ids, pixel_values, mask, dict(inputs))
         state = self._prompt_state(prepared, input_ids, inputs, out, mask)
         if reuse is not None:
             # The image's rows, and its rows for the layers that take vision features again (deepstack).

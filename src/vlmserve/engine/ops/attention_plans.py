@@ -32,6 +32,18 @@ MAX_WANTED = 64  # shapes queued; past it, the shape that lost least makes room 
 PLAN_BUILD_S = 0.07  # a cuDNN attention plan's build: 42-108 ms on an H100 (benchmarks/vision_attention.py)
 HOT_INTERVAL_S = 1.0  # at most one build between steps in this time: a bounded share of a busy server
 
+# What the plan-free kernel (engine/ops/prefill_attention) loses against cuDNN, for the rent-or-buy
+# rule: on an H100 it made 80-135 TFLOPS on 768-1024 px images where cuDNN made 150-280, so about
+# half of its time (benchmarks/vision_attention.py). Smaller images run at lower rates on both,
+# and lose a little more than this estimate, a fraction of a millisecond a call.
+PLAN_FREE_FLOPS = 100e12
+PLAN_FREE_LOSS = 0.5
+
+
+def plan_free_loss_s(count: int, length: int, heads: int, dim: int) -> float:
+    """Seconds an unmasked attention call of `count` x `heads` x `length`^2 x `dim` loses without its plan."""
+    return PLAN_FREE_LOSS * 4 * count * heads * length * length * dim / PLAN_FREE_FLOPS
+
 
 def _mlx_capacity() -> int:
     try:

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.ops import cuda_kernels, prefill_attention
-from vlmserve.engine.ops.attention_plans import AttentionPlans
+from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
 
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -83,18 +83,6 @@ def _plan_builder(dtype: mx.Dtype, count: int, length: int, heads: int, dim: int
     return build
 
 
-# What the plan-free kernel loses against cuDNN, for the rent-or-buy rule of attention_plans: on
-# an H100 it made 80-135 TFLOPS on 768-1024 px images where cuDNN made 150-280, so about half
-# of its time (benchmarks/vision_attention.py). Smaller images run at lower rates on both, and
-# lose a little more than this estimate, a fraction of a millisecond a call.
-PLAN_FREE_FLOPS = 100e12
-PLAN_FREE_LOSS = 0.5
-
-
-def _plan_free_loss_s(count: int, length: int, heads: int, dim: int) -> float:
-    return PLAN_FREE_LOSS * 4 * count * heads * length * length * dim / PLAN_FREE_FLOPS
-
-
 def segment_attention(
     q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float, plans: AttentionPlans | None = None
 ) -> mx.array:
@@ -114,7 +102,7 @@ def segment_attention(
             out = prefill_attention.attend_unmasked(q_run, k_run, v_run, scale)
             outs.append(out.reshape(count * length, heads, dim))
             build = _plan_builder(q.dtype, count, length, heads, dim, scale)
-            plans.want(key, build, _plan_free_loss_s(count, length, heads, dim))
+            plans.want(key, build, plan_free_loss_s(count, length, heads, dim))
             continue
         outs.append(_through_cudnn(q_run, k_run, v_run, scale))
         if plan_free:
