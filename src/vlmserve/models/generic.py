@@ -74,6 +74,17 @@ def device_inputs(host: dict[str, np.ndarray], bfloat16: frozenset[str] = frozen
     return {k: host_to_mx(v).view(mx.bfloat16) if k in bfloat16 else host_to_mx(v) for k, v in host.items()}
 
 
+def _call_signature(model_inputs: dict[str, np.ndarray]) -> tuple:
+    """What lays out a tower call's attention: its inputs' shapes and dtypes, and the values of
+    small integer ones (image grids, sizes, tile counts)."""
+    out = []
+    for name in sorted(model_inputs):
+        v = np.asarray(model_inputs[name])
+        small = v.size <= 64 and v.dtype.kind in "iub"
+        out.append((name, v.shape, v.dtype.str, tuple(v.reshape(-1).tolist()) if small else None))
+    return tuple(out)
+
+
 def _context_length(config: dict) -> int:
     text = config.get("text_config") or {}
     for source in (text, config):
@@ -154,6 +165,8 @@ class GenericModel:
     # window_size, handed to exactly those layers), so plain caches may stand in for its rotating
     # ones (kv_caches.plain_for_windows): a family sets it once its forward is known to.
     windows_in_masks = False
+    # Whether this model's vision tower attention takes tower_attention's route (set at load).
+    routes_tower_attention = False
 
     def __init__(
         self,
@@ -229,7 +242,7 @@ class GenericModel:
             many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile
         # The tower's own attention calls skip cuDNN for shapes without a plan (tower_attention),
         # unless a family routes them itself (and set attention_plans before this).
-        self.routes_tower_attention = self.attention_plans is None and cuda_kernels.cudnn_enabled()
+        self.routes_tower_attention = self.attention_plans is None and tower_attention.available()
         if self.routes_tower_attention:
             self.attention_plans = AttentionPlans()
 
@@ -345,24 +358,44 @@ class GenericModel:
         input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
         inputs = self.stage_inputs(prepared)
         pixel_values = inputs.pop("pixel_values", None)
+        mask = mx.ones(input_ids.shape, dtype=mx.int32)
         with self.attention_plans.building():
-            out = self._embed_pixels(input_ids, pixel_values, mx.ones(input_ids.shape, dtype=mx.int32), inputs)
-            mx.eval(out.inputs_embeds)
+            mx.eval(self._embed_pixels(prepared, input_ids, pixel_values, mask, inputs).inputs_embeds)
+        self._forget_positions()
         return 1
 
-    def _embed_pixels(self, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict):
+    def _embed_pixels(self, prepared: PreparedRequest, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict):
         """The model's embedding of a prompt with its images (the vision tower's call), its
         attention routed off new cuDNN plans where this model's is (tower_attention)."""
         if not self.routes_tower_attention or pixel_values is None:
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-
-        def rebuild() -> None:  # the same call again, for the plans of its shapes (while idle)
-            again = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-            self._forget_positions()
-            mx.async_eval(again.inputs_embeds)
-
-        with tower_attention.routed(self.attention_plans, rebuild):
+        call = _call_signature(prepared.model_inputs)
+        with tower_attention.routed(self.attention_plans, call, self._tower_rebuild(prepared, call)):
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+
+    def _tower_rebuild(self, prepared: PreparedRequest, call) -> Callable[[], None]:
+        """The same tower call again, for the cuDNN plans of its shapes (while idle): on zeros of
+        its pixels' shape (values do not shape a plan), its other inputs as they were, kept on
+        the host, so a queued rebuild holds no device memory."""
+        ids = prepared.prompt_ids.astype(np.int32)
+        host = dict(prepared.model_inputs)
+        zeroed = "pixel_values" in host
+        if zeroed:
+            host["pixel_values"] = (host["pixel_values"].shape, host["pixel_values"].dtype)
+        bfloat16 = prepared.bfloat16_inputs
+
+        def rebuild() -> None:
+            arrays = {k: np.zeros(*v) if zeroed and k == "pixel_values" else v for k, v in host.items()}
+            inputs = device_inputs(arrays, bfloat16)
+            pixel_values = inputs.pop("pixel_values")
+            input_ids = mx.array(ids)[None]
+            mask = mx.ones(input_ids.shape, dtype=mx.int32)
+            with tower_attention.routed(self.attention_plans, call, rebuild):  # each shape it meets: planned
+                out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+            self._forget_positions()
+            mx.async_eval(out.inputs_embeds)  # cuDNN builds each plan as its call is queued
+
+        return rebuild
 
     def embed_prompt(
         self,
@@ -386,7 +419,7 @@ class GenericModel:
             hit = self.feature_cache.lookup((key,), fits=lambda found: found[0][0].shape[0] == len(positions))
             if hit is not None:
                 return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
-        out = self._embed_pixels(input_ids, pixel_values, mask, dict(inputs))
+        out = self._embed_pixels(prepared, input_ids, pixel_values, mask, dict(inputs))
         state = self._prompt_state(prepared, input_ids, inputs, out, mask)
         if reuse is not None:
             # The image's rows, and its rows for the layers that take vision features again (deepstack).

@@ -78,9 +78,10 @@ class AttentionPlans:
             self._planned.popitem(last=False)
         self._wanted.pop(key, None)
 
-    def want(self, key: Hashable, build: Callable[[], None], lost_s: float) -> None:
+    def want(self, key: Hashable, build: Callable[[], None], lost_s: float, between_steps: bool = True) -> None:
         """A call of this shape ran without a plan, losing about `lost_s` against cuDNN: queue
-        `build` (one call of that shape through cuDNN). A shape whose build failed is not queued again."""
+        `build` (one call of that shape through cuDNN; built while idle only unless
+        `between_steps`). A shape whose build failed is not queued again."""
         wanted = self._wanted.get(key)
         if wanted is not None:
             wanted.lost_s += lost_s
@@ -92,7 +93,7 @@ class AttentionPlans:
             if self._wanted[least].lost_s >= lost_s:
                 return
             del self._wanted[least]
-        self._wanted[key] = _Wanted(build, lost_s)
+        self._wanted[key] = _Wanted(build, lost_s, between_steps)
 
     def pending(self) -> int:
         """Shapes queued (built while idle)."""
@@ -103,12 +104,15 @@ class AttentionPlans:
         between steps), and the last such build was long enough ago."""
         if _clock() - self._last_hot_build < HOT_INTERVAL_S:
             return False
-        return any(w.lost_s >= PLAN_BUILD_S for w in self._wanted.values())
+        return any(w.lost_s >= PLAN_BUILD_S and w.between_steps for w in self._wanted.values())
 
     def build_next(self, hot: bool = False) -> None:
         """Build the plan of the queued shape that lost most (`hot`: between steps, which starts
         the interval); a failure leaves that shape on the plan-free kernel."""
-        key = max(self._wanted, key=lambda k: self._wanted[k].lost_s)
+        keys = [k for k, w in self._wanted.items() if w.between_steps or not hot]
+        if not keys:
+            return
+        key = max(keys, key=lambda k: self._wanted[k].lost_s)
         if hot:
             self._last_hot_build = _clock()
         build = self._wanted.pop(key).build
@@ -134,3 +138,4 @@ class AttentionPlans:
 class _Wanted:
     build: Callable[[], None]
     lost_s: float  # summed over the calls that met the shape
+    between_steps: bool = True  # False: its build is longer than a plan's (built while idle only)

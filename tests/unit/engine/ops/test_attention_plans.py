@@ -93,3 +93,22 @@ def test_a_shape_is_due_between_steps_once_it_has_lost_a_plans_build_at_most_onc
     plans.build_next(hot=True)
     now[0] += attention_plans.HOT_INTERVAL_S
     assert built == ["larger", "large"] and not plans.hot() and plans.pending() == 1  # "small" waits for idle time
+
+
+def test_a_shape_whose_build_is_long_waits_for_idle_time_however_much_it_lost(monkeypatch):
+    """`between_steps=False` (a whole tower call rebuilds it): never due between steps, and a
+    build between steps passes it over; idle time builds it."""
+    from vlmserve.engine.ops import attention_plans
+
+    monkeypatch.setattr(attention_plans, "_clock", lambda: 100.0)
+    plans, built = AttentionPlans(), []
+    plans.want("tower", lambda: built.append("tower"), 10 * PLAN_BUILD_S, between_steps=False)
+    assert not plans.hot()
+    plans.build_next(hot=True)  # nothing it may build
+    assert built == [] and plans.pending() == 1
+    plans.want("segment", lambda: built.append("segment"), 2 * PLAN_BUILD_S)
+    assert plans.hot()
+    plans.build_next(hot=True)
+    assert built == ["segment"]
+    plans.build_next()  # idle
+    assert built == ["segment", "tower"] and plans.pending() == 0
