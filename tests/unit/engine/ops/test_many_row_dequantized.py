@@ -44,6 +44,36 @@ def test_many_rows_dequantize_few_rows_stay_quantized():
     np.testing.assert_allclose(many, many_ref, rtol=1e-4, atol=1e-4)  # the same values as quantized
 
 
+def test_a_layer_of_one_group_a_row_takes_the_dequantized_weight_at_any_row_count():
+    """Inputs as wide as a group: MLX's CUDA quantized matmul (0.32.4) is wrong there
+    (benchmarks/qmm_one_group.py), so every call runs on the dequantized weight."""
+
+    def work():
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from vlmserve.engine.ops import many_row_dequantized
+
+        mx.random.seed(0)
+        one, two = (nn.QuantizedLinear(k, 96, bias=False, group_size=64, bits=4) for k in (64, 128))
+        many_row_dequantized.install(nn.Sequential(one, two))
+        weight = mx.dequantize(one["weight"], one["scales"], one["biases"], group_size=64, bits=4)
+        dequantized, own = [], many_row_dequantized.dequantize
+        many_row_dequantized.dequantize = lambda module: dequantized.append(module) or own(module)
+        try:
+            rows = [mx.random.normal((n, 64), key=mx.random.key(n)) for n in (1, 4, 20)]
+            outs = [(np.array(one(x)), np.array(x @ weight.T)) for x in rows]
+            two(mx.random.normal((4, 128)))  # two groups a row: MLX's quantized matmul
+        finally:
+            many_row_dequantized.dequantize = own
+        return outs, [m is one for m in dequantized]
+
+    outs, calls = on_own_thread(work)
+    assert calls == [True] * 3
+    for ours, dense in outs:
+        assert np.array_equal(ours, dense)
+
+
 def test_while_a_settings_kernels_are_built_its_calls_of_8_rows_or_more_run_dequantized():
     """many_row_dequantized.hold: a layer and a tied output embedding of a held (bits, group) run
     8 rows or more on the dequantized weight, fewer rows on MLX's quantized matmul; a setting not
