@@ -74,15 +74,34 @@ def device_inputs(host: dict[str, np.ndarray], bfloat16: frozenset[str] = frozen
     return {k: host_to_mx(v).view(mx.bfloat16) if k in bfloat16 else host_to_mx(v) for k, v in host.items()}
 
 
-def _call_signature(model_inputs: dict[str, np.ndarray]) -> tuple:
-    """What lays out a tower call's attention: its inputs' shapes and dtypes, and the values of
-    small integer ones (image grids, sizes, tile counts)."""
+def _call_signature(prepared: PreparedRequest) -> tuple:
+    """What lays out a tower call's attention: its inputs' shapes and dtypes, and the values of its
+    image grids (a tower that slices each image out of the call lays it out by the others).
+    Inputs as long as the prompt (token types, labels) say nothing about the tower: left out."""
+    length = prepared.num_prompt_tokens
     out = []
-    for name in sorted(model_inputs):
-        v = np.asarray(model_inputs[name])
-        small = v.size <= 64 and v.dtype.kind in "iub"
-        out.append((name, v.shape, v.dtype.str, tuple(v.reshape(-1).tolist()) if small else None))
+    for name in sorted(prepared.model_inputs):
+        v = np.asarray(prepared.model_inputs[name])
+        if v.ndim <= 2 and v.ndim and v.shape[-1] == length:
+            continue
+        grid = "grid" in name and v.dtype.kind in "iu"
+        out.append((name, v.shape, v.dtype.str, tuple(v.reshape(-1).tolist()) if grid else None))
     return tuple(out)
+
+
+def _stand_in_pixels(pixels: np.ndarray) -> Callable[[], np.ndarray]:
+    """Pixels of `pixels`' shape for a rebuild, holding none of its memory: ones, but zeros for
+    each image (the last three axes) that was all zeros (a tower may drop those as padding)."""
+    shape, dtype = pixels.shape, pixels.dtype
+    blank = ~pixels.reshape(*shape[:-3], -1).any(axis=-1) if pixels.ndim >= 4 else None
+
+    def make() -> np.ndarray:
+        out = np.ones(shape, dtype)
+        if blank is not None:
+            out[blank] = 0
+        return out
+
+    return make
 
 
 def _context_length(config: dict) -> int:
@@ -359,9 +378,11 @@ class GenericModel:
         inputs = self.stage_inputs(prepared)
         pixel_values = inputs.pop("pixel_values", None)
         mask = mx.ones(input_ids.shape, dtype=mx.int32)
-        with self.attention_plans.building():
-            mx.eval(self._embed_pixels(prepared, input_ids, pixel_values, mask, inputs).inputs_embeds)
-        self._forget_positions()
+        try:
+            with self.attention_plans.building():
+                mx.eval(self._embed_pixels(prepared, input_ids, pixel_values, mask, inputs).inputs_embeds)
+        finally:
+            self._forget_positions()
         return 1
 
     def _embed_pixels(self, prepared: PreparedRequest, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict):
@@ -369,30 +390,32 @@ class GenericModel:
         attention routed off new cuDNN plans where this model's is (tower_attention)."""
         if not self.routes_tower_attention or pixel_values is None:
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-        call = _call_signature(prepared.model_inputs)
+        call = _call_signature(prepared)
         with tower_attention.routed(self.attention_plans, call, self._tower_rebuild(prepared, call)):
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
 
     def _tower_rebuild(self, prepared: PreparedRequest, call) -> Callable[[], None]:
-        """The same tower call again, for the cuDNN plans of its shapes (while idle): on zeros of
+        """The same tower call again, for the cuDNN plans of its shapes: on stand-in pixels of
         its pixels' shape (values do not shape a plan), its other inputs as they were, kept on
         the host, so a queued rebuild holds no device memory."""
-        ids = prepared.prompt_ids.astype(np.int32)
         host = dict(prepared.model_inputs)
-        zeroed = "pixel_values" in host
-        if zeroed:
-            host["pixel_values"] = (host["pixel_values"].shape, host["pixel_values"].dtype)
-        bfloat16 = prepared.bfloat16_inputs
+        pixels = host.pop("pixel_values", None)
+        stand_in = None if pixels is None else _stand_in_pixels(pixels)
+        del pixels
+        ids, bfloat16 = prepared.prompt_ids, prepared.bfloat16_inputs
 
         def rebuild() -> None:
-            arrays = {k: np.zeros(*v) if zeroed and k == "pixel_values" else v for k, v in host.items()}
-            inputs = device_inputs(arrays, bfloat16)
-            pixel_values = inputs.pop("pixel_values")
-            input_ids = mx.array(ids)[None]
+            arrays = host if stand_in is None else {**host, "pixel_values": stand_in()}
+            again = PreparedRequest(prompt_ids=ids, model_inputs=arrays, bfloat16_inputs=bfloat16)
+            inputs = self.stage_inputs(again)
+            pixel_values = inputs.pop("pixel_values", None)
+            input_ids = mx.array(ids.astype(np.int32))[None]
             mask = mx.ones(input_ids.shape, dtype=mx.int32)
-            with tower_attention.routed(self.attention_plans, call, rebuild):  # each shape it meets: planned
-                out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-            self._forget_positions()
+            try:
+                with tower_attention.routed(self.attention_plans, call, rebuild):  # marks the shapes it meets
+                    out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+            finally:
+                self._forget_positions()
             mx.async_eval(out.inputs_embeds)  # cuDNN builds each plan as its call is queued
 
         return rebuild

@@ -78,10 +78,18 @@ class AttentionPlans:
             self._planned.popitem(last=False)
         self._wanted.pop(key, None)
 
-    def want(self, key: Hashable, build: Callable[[], None], lost_s: float, between_steps: bool = True) -> None:
+    def want(
+        self,
+        key: Hashable,
+        build: Callable[[], None],
+        lost_s: float,
+        build_s: float = PLAN_BUILD_S,
+        notes_itself: bool = False,
+    ) -> None:
         """A call of this shape ran without a plan, losing about `lost_s` against cuDNN: queue
-        `build` (one call of that shape through cuDNN; built while idle only unless
-        `between_steps`). A shape whose build failed is not queued again."""
+        `build` (one call of that shape through cuDNN, costing about `build_s`; with
+        `notes_itself` a call that marks the shapes it meets as planned, which may be several).
+        A shape whose build failed, or did not meet it, is not queued again."""
         wanted = self._wanted.get(key)
         if wanted is not None:
             wanted.lost_s += lost_s
@@ -93,7 +101,7 @@ class AttentionPlans:
             if self._wanted[least].lost_s >= lost_s:
                 return
             del self._wanted[least]
-        self._wanted[key] = _Wanted(build, lost_s, between_steps)
+        self._wanted[key] = _Wanted(build, lost_s, build_s, notes_itself)
 
     def pending(self) -> int:
         """Shapes queued (built while idle)."""
@@ -104,25 +112,32 @@ class AttentionPlans:
         between steps), and the last such build was long enough ago."""
         if _clock() - self._last_hot_build < HOT_INTERVAL_S:
             return False
-        return any(w.lost_s >= PLAN_BUILD_S and w.between_steps for w in self._wanted.values())
+        return any(w.lost_s >= w.build_s for w in self._wanted.values())
 
     def build_next(self, hot: bool = False) -> None:
-        """Build the plan of the queued shape that lost most (`hot`: between steps, which starts
-        the interval); a failure leaves that shape on the plan-free kernel."""
-        keys = [k for k, w in self._wanted.items() if w.between_steps or not hot]
+        """Build the plan of the queued shape that lost most (`hot`: between steps, of the shapes
+        that have lost their build's cost, which starts the interval); a failure leaves that shape
+        on the plan-free kernel (and every shape queued with the same build)."""
+        keys = [k for k, w in self._wanted.items() if not hot or w.lost_s >= w.build_s]
         if not keys:
             return
         key = max(keys, key=lambda k: self._wanted[k].lost_s)
         if hot:
             self._last_hot_build = _clock()
-        build = self._wanted.pop(key).build
+        wanted = self._wanted.pop(key)
         try:
             with self.building():
-                build()
+                wanted.build()
         except Exception:
-            self._failed.add(key)
+            same = [k for k, w in self._wanted.items() if w.build is wanted.build]
+            for k in [key, *same]:
+                self._wanted.pop(k, None)
+                self._failed.add(k)
             raise
-        self.note_planned(key)
+        if not wanted.notes_itself:
+            self.note_planned(key)
+        elif key not in self._planned:  # its build met other shapes: this one would go on failing
+            self._failed.add(key)
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
@@ -138,4 +153,5 @@ class AttentionPlans:
 class _Wanted:
     build: Callable[[], None]
     lost_s: float  # summed over the calls that met the shape
-    between_steps: bool = True  # False: its build is longer than a plan's (built while idle only)
+    build_s: float = PLAN_BUILD_S  # what its build costs: between steps once it has lost as much
+    notes_itself: bool = False  # its build marks what it met as planned

@@ -7,8 +7,9 @@ image size, tile count or image count. Inside `routed(plans, call, rebuild)` (on
 an unmasked call whose shape has no plan yet runs the plan-free kernel
 (engine/ops/prefill_attention: lengths are launch arguments there), and once the tower call
 returns, its shapes are queued in `plans` (engine/ops/attention_plans) with `rebuild`, which
-runs that tower call again (on zeros of its pixels' shape) while the engine is idle: its plans
-then have the layout (strides) the real calls have. cuDNN's plans are keyed by strides too,
+runs that tower call again (on stand-in pixels of the same shape), while the engine is idle or
+between steps once the shapes have lost that rebuild's cost: its plans then have the layout
+(strides) the real calls have, and only the shapes it met count as planned. cuDNN's plans are keyed by strides too,
 and a tower that slices each image out of the whole call's queries lays an image out by what
 else the call holds, so a shape's key includes `call`, the tower call's signature. Shapes
 met inside `plans.building()` (warm-up, those rebuilds) go to cuDNN. Masked calls (several
@@ -26,7 +27,7 @@ from collections.abc import Callable, Hashable, Iterator
 import mlx.core as mx
 
 from vlmserve.engine.ops import composed_attention, cuda_kernels, prefill_attention
-from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
+from vlmserve.engine.ops.attention_plans import PLAN_BUILD_S, AttentionPlans, plan_free_loss_s
 
 
 def available() -> bool:
@@ -84,6 +85,8 @@ def routed(plans: AttentionPlans, call: Hashable, rebuild: Callable[[], None]) -
         yield
     finally:
         mx.fast.scaled_dot_product_attention = original
-    # A whole tower call rebuilds them, longer than a plan's build: only while idle.
+    # Their build runs the whole tower call again: about a plan's build for the call (an
+    # estimate) besides each plan's own.
+    build_s = PLAN_BUILD_S * (len(lost) + 1)
     for key, seconds in lost.items():
-        plans.want(key, rebuild, seconds, between_steps=False)
+        plans.want(key, rebuild, seconds, build_s=build_s, notes_itself=True)

@@ -95,20 +95,56 @@ def test_a_shape_is_due_between_steps_once_it_has_lost_a_plans_build_at_most_onc
     assert built == ["larger", "large"] and not plans.hot() and plans.pending() == 1  # "small" waits for idle time
 
 
-def test_a_shape_whose_build_is_long_waits_for_idle_time_however_much_it_lost(monkeypatch):
-    """`between_steps=False` (a whole tower call rebuilds it): never due between steps, and a
-    build between steps passes it over; idle time builds it."""
+def test_a_shape_whose_build_costs_more_is_due_between_steps_only_once_it_lost_that(monkeypatch):
+    """`build_s`: a build that runs a whole tower call again is due between steps once the shape
+    has lost that much, not a plan's build; one due shape does not make the others due."""
     from vlmserve.engine.ops import attention_plans
 
-    monkeypatch.setattr(attention_plans, "_clock", lambda: 100.0)
+    now = [100.0]
+    monkeypatch.setattr(attention_plans, "_clock", lambda: now[0])
     plans, built = AttentionPlans(), []
-    plans.want("tower", lambda: built.append("tower"), 10 * PLAN_BUILD_S, between_steps=False)
+    plans.want("tower", lambda: built.append("tower"), 2 * PLAN_BUILD_S, build_s=5 * PLAN_BUILD_S)
     assert not plans.hot()
-    plans.build_next(hot=True)  # nothing it may build
+    plans.build_next(hot=True)  # nothing due
     assert built == [] and plans.pending() == 1
     plans.want("segment", lambda: built.append("segment"), 2 * PLAN_BUILD_S)
     assert plans.hot()
     plans.build_next(hot=True)
     assert built == ["segment"]
-    plans.build_next()  # idle
+    now[0] += attention_plans.HOT_INTERVAL_S
+    plans.want("tower", lambda: None, 3 * PLAN_BUILD_S)  # lost 5 plans' builds now
+    assert plans.hot()
+    plans.build_next(hot=True)
     assert built == ["segment", "tower"] and plans.pending() == 0
+
+
+def test_a_build_that_notes_its_own_shapes_plans_only_those_it_met():
+    """`notes_itself`: the build marks what it met (note_planned under `building()`); a queued
+    shape it did not meet is not planned, and is not queued again (it would fail again). A
+    failing build takes every shape queued with it out."""
+    plans = AttentionPlans()
+
+    def meets_a_only():
+        assert plans.planned("a")
+        plans.note_planned("a")
+
+    plans.want("a", meets_a_only, 1.0, notes_itself=True)
+    plans.want("b", meets_a_only, 0.5, notes_itself=True)
+    plans.build_next()  # "a" lost most: built, and it met only "a"
+    assert plans.planned("a") and plans.pending() == 1
+    plans.build_next()  # "b": its build met "a" again, not "b"
+    assert not plans.planned("b") and plans.pending() == 0
+    plans.want("b", meets_a_only, 1.0, notes_itself=True)
+    assert plans.pending() == 0  # given up on
+
+    def fails():
+        raise RuntimeError("no")
+
+    plans.want("c", fails, 1.0, notes_itself=True)
+    plans.want("d", fails, 0.5, notes_itself=True)
+    plans.want("e", lambda: None, 0.1)
+    with pytest.raises(RuntimeError):
+        plans.build_next()
+    assert plans.pending() == 1  # "d" went with "c"; "e" stays
+    plans.want("d", fails, 1.0, notes_itself=True)
+    assert plans.pending() == 1
