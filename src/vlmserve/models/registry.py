@@ -17,6 +17,7 @@ _FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
     "internvl_chat": ("vlmserve.models.internvl_chat.processing:InternVLProcessing", None),
     "kimi_vl": ("vlmserve.models.kimi_vl.processing:KimiVLProcessing", None),
     "llava_next": ("vlmserve.models.llava_next.processing:LlavaNextProcessing", None),
+    "mistral3": (None, "vlmserve.models.mistral3.adapter:Mistral3Model"),
     "qwen2_vl": (
         "vlmserve.models.qwen2_vl.processing:QwenVLProcessing",
         "vlmserve.models.qwen2_vl.adapter:QwenVLModel",
