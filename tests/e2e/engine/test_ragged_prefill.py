@@ -74,10 +74,23 @@ def _count_calls(model) -> list[list[tuple[int, int]]]:
 
 
 # M-RoPE (qwen2_vl, glm4v), deepstack rows (qwen3_vl), plain RoPE offsets (llava, mistral3,
-# idefics3, internvl_chat), multi-head latent attention (kimi_vl), sliding-window layers on plain
-# caches (gemma3; its windows bind in tests/e2e/models/test_sliding_windows.py).
+# idefics3, internvl_chat), per-row query scales (ministral3), multi-head latent attention
+# (kimi_vl), sliding-window layers on plain caches (gemma3; its windows bind in
+# tests/e2e/models/test_sliding_windows.py).
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "glm4v", "qwen3_vl", "llava", "mistral3", "idefics3", "internvl_chat", "kimi_vl", "gemma3"]
+    "family",
+    [
+        "qwen2_vl",
+        "glm4v",
+        "qwen3_vl",
+        "llava",
+        "mistral3",
+        "ministral3",
+        "idefics3",
+        "internvl_chat",
+        "kimi_vl",
+        "gemma3",
+    ],
 )
 def test_pieces_prefilled_together_give_each_prompts_own_tokens(family, tmp_path_factory):
     server = _server(family, tmp_path_factory)

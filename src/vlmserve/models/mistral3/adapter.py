@@ -62,7 +62,9 @@ _CLASSES: dict[type, type] = {}
 def install(text_model) -> bool:
     """Swap a Ministral 3 text model's forward for the per-row one; False for other text models."""
     base = type(text_model)
-    if base.__name__ != "Ministral3" or base in _CLASSES.values():
+    if base in _CLASSES.values():
+        return False
+    if base.__name__ != "Ministral3" or not base.__module__.startswith("mlx_vlm.models.mistral3"):
         return False
     if base not in _CLASSES:
         _CLASSES[base] = _make_class(base)
