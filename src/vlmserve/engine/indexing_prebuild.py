@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 240.0  # a build process past this is stopped (the engine compiles what it lacks)
 FIRST_WAIT_S = 10.0  # the longest a load waits for the first modules (one takes 4-5 s of a core)
 _POLL_S = 0.2
+PROGRESS_S = 5.0  # at most one progress line in this time
 _INDEX_DTYPES = ("int32", "uint32")  # what the models' index arrays and argsort/argmax outputs are
 
 
@@ -159,7 +160,18 @@ class Prebuild:
 
     def _reap(self) -> None:
         pending, failed = list(self.builds), 0
+        shown, shown_at = 0, time.monotonic()
         while pending and not self._stopping.is_set():
+            if time.monotonic() - shown_at >= PROGRESS_S:  # a line while they run: n of N so far
+                shown_at, built = time.monotonic(), self.built()
+                if built > shown:
+                    shown = built
+                    log.info(
+                        "MLX's indexing kernels: %d/%d in the kernel cache (%.0f s)",
+                        built,
+                        len(self.specs),
+                        shown_at - self.started,
+                    )
             late = time.monotonic() - self.started > self._timeout
             with self._lock:
                 if self._stopping.is_set():

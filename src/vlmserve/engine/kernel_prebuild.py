@@ -141,6 +141,15 @@ class Background:
         self._by_setting: dict[tuple[int, int], list[KernelBuild]] = {}
         for b in builds:
             self._by_setting.setdefault(b.setting, []).append(b)
+        self._builds, self._ended = list(builds), 0
+
+    def _note_progress(self) -> None:
+        """A line each time more builds have ended: n of N, while the rest run."""
+        ended = sum(b.staged.done() for b in self._builds)
+        if ended > self._ended:
+            self._ended = ended
+            since = max(time.monotonic() - b.staged.started for b in self._builds)
+            log.info("quantized matmul kernels: %d/%d builds ended (%.0f s)", ended, len(self._builds), since)
 
     def pending(self) -> int:
         """Settings not taken yet."""
@@ -151,6 +160,7 @@ class Background:
 
     def ready(self) -> bool:
         """Whether a setting's builds are all over (`take_one` has work)."""
+        self._note_progress()
         return any(self._due(builds) for builds in self._by_setting.values())
 
     def take_one(self) -> tuple[tuple[int, int], str] | None:

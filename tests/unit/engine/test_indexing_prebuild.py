@@ -120,6 +120,51 @@ def test_a_start_builds_what_the_cache_lacks_over_the_processes_and_files_each_p
     assert indexing_prebuild.start(model) is None  # no kernel cache: nothing is kept
 
 
+def test_builds_under_way_say_how_many_modules_are_in_the_cache(tmp_path, monkeypatch, caplog):
+    """A start users can watch: while the processes run, a line says n of N modules are filed
+    (at most one every PROGRESS_S, and only when n grew)."""
+    cache = tmp_path / "kc"
+    cache.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(indexing_prebuild, "PROGRESS_S", 0.0)
+    running = threading.Event()
+    running.set()
+
+    class Staged:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def done(self):
+            return not running.is_set()
+
+        def finish(self, timeout):
+            return True
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(indexing_prebuild, "StagedBuild", Staged)
+    with caplog.at_level(logging.INFO, logger=indexing_prebuild.__name__):
+        prebuild = indexing_prebuild.start(model, processes=2)
+        total = len(prebuild.specs)
+        try:
+            for spec in prebuild.specs[:3]:
+                (cache / f"{indexing_prebuild.module_name(spec)}.ptx").write_bytes(b"built")
+            deadline = time.monotonic() + 10
+            while f"3/{total} in the kernel cache" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+        finally:
+            running.clear()
+            prebuild._thread.join(10)
+    progress = [r.getMessage() for r in caplog.records if "in the kernel cache (" in r.getMessage()]
+    assert len(progress) == 1  # none while nothing was filed, none again while nothing more was
+    assert f"3 of {total} modules in the kernel cache" in caplog.text  # the closing line
+
+
 def test_a_build_past_its_time_is_stopped(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()

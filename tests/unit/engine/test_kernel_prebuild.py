@@ -134,6 +134,24 @@ def test_a_setting_is_taken_when_all_its_builds_have_ended_and_stays_dequantized
     assert background.pending() == 0 and not background.ready()
 
 
+def test_each_build_that_ends_moves_a_progress_line_on(caplog):
+    """A start users can watch: n of N builds ended, a line each time n grows."""
+    one, two = _Staged(), _Staged()
+    background = kernel_prebuild.Background([_build(4, 64, 16, one), _build(4, 64, 32, two)], timeout=300)
+    with caplog.at_level(logging.INFO, logger=kernel_prebuild.__name__):
+        background.ready()
+        one.ended = True
+        background.ready()
+        background.ready()
+        two.ended = True
+        background.ready()
+    lines = [r.getMessage() for r in caplog.records if "builds ended" in r.getMessage()]
+    assert [line.split(" (")[0] for line in lines] == [
+        "quantized matmul kernels: 1/2 builds ended",
+        "quantized matmul kernels: 2/2 builds ended",
+    ]
+
+
 def test_a_build_past_the_timeout_is_stopped_and_its_setting_stays_dequantized(monkeypatch):
     monkeypatch.setattr(kernel_prebuild, "build", lambda *args: pytest.fail("a failed setting loads nothing"))
     slow, stopped = _Staged(started=time.monotonic() - 10), _Staged()
