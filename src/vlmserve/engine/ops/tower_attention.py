@@ -3,17 +3,19 @@
 mlx_vlm's towers call `mx.fast.scaled_dot_product_attention` themselves, and on CUDA MLX
 hands every prompt-shaped call to cuDNN, which builds a plan the first time it meets a shape
 (42-108 ms on an H100, while every stream waits). A tower meets a new shape with each new
-image size, tile count or image count. Inside `routed(plans, call, rebuild)` (one tower call),
-an unmasked call whose shape has no plan yet runs the plan-free kernel
-(engine/ops/prefill_attention: lengths are launch arguments there), and once the tower call
-returns, its shapes are queued in `plans` (engine/ops/attention_plans) with `rebuild`, which
-runs that tower call again (on stand-in pixels of the same shape), while the engine is idle or
-between steps once the shapes have lost that rebuild's cost: its plans then have the layout
-(strides) the real calls have, and only the shapes it met count as planned. cuDNN's plans are keyed by strides too,
-and a tower that slices each image out of the whole call's queries lays an image out by what
-else the call holds, so a shape's key includes `call`, the tower call's signature. Shapes
-met inside `plans.building()` (warm-up, those rebuilds) go to cuDNN. Masked calls (several
-images in one sequence) keep MLX's route.
+image size, tile count or image count.
+
+Inside `routed(plans, call, rebuild)` (one tower call), an unmasked call whose shape has no
+plan yet runs the plan-free kernel (engine/ops/prefill_attention: lengths are launch
+arguments there). Once the tower call returns, its shapes are queued in `plans`
+(engine/ops/attention_plans) with `rebuild`, which runs that tower call again on stand-in
+pixels of the same shape: while the engine is idle, or between steps once the shapes have
+lost that rebuild's cost. Its plans then have the layout (strides) the real calls have, and
+only the shapes it met count as planned. cuDNN's plans are keyed by strides, and a tower that
+slices each image out of the whole call's queries lays an image out by what else the call
+holds, so a shape's key includes `call`, the tower call's signature. Shapes met inside
+`plans.building()` (warm-up, those rebuilds) go to cuDNN. Masked calls (several images in one
+sequence) keep MLX's route.
 
 The two agree to bf16 rounding. Qwen-VL's towers have their own route
 (models/qwen2_vl/vision_attention.py), which batches equal segments first.
