@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import mlx.core as mx
@@ -292,8 +292,16 @@ class _Filer:
         jobs = sorted(jobs, key=lambda job: job.get("later", False))  # each process builds its share in turn
         count = max(1, min(len(jobs), SIDE_PROCESSES))
         parts = [jobs[i::count] for i in range(count)]
+        outcomes: list = [None] * count
         with ThreadPoolExecutor(count) as pool:
-            outcomes = list(pool.map(_build_in_process, parts))
+            futures = {pool.submit(_build_in_process, part): i for i, part in enumerate(parts)}
+            done = 0
+            for future in as_completed(futures):
+                i = futures[future]
+                outcomes[i] = future.result()
+                done += len(parts[i])
+                if done < len(jobs):  # while the others still build: n of N so far
+                    log.info("vlmserve's CUDA kernels: %d/%d built (%.0f s)", done, len(jobs), time.perf_counter() - t0)
         built = sum(result["built"] for result, _ in outcomes if result)
         failed = sum(result["failed"] for result, _ in outcomes if result)
         for (result, errors), part in zip(outcomes, parts):

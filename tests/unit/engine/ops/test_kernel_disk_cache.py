@@ -374,6 +374,8 @@ def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkey
     assert filer.filed == 4
     assert "filed 4 of vlmserve's CUDA kernels in the kernel cache for the next start (1 failed)" in caplog.text
     assert "1 CUDA kernels could not be filed: nvrtc: bad" in caplog.text
+    progress = [r.getMessage() for r in caplog.records if "/5 built (" in r.getMessage()]
+    assert len(progress) == 2  # after each process but the last: n of N so far
 
 
 def test_the_filer_is_busy_while_builds_are_queued_or_being_filed(tmp_path, monkeypatch):
