@@ -163,7 +163,11 @@ class Prebuild:
         shown, shown_at = 0, time.monotonic()
         while pending and not self._stopping.is_set():
             if time.monotonic() - shown_at >= PROGRESS_S:  # a line while they run: n of N so far
-                shown_at, built = time.monotonic(), self.built()
+                shown_at = time.monotonic()
+                try:
+                    built = self.built()
+                except OSError:  # the cache unreadable for now: the builds are still reaped
+                    built = shown
                 if built > shown:
                     shown = built
                     log.info(

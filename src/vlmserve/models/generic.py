@@ -391,7 +391,7 @@ class GenericModel:
         if not self.routes_tower_attention or pixel_values is None:
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
         call = _call_signature(prepared)
-        with tower_attention.routed(self.attention_plans, call, self._tower_rebuild(prepared, call)):
+        with tower_attention.routed(self.attention_plans, call, lambda: self._tower_rebuild(prepared, call)):
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
 
     def _tower_rebuild(self, prepared: PreparedRequest, call) -> Callable[[], None]:
@@ -412,7 +412,7 @@ class GenericModel:
             input_ids = mx.array(ids.astype(np.int32))[None]
             mask = mx.ones(input_ids.shape, dtype=mx.int32)
             try:
-                with tower_attention.routed(self.attention_plans, call, rebuild):  # marks the shapes it meets
+                with tower_attention.routed(self.attention_plans, call, lambda: rebuild):  # marks what it meets
                     out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
             finally:
                 self._forget_positions()

@@ -136,8 +136,13 @@ class AttentionPlans:
             raise
         if not wanted.notes_itself:
             self.note_planned(key)
-        elif key not in self._planned:  # its build met other shapes: this one would go on failing
-            self._failed.add(key)
+            return
+        # What the build met is planned (and out of the queue); what it did not meet, this shape
+        # or another queued with the same build, would only fail again.
+        unmet = [k for k, w in self._wanted.items() if w.build is wanted.build]
+        for k in [key, *unmet] if key not in self._planned else unmet:
+            self._wanted.pop(k, None)
+            self._failed.add(k)
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:

@@ -32,6 +32,8 @@ import mlx.core as mx
 
 from vlmserve.engine.kernel_staging import SIDE_PROCESSES
 
+PROGRESS_S = 5.0  # a filing that has taken this long says how far it got
+
 log = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
@@ -300,8 +302,9 @@ class _Filer:
                 i = futures[future]
                 outcomes[i] = future.result()
                 done += len(parts[i])
-                if done < len(jobs):  # while the others still build: n of N so far
-                    log.info("vlmserve's CUDA kernels: %d/%d built (%.0f s)", done, len(jobs), time.perf_counter() - t0)
+                took = time.perf_counter() - t0
+                if done < len(jobs) and took >= PROGRESS_S:  # a long filing (a first start's): n of N so far
+                    log.info("vlmserve's CUDA kernels: %d/%d done (%.0f s)", done, len(jobs), took)
         built = sum(result["built"] for result, _ in outcomes if result)
         failed = sum(result["failed"] for result, _ in outcomes if result)
         for (result, errors), part in zip(outcomes, parts):

@@ -63,11 +63,11 @@ def _plan_free(queries: mx.array, keys: mx.array, values: mx.array, scale: float
 
 
 @contextlib.contextmanager
-def routed(plans: AttentionPlans, call: Hashable, rebuild: Callable[[], None]) -> Iterator[None]:
+def routed(plans: AttentionPlans, call: Hashable, rebuild: Callable[[], Callable[[], None]]) -> Iterator[None]:
     """Within: `mx.fast.scaled_dot_product_attention` calls a tower makes take the plan-free
     kernel where their shape (in this tower call, `call`) has no cuDNN plan; those shapes are
-    queued with `rebuild` if the tower call returns. The worker thread is the only one that
-    runs MLX, so nothing else meets the rebinding."""
+    queued with the build `rebuild()` makes (asked for only then) if the tower call returns.
+    The worker thread is the only one that runs MLX, so nothing else meets the rebinding."""
     original = mx.fast.scaled_dot_product_attention
     lost: dict[Hashable, float] = {}
 
@@ -89,6 +89,8 @@ def routed(plans: AttentionPlans, call: Hashable, rebuild: Callable[[], None]) -
         mx.fast.scaled_dot_product_attention = original
     # Their build runs the whole tower call again: about a plan's build for the call (an
     # estimate) besides each plan's own.
-    build_s = PLAN_BUILD_S * (len(lost) + 1)
+    if not lost:
+        return
+    build, build_s = rebuild(), PLAN_BUILD_S * (len(lost) + 1)
     for key, seconds in lost.items():
-        plans.want(key, rebuild, seconds, build_s=build_s, notes_itself=True)
+        plans.want(key, build, seconds, build_s=build_s, notes_itself=True)

@@ -130,12 +130,16 @@ def test_a_build_that_notes_its_own_shapes_plans_only_those_it_met():
 
     plans.want("a", meets_a_only, 1.0, notes_itself=True)
     plans.want("b", meets_a_only, 0.5, notes_itself=True)
+    plans.want("x", lambda: None, 0.1)  # another build's
     plans.build_next()  # "a" lost most: built, and it met only "a"
-    assert plans.planned("a") and plans.pending() == 1
-    plans.build_next()  # "b": its build met "a" again, not "b"
-    assert not plans.planned("b") and plans.pending() == 0
+    assert plans.planned("a") and not plans.planned("b")
+    assert plans.pending() == 1  # "b", queued with the same build, is given up on; "x" stays
     plans.want("b", meets_a_only, 1.0, notes_itself=True)
-    assert plans.pending() == 0  # given up on
+    assert plans.pending() == 1
+    plans.build_next()  # "x"
+    plans.want("z", meets_a_only, 1.0, notes_itself=True)
+    plans.build_next()  # its build met "a" only: "z" is given up on
+    assert not plans.planned("z") and plans.pending() == 0
 
     def fails():
         raise RuntimeError("no")

@@ -374,8 +374,21 @@ def test_a_filing_splits_its_builds_over_processes_side_by_side(tmp_path, monkey
     assert filer.filed == 4
     assert "filed 4 of vlmserve's CUDA kernels in the kernel cache for the next start (1 failed)" in caplog.text
     assert "1 CUDA kernels could not be filed: nvrtc: bad" in caplog.text
-    progress = [r.getMessage() for r in caplog.records if "/5 built (" in r.getMessage()]
+    assert "/5 done (" not in caplog.text  # a quick filing says nothing on the way
+
+
+def test_a_long_filing_says_how_far_it_got(tmp_path, monkeypatch, caplog):
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    monkeypatch.setattr(kdc, "SIDE_PROCESSES", 3)
+    monkeypatch.setattr(kdc, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(kdc, "_build_in_process", lambda jobs: ({"built": len(jobs), "failed": 0}, ""))
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
+    with caplog.at_level("INFO"):
+        filer._file([{"path": p} for p in ("a", "b", "c", "d", "e")])
+    progress = [r.getMessage().split(" (")[0] for r in caplog.records if "/5 done (" in r.getMessage()]
     assert len(progress) == 2  # after each process but the last: n of N so far
+    assert progress[-1] in ("vlmserve's CUDA kernels: 3/5 done", "vlmserve's CUDA kernels: 4/5 done")
 
 
 def test_the_filer_is_busy_while_builds_are_queued_or_being_filed(tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ def test_one_rebuild_plans_every_shape_of_its_tower_call(monkeypatch):
             mx.eval(outs)
 
         def rebuild():
-            with tower_attention.routed(plans, "one", rebuild):
+            with tower_attention.routed(plans, "one", lambda: rebuild):
                 tower("one")
 
         def counting(*args, **kwargs):
@@ -71,14 +71,14 @@ def test_one_rebuild_plans_every_shape_of_its_tower_call(monkeypatch):
 
         mx.fast.scaled_dot_product_attention = counting
         try:
-            with tower_attention.routed(plans, "one", rebuild):
+            with tower_attention.routed(plans, "one", lambda: rebuild):
                 tower("one")
             queued, hot = plans.pending(), plans.hot()
             plans.build_next()
             left = plans.pending()
-            with tower_attention.routed(plans, "one", rebuild):
+            with tower_attention.routed(plans, "one", lambda: rebuild):
                 tower("one")
-            with tower_attention.routed(plans, "two", rebuild):
+            with tower_attention.routed(plans, "two", lambda: rebuild):
                 tower("two")
         finally:
             mx.fast.scaled_dot_product_attention = real
