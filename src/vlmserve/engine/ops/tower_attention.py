@@ -40,7 +40,7 @@ def available() -> bool:
 def takes(queries: mx.array, keys: mx.array, values: mx.array, mask, extra: dict) -> bool:
     """Whether a call goes plan-free when its shape has no plan: one cuDNN would take (prompt-
     shaped, no mask) and the kernel serves (bf16/fp16 self-attention of one dtype, keys and
-    values alike, a head dim it holds)."""
+    values alike, a head dim it holds once padded to a multiple of 16)."""
     if mask is not None or any(v is not None and v is not False for v in extra.values()):
         return False
     if queries.ndim != 4 or keys.shape != values.shape or keys.ndim != 4:
@@ -51,15 +51,27 @@ def takes(queries: mx.array, keys: mx.array, values: mx.array, mask, extra: dict
     if keys.shape[0] != batch or keys.shape[2] != length or keys.shape[3] != dim:
         return False
     return composed_attention.avoids_cudnn(queries, None) and prefill_attention.serves(
-        queries.dtype, q_heads, keys.shape[1], dim
+        queries.dtype, q_heads, keys.shape[1], _kernel_dim(dim)
     )
 
 
+def _kernel_dim(dim: int) -> int:
+    """The head dim the kernel runs: the next multiple of 16 (SigLIP so400m's 72 runs as 80)."""
+    return -(-dim // 16) * 16
+
+
 def _plan_free(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """(B, Hq, L, D) attention by the plan-free kernel, laid out as MLX's call returns it."""
+    """(B, Hq, L, D) attention by the plan-free kernel, laid out as MLX's call returns it. A head
+    dim the kernel does not take is padded with zeros, which add nothing to a score, and the
+    values' padding is cut off the output."""
     batch, heads, length, dim = queries.shape
-    out = prefill_attention.attend_unmasked(queries, keys, values, scale)  # (B, L, Hq * D)
-    return out.reshape(batch, length, heads, dim).transpose(0, 2, 1, 3)
+    padded = _kernel_dim(dim)
+    if padded != dim:
+        widths = [(0, 0), (0, 0), (0, 0), (0, padded - dim)]
+        queries, keys, values = (mx.pad(t, widths) for t in (queries, keys, values))
+    out = prefill_attention.attend_unmasked(queries, keys, values, scale)  # (B, L, Hq * padded)
+    out = out.reshape(batch, length, heads, padded)
+    return (out if padded == dim else out[..., :dim]).transpose(0, 2, 1, 3)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from support.helpers import on_own_thread
 
 
@@ -89,3 +91,36 @@ def test_one_rebuild_plans_every_shape_of_its_tower_call(monkeypatch):
     assert through_mlx == [(1, 2, 8, 16), (3, 2, 6, 16)] * 2  # the rebuild's calls, then the planned call's
     assert plan_free == [(1, 2, 8, 16), (3, 2, 6, 16)] * 2  # the first call's, then the other call's
     assert after == 2
+
+
+def test_a_head_dim_the_kernel_does_not_take_is_padded_and_cut_back(monkeypatch):
+    """SigLIP so400m's head dim of 72 runs as 80: zeros padded onto q, k and v change no score,
+    and the output's padding is cut off; the result is the attention of the call as it came."""
+    from vlmserve.engine.ops import prefill_attention, tower_attention
+
+    monkeypatch.setattr(prefill_attention, "serves", lambda dtype, q_heads, kv_heads, dim: dim % 16 == 0)
+    seen = []
+
+    def run():
+        import mlx.core as mx
+
+        real = mx.fast.scaled_dot_product_attention
+
+        def stand_in(q, k, v, scale):
+            seen.append(q.shape)
+            return real(q, k, v, scale=scale).transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
+
+        monkeypatch.setattr(prefill_attention, "attend_unmasked", stand_in)
+        q, k, v = (mx.random.normal((2, 3, 10, 72), key=mx.random.key(i)) for i in range(3))
+        q, k, v = (t.astype(mx.bfloat16) for t in (q, k, v))
+        ours = tower_attention._plan_free(q, k, v, 72**-0.5)
+        return (
+            tower_attention.takes(q, k, v, None, {}),
+            np.array(ours.astype(mx.float32)),
+            np.array(real(q, k, v, scale=72**-0.5).astype(mx.float32)),
+        )
+
+    taken, ours, reference = on_own_thread(run)
+    assert taken and seen == [(2, 3, 10, 80)]
+    assert ours.shape == reference.shape == (2, 3, 10, 72)
+    np.testing.assert_allclose(ours, reference, rtol=2e-2, atol=2e-2)  # bf16: the same to its rounding
