@@ -7,6 +7,21 @@ import numpy as np
 from support.helpers import on_own_thread
 
 
+def _kernel_stand_in(shapes: list):
+    """The plan-free kernel's result, computed by MLX's attention and laid out as the kernel
+    returns it, (B, L, Hq * D); each call's query shape goes into `shapes`. Made on the thread
+    that runs it."""
+    import mlx.core as mx
+
+    real = mx.fast.scaled_dot_product_attention
+
+    def attend_unmasked(q, k, v, scale):
+        shapes.append(q.shape)
+        return real(q, k, v, scale=scale).transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
+
+    return attend_unmasked
+
+
 def test_calls_it_takes_and_leaves(monkeypatch):
     from vlmserve.engine.ops import prefill_attention, tower_attention
 
@@ -37,9 +52,9 @@ def test_calls_it_takes_and_leaves(monkeypatch):
 
 
 def test_one_rebuild_plans_every_shape_of_its_tower_call(monkeypatch):
-    """A tower call meeting two new shapes queues both with one rebuild (idle only, however much
-    they lost); running it once, under `building()`, sends both to MLX from then on. The key
-    holds the call's signature: the same shapes in another call are new."""
+    """A tower call meeting two new shapes queues both with one rebuild (not due between steps
+    for what little they lost); running it once, under `building()`, sends both to MLX from then
+    on. The key holds the call's signature: the same shapes in another call are new."""
     from vlmserve.engine.ops import prefill_attention, tower_attention
     from vlmserve.engine.ops.attention_plans import AttentionPlans
 
@@ -50,12 +65,7 @@ def test_one_rebuild_plans_every_shape_of_its_tower_call(monkeypatch):
         import mlx.core as mx
 
         real = mx.fast.scaled_dot_product_attention
-
-        def stand_in(q, k, v, scale):
-            plan_free.append(q.shape)
-            return real(q, k, v, scale=scale).transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
-
-        monkeypatch.setattr(prefill_attention, "attend_unmasked", stand_in)
+        monkeypatch.setattr(prefill_attention, "attend_unmasked", _kernel_stand_in(plan_free))
         plans = AttentionPlans()
         a, b = mx.ones((1, 2, 8, 16), dtype=mx.bfloat16), mx.ones((3, 2, 6, 16), dtype=mx.bfloat16)
 
@@ -105,12 +115,7 @@ def test_a_head_dim_the_kernel_does_not_take_is_padded_and_cut_back(monkeypatch)
         import mlx.core as mx
 
         real = mx.fast.scaled_dot_product_attention
-
-        def stand_in(q, k, v, scale):
-            seen.append(q.shape)
-            return real(q, k, v, scale=scale).transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
-
-        monkeypatch.setattr(prefill_attention, "attend_unmasked", stand_in)
+        monkeypatch.setattr(prefill_attention, "attend_unmasked", _kernel_stand_in(seen))
         q, k, v = (mx.random.normal((2, 3, 10, 72), key=mx.random.key(i)) for i in range(3))
         q, k, v = (t.astype(mx.bfloat16) for t in (q, k, v))
         ours = tower_attention._plan_free(q, k, v, 72**-0.5)
