@@ -374,30 +374,41 @@ class GenericModel:
         attention shapes get their cuDNN plans (tower_attention)."""
         if not (self.routes_tower_attention and prepared.has_pixels):
             return 0
-        input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
-        inputs = self.stage_inputs(prepared)
-        pixel_values = inputs.pop("pixel_values", None)
-        mask = mx.ones(input_ids.shape, dtype=mx.int32)
-        try:
-            with self.attention_plans.building():
-                mx.eval(self._embed_pixels(prepared, input_ids, pixel_values, mask, inputs).inputs_embeds)
-        finally:
-            self._forget_positions()
+        with self.attention_plans.building():
+            mx.eval(self._tower_call(prepared).inputs_embeds)
         return 1
+
+    def _device_prompt(self, prepared: PreparedRequest, staged: dict[str, mx.array] | None = None):
+        """A request's ids, pixels, mask and other inputs on the device (`staged`: its
+        `stage_inputs`, if copied already): what `get_input_embeddings` takes."""
+        input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
+        inputs = dict(staged if staged is not None else self.stage_inputs(prepared))
+        pixel_values = inputs.pop("pixel_values", None)
+        return input_ids, pixel_values, mx.ones(input_ids.shape, dtype=mx.int32), inputs
 
     def _embed_pixels(self, prepared: PreparedRequest, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict):
         """The model's embedding of a prompt with its images (the vision tower's call), its
         attention routed off new cuDNN plans where this model's is (tower_attention)."""
         if not self.routes_tower_attention or pixel_values is None:
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-        call = _call_signature(prepared)
-        with tower_attention.routed(self.attention_plans, call, lambda: self._tower_rebuild(prepared, call)):
+        with tower_attention.routed(
+            self.attention_plans, _call_signature(prepared), lambda: self._tower_rebuild(prepared)
+        ):
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
 
-    def _tower_rebuild(self, prepared: PreparedRequest, call) -> Callable[[], None]:
+    def _tower_call(self, prepared: PreparedRequest):
+        """The request's tower call alone (its embedding, unevaluated), leaving no position state
+        on the model."""
+        try:
+            return self._embed_pixels(prepared, *self._device_prompt(prepared))
+        finally:
+            self._forget_positions()
+
+    def _tower_rebuild(self, prepared: PreparedRequest) -> Callable[[], None]:
         """The same tower call again, for the cuDNN plans of its shapes: on stand-in pixels of
         its pixels' shape (values do not shape a plan), its other inputs as they were, kept on
-        the host, so a queued rebuild holds no device memory."""
+        the host, so a queued rebuild holds no device memory. Run under `building()`, the call
+        marks each shape it meets as planned (the same signature: the same shapes)."""
         host = dict(prepared.model_inputs)
         pixels = host.pop("pixel_values", None)
         stand_in = None if pixels is None else _stand_in_pixels(pixels)
@@ -407,16 +418,7 @@ class GenericModel:
         def rebuild() -> None:
             arrays = host if stand_in is None else {**host, "pixel_values": stand_in()}
             again = PreparedRequest(prompt_ids=ids, model_inputs=arrays, bfloat16_inputs=bfloat16)
-            inputs = self.stage_inputs(again)
-            pixel_values = inputs.pop("pixel_values", None)
-            input_ids = mx.array(ids.astype(np.int32))[None]
-            mask = mx.ones(input_ids.shape, dtype=mx.int32)
-            try:
-                with tower_attention.routed(self.attention_plans, call, lambda: rebuild):  # marks what it meets
-                    out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-            finally:
-                self._forget_positions()
-            mx.async_eval(out.inputs_embeds)  # cuDNN builds each plan as its call is queued
+            mx.async_eval(self._tower_call(again).inputs_embeds)  # cuDNN builds each plan as its call is queued
 
         return rebuild
 
@@ -428,10 +430,7 @@ class GenericModel:
     ) -> PromptState:
         """NumPy -> mx on this thread (unless `inputs` already holds it), then vision encoder + token
         embeddings; or, for images embedded before, the text embeddings with their rows (image_rows.py)."""
-        input_ids = mx.array(prepared.prompt_ids.astype(np.int32))[None]
-        inputs = dict(inputs if inputs is not None else self.stage_inputs(prepared))
-        pixel_values = inputs.pop("pixel_values", None)
-        mask = mx.ones(input_ids.shape, dtype=mx.int32)
+        input_ids, pixel_values, mask, inputs = self._device_prompt(prepared, inputs)
         if image_features is not None:
             inputs["cached_image_features"] = image_features
         reuse = None
@@ -442,7 +441,7 @@ class GenericModel:
             hit = self.feature_cache.lookup((key,), fits=lambda found: found[0][0].shape[0] == len(positions))
             if hit is not None:
                 return self._embed_around_rows(prepared, input_ids, mask, inputs, positions, hit[0])
-        out = self._embed_pixels(prepared, input_ids, pixel_values, mask, dict(inputs))
+        out = self._embed_pixels(prepared, input_ids, pixel_values, mask, inputs)
         state = self._prompt_state(prepared, input_ids, inputs, out, mask)
         if reuse is not None:
             # The image's rows, and its rows for the layers that take vision features again (deepstack).
