@@ -129,18 +129,17 @@ class AttentionPlans:
             with self.building():
                 wanted.build()
         except Exception:
-            same = [k for k, w in self._wanted.items() if w.build is wanted.build]
-            for k in [key, *same]:
-                self._wanted.pop(k, None)
-                self._failed.add(k)
+            self._give_up(wanted.build, key)
             raise
         if not wanted.notes_itself:
             self.note_planned(key)
-            return
-        # What the build met is planned (and out of the queue); what it did not meet, this shape
-        # or another queued with the same build, would only fail again.
-        unmet = [k for k, w in self._wanted.items() if w.build is wanted.build]
-        for k in [key, *unmet] if key not in self._planned else unmet:
+        else:  # what the build met is planned (and out of the queue); what it did not would only fail again
+            self._give_up(wanted.build, None if key in self._planned else key)
+
+    def _give_up(self, build: Callable[[], None], key: Hashable | None) -> None:
+        """Leave `key` and every shape still queued with `build` on the plan-free kernel for good."""
+        keys = [k for k, w in self._wanted.items() if w.build is build]
+        for k in keys + ([] if key is None else [key]):
             self._wanted.pop(k, None)
             self._failed.add(k)
 
