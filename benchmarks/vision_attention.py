@@ -1,8 +1,9 @@
 """Micro-benchmark: one vision-tower attention call (Qwen2-VL's tower heads, 16 x 80, bf16) per
 image size and image count, through cuDNN (MLX's SDPA on CUDA: its first call builds the
 plan, timed apart) and through the plan-free prompt attention kernel that serves a size until
-its plan is built (engine/ops/prefill_attention.attend_unmasked), at each block layout given
-(query warps, key streams, key tile).
+its plan is built (engine/ops/prefill_attention.attend_unmasked), and through the same kernel
+over all images' segments of one (S, 3, H, D) array at once (`attend_segments`, the route Qwen-VL
+towers take), at each block layout given (query warps, key streams, key tile).
 
     python benchmarks/vision_attention.py --sizes 224x224 448x448 1024x768 --counts 1 2 4 --layouts 4,2,32 8,1,64
 """
@@ -62,6 +63,13 @@ def main() -> None:
             def plan_free(layout, q=q, k=k, v=v):
                 return prefill_attention.attend_unmasked(q, k, v, scale, layout)
 
+            qk = qkv[:, :2]
+            bounds = mx.array([i * length for i in range(count + 1)], dtype=mx.int32)
+            mx.eval(qk)
+
+            def segments(layout, qk=qk, qkv=qkv, bounds=bounds, length=length):
+                return prefill_attention.attend_segments(qk, qkv, bounds, length, scale, layout)
+
             first = _seconds(cudnn, 1)  # builds the plan
             flops = 4 * count * HEADS * length * length * DIM
             row = {
@@ -80,6 +88,8 @@ def main() -> None:
                     ms = _seconds(call, args.repeats) * 1e3
                     row[f"plan_free_ms[{text}]"] = round(ms, 3)
                     row[f"plan_free_tflops[{text}]"] = round(flops / ms / 1e9, 1)
+                    ms = _seconds(functools.partial(segments, layout), args.repeats) * 1e3
+                    row[f"segments_ms[{text}]"] = round(ms, 3)
             print(json.dumps(row), flush=True)
 
 

@@ -49,11 +49,16 @@ _SOURCE = """
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int qw = warp % QW, ks_id = warp / QW;  // this warp's 16 queries of the block's, its key stream
     const int g = lane >> 2, c = lane & 3;
-    const int L = q_shape[2];
     const int head = blockIdx.y, b = blockIdx.z, kvh = head / (HQ / HKV);
+    // SEGMENTS: q, k and v are parts 0, 1 and 2 of (S, parts, heads, D) arrays, and block row b
+    // is the segment lo[b] <= position < lo[b + 1], whose queries see all of its keys.
+    const int seg0 = SEGMENTS ? lo[b] : 0;
+    const int L = SEGMENTS ? lo[b + 1] - seg0 : q_shape[2];
     const int q_first = blockIdx.x * QW * 16, wq = q_first + qw * 16;
-    const int W = k_shape[2];
-    const int row_off = off[b], row_lo = lo[b];
+    if (SEGMENTS && q_first >= L) return;  // a shorter segment than the launch's longest
+    const int W = SEGMENTS ? L : k_shape[2];
+    const int row_off = SEGMENTS ? L : off[b], row_lo = SEGMENTS ? 0 : lo[b];
+    const size_t out_row0 = SEGMENTS ? (size_t)seg0 : (size_t)b * L;
     // Each key stream's two stages of a key tile and a value tile: its next tile's copies run
     // while its warps use this one. After the key loop the same memory holds the streams'
     // partial results.
@@ -74,8 +79,9 @@ _SOURCE = """
     };
     uint32_t qa[DK][4];
     {
-        const T* qh = q + (size_t)b * q_strides[0] + (size_t)head * q_strides[1];
-        const size_t qr = q_strides[2], qd = q_strides[3];
+        const T* qh = SEGMENTS ? q + (size_t)seg0 * q_strides[0] + (size_t)head * q_strides[2]
+                               : q + (size_t)b * q_strides[0] + (size_t)head * q_strides[1];
+        const size_t qr = SEGMENTS ? q_strides[0] : q_strides[2], qd = q_strides[3];
         const T* q0 = qh + (size_t)min(wq + g, L - 1) * qr;
         const T* q1 = qh + (size_t)min(wq + g + 8, L - 1) * qr;
         #pragma unroll
@@ -96,9 +102,11 @@ _SOURCE = """
 
     const int k_begin = (max(row_lo, 0) / BK) * BK;
     const int k_end = min(W, row_off + min(L, q_first + QW * 16));  // the block's last query sees up to here
-    const T* kb = k + (size_t)b * k_strides[0] + (size_t)kvh * k_strides[1];
-    const T* vb = v + (size_t)b * v_strides[0] + (size_t)kvh * v_strides[1];
-    const size_t kst = k_strides[2], vst = v_strides[2];
+    const T* kb = SEGMENTS ? k + (size_t)seg0 * k_strides[0] + k_strides[1] + (size_t)kvh * k_strides[2]
+                           : k + (size_t)b * k_strides[0] + (size_t)kvh * k_strides[1];
+    const T* vb = SEGMENTS ? v + (size_t)seg0 * v_strides[0] + 2 * v_strides[1] + (size_t)kvh * v_strides[2]
+                           : v + (size_t)b * v_strides[0] + (size_t)kvh * v_strides[1];
+    const size_t kst = SEGMENTS ? k_strides[0] : k_strides[2], vst = SEGMENTS ? v_strides[0] : v_strides[2];
     const bool k_vec = k_strides[3] == 1 && kst % 8 == 0 && ((unsigned long long)kb & 15) == 0;
     const bool v_vec = v_strides[3] == 1 && vst % 8 == 0 && ((unsigned long long)vb & 15) == 0;
     // A tile's keys and values into one of this stream's stages, by its warps: 16-byte asynchronous copies where
@@ -247,7 +255,7 @@ _SOURCE = """
             num += po[(w * R + r) * D + d] * f;
             den += pl[w * R + r] * f;
         }
-        out[((size_t)b * L + q_first + r) * (HQ * D) + head * D + d] = static_cast<T>(den > 0.f ? num / den : 0.f);
+        out[(out_row0 + q_first + r) * (HQ * D) + head * D + d] = static_cast<T>(den > 0.f ? num / den : 0.f);
     }
 """
 
@@ -285,9 +293,18 @@ def _kernel(dtype: mx.Dtype, dim: int, layout: tuple[int, int, int]):
     )
 
 
-def _template(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, scale: float, layout: tuple[int, int, int]):
+def _template(
+    dtype: mx.Dtype,
+    dim: int,
+    q_heads: int,
+    kv_heads: int,
+    scale: float,
+    layout: tuple[int, int, int],
+    segments: bool = False,
+):
     query_warps, key_streams, key_tile = layout
     return [
+        ("SEGMENTS", int(segments)),
         ("T", dtype),
         ("D", dim),
         ("HQ", q_heads),
@@ -326,17 +343,28 @@ def attend(
 
 
 def note_build(
-    dtype: mx.Dtype, q_heads: int, kv_heads: int, dim: int, scale: float, layout: tuple[int, int, int] = LAYOUT
+    dtype: mx.Dtype,
+    q_heads: int,
+    kv_heads: int,
+    dim: int,
+    scale: float,
+    layout: tuple[int, int, int] = LAYOUT,
+    segments: bool = False,
 ) -> None:
-    """Queue the build `attend` (or `attend_unmasked`, with its layout) launches for these heads
-    for side processes to file in the kernel cache, ahead of its first use (a no-op where builds
-    are not filed): a first start then reads it instead of compiling it on the MLX thread."""
+    """Queue the build `attend` (or `attend_unmasked` / `attend_segments`, with their layout)
+    launches for these heads for side processes to file in the kernel cache, ahead of its first
+    use (a no-op where builds are not filed): a first start then reads it instead of compiling
+    it on the MLX thread."""
     rows, index = mx.zeros((1, q_heads, 1, dim), dtype=dtype), mx.zeros((1,), dtype=mx.int32)
+    inputs = [rows, rows[:, :kv_heads], rows[:, :kv_heads], index, index]
+    if segments:
+        parts = mx.zeros((1, 2, q_heads, dim), dtype=dtype)
+        inputs = [parts, parts, mx.zeros((1, 3, q_heads, dim), dtype=dtype), index, index]
     cuda_kernels.note_build(
         _kernel(dtype, dim, layout),
-        inputs=[rows, rows[:, :kv_heads], rows[:, :kv_heads], index, index],
+        inputs=inputs,
         output_dtypes=[dtype],
-        template=_template(dtype, dim, q_heads, kv_heads, scale, layout),
+        template=_template(dtype, dim, q_heads, kv_heads, scale, layout, segments),
     )
 
 
@@ -348,3 +376,32 @@ def attend_unmasked(
     batch, width = queries.shape[0], keys.shape[2]
     offsets, firsts = mx.full((batch,), width, dtype=mx.int32), mx.zeros((batch,), dtype=mx.int32)
     return attend(queries, keys, values, scale, offsets, firsts, layout)
+
+
+def attend_segments(
+    qk: mx.array,
+    qkv: mx.array,
+    bounds: mx.array,
+    longest: int,
+    scale: float,
+    layout: tuple[int, int, int] = UNMASKED_LAYOUT,
+) -> mx.array:
+    """Attention within each segment of a vision tower's positions (its images, or their
+    attention windows), all segments in one launch: queries and keys are qk (S, 2, H, D)'s parts
+    0 and 1, values qkv (S, 3, H, D)'s part 2, each read in place; bounds (N + 1,) int32 the
+    segments' cumulative ends [0, ..., S], `longest` the longest segment's length. Every query
+    sees all of its segment's keys. Returns (S, H * D), laid out for the output projection.
+
+    One launch instead of one per run of equal segments and three views of q, k and v each:
+    the tower's calls are bound by the host's time per primitive."""
+    positions, _, heads, dim = qk.shape
+    segments = bounds.shape[0] - 1
+    query_warps, key_streams, _ = layout
+    return _kernel(qk.dtype, dim, layout)(
+        inputs=[qk, qk, qkv, bounds, bounds],
+        template=_template(qk.dtype, dim, heads, heads, scale, layout, segments=True),
+        grid=(-(-max(longest, 1) // (16 * query_warps)) * 32 * query_warps * key_streams, heads, segments),
+        threadgroup=(32 * query_warps * key_streams, 1, 1),
+        output_shapes=[(positions, heads * dim)],
+        output_dtypes=[qk.dtype],
+    )[0]

@@ -1,4 +1,4 @@
-"""Qwen-VL vision attention with one SDPA per run of equal-length segments.
+"""Qwen-VL vision attention in one launch per call, or one SDPA per run of equal-length segments.
 
 mlx_vlm's Qwen2-VL / Qwen2.5-VL towers split the patches of all images (and, in Qwen2.5-VL,
 of every attention window) at `cu_seqlens` and launch one attention kernel per segment, in
@@ -8,14 +8,22 @@ length (images of one size; Qwen2.5-VL's full windows) are stacked on the batch 
 instead, so each run of them costs one kernel. q and k are rotated in one pass (one CUDA
 kernel on that backend). The arithmetic per element is unchanged.
 
-On CUDA that kernel is cuDNN's fused attention (a third off the tower at 32 W1 images on an
-H100), which builds a plan per shape (~70 ms). So a run is cut into power-of-two image
-counts (13 = 8 + 4 + 1): a segment length then needs at most log2(max images) plans, which
-warm-up builds for its image sizes (`QwenVLModel.warm_vision_plans`). A piece whose plan is
-not built yet (an image size warm-up did not meet) runs the prompt attention kernel instead
-(engine/ops/prefill_attention, with every query seeing its whole segment: one build serves
-every length), and its plan is built while the engine is idle (engine/ops/attention_plans).
-The two agree to bf16 rounding.
+On CUDA, where vlmserve's kernels serve the tower's heads, a call's segments all go through
+one launch of the prompt attention kernel (engine/ops/prefill_attention.attend_segments: each
+segment's bounds are data, every query sees its whole segment, and q, k, v are read where the
+projection and the rotation left them). The tower is bound by the host's time per primitive:
+against a cuDNN call per run of equal segments, with its views of q, k and v, this took a
+448 px image's tower call from 1,240 primitives to 698 (9.4 to 7.6 ms of host time on an H100)
+and three images of three sizes from 2,191 to 753 (32.6 to 13.0 ms).
+
+cuDNN's fused attention is faster on the device for large segments (twice as fast at 1024x768),
+so a call with a lot of attention (CUDNN_WORK) takes it where its plans are built: runs are cut
+into power-of-two image counts (13 = 8 + 4 + 1), so a segment length needs at most log2(max
+images) plans, which warm-up builds for its image sizes (`QwenVLModel.warm_vision_plans`); a
+large call whose plans are missing takes the one launch, and its plans are built while the
+engine is idle (engine/ops/attention_plans). A piece without a plan on the cuDNN route (the
+kernel serving, but not the whole call) runs the kernel on its run alone. The routes agree to
+bf16 rounding.
 
 The swap is per module instance (its class is replaced by a subclass), so only the model
 the server loaded changes, never another copy of mlx_vlm's classes in the process.
@@ -30,6 +38,13 @@ import mlx.nn as nn
 
 from vlmserve.engine.ops import cuda_kernels, prefill_attention
 from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
+
+# The attention work (sum over segments of patches^2) past which a call whose cuDNN plans are
+# built takes cuDNN. Qwen2-VL's tower heads on an H100 (benchmarks/vision_attention.py): the one
+# launch took 0.04-0.07 ms a block more than cuDNN at one 224-448 px image (up to 1M), 0.3 ms
+# more at 8 448 px images or one 1024x768 (8-16M); cuDNN's route costs the host about 0.1 ms a
+# block and run in views and calls.
+CUDNN_WORK = 4 << 20
 
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -83,6 +98,31 @@ def _plan_builder(dtype: mx.Dtype, count: int, length: int, heads: int, dim: int
     return build
 
 
+def _key(dtype: mx.Dtype, heads: int, dim: int, count: int, length: int) -> tuple:
+    return (dtype, heads, dim, count, length)
+
+
+def _takes_cudnn(bounds: list[int], dtype: mx.Dtype, heads: int, dim: int, scale: float, plans) -> bool:
+    """Whether a tower call's attention goes to cuDNN run by run (`segment_attention`) rather than
+    all segments in one launch of vlmserve's kernel: where the call's attention is large enough
+    that cuDNN's faster kernel saves more device time than its route costs the host, and every
+    piece's plan is built. Such a call whose plans are missing takes the one launch and queues
+    their builds."""
+    if plans is None or not cuda_kernels.cudnn_enabled():
+        return False
+    runs = segment_runs(bounds)
+    if sum(count * length * length for _, count, length in runs) < CUDNN_WORK:
+        return False
+    missing = []
+    for _, count, length in power_of_two_pieces(runs):
+        key = _key(dtype, heads, dim, count, length)
+        if not plans.planned(key):
+            missing.append(key)
+            build = _plan_builder(dtype, count, length, heads, dim, scale)
+            plans.want(key, build, plan_free_loss_s(count, length, heads, dim))
+    return not missing
+
+
 def segment_attention(
     q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float, plans: AttentionPlans | None = None
 ) -> mx.array:
@@ -97,7 +137,7 @@ def segment_attention(
     outs = []
     for start, count, length in runs:
         q_run, k_run, v_run = _run_views(q, k, v, start, count, length)
-        key = (q.dtype, heads, dim, count, length)
+        key = _key(q.dtype, heads, dim, count, length)
         if plan_free and not plans.planned(key):
             out = prefill_attention.attend_unmasked(q_run, k_run, v_run, scale)
             outs.append(out.reshape(count * length, heads, dim))
@@ -137,13 +177,24 @@ def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
         return rotary(qkv[:, :2].reshape(1, seq, 2 * heads, dim), freqs).reshape(seq, 2, heads, dim)
     total = seq * 2 * heads * dim
     return _rotate_kernel()(
-        inputs=[qkv, mx.cos(freqs), mx.sin(freqs)],
+        inputs=[qkv, *_cos_sin(freqs)],
         template=_rotate_template(qkv.dtype, heads, dim),
         grid=(total, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(seq, 2, heads, dim)],
         output_dtypes=[qkv.dtype],
     )[0]
+
+
+_TABLES: list = []  # [freqs, cos, sin] of the tower call in progress
+
+
+def _cos_sin(freqs: mx.array) -> tuple[mx.array, mx.array]:
+    """cos and sin of a tower call's rotary angles, made once for all of its blocks (each block
+    gets the same `freqs` array)."""
+    if not _TABLES or _TABLES[0] is not freqs:
+        _TABLES[:] = [freqs, mx.cos(freqs), mx.sin(freqs)]
+    return _TABLES[1], _TABLES[2]
 
 
 def _rotate_kernel():
@@ -161,8 +212,18 @@ def _make_class(base: type) -> type:
         seq_length = x.shape[0]
         qkv = self.qkv(x).reshape(seq_length, 3, self.num_heads, -1)
         qk = rotate_qk(qkv, rotary_pos_emb, rotary)
+        bounds = cu_seqlens.tolist()
         plans = getattr(self, "attention_plans", None)
-        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens.tolist(), self.scale, plans)
+        heads, dim = self.num_heads, qk.shape[-1]
+        if (
+            bounds[-1] == seq_length
+            and prefill_attention.serves(qk.dtype, heads, heads, dim)
+            and not _takes_cudnn(bounds, qk.dtype, heads, dim, self.scale, plans)
+        ):
+            longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+            cu = cu_seqlens if cu_seqlens.dtype == mx.int32 else cu_seqlens.astype(mx.int32)
+            return self.proj(prefill_attention.attend_segments(qk, qkv, cu, longest, self.scale))
+        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], bounds, self.scale, plans)
         return self.proj(out.reshape(seq_length, -1))
 
     return type(f"Segment{base.__name__}", (base,), {"__call__": __call__})
@@ -206,8 +267,11 @@ def note_builds(tower: nn.Module, dtype: mx.Dtype, plan_free: bool) -> None:
         output_dtypes=[dtype],
         template=_rotate_template(dtype, heads, dim),
     )
-    if plan_free and prefill_attention.serves(dtype, heads, heads, dim):
-        prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, prefill_attention.UNMASKED_LAYOUT)
+    if prefill_attention.serves(dtype, heads, heads, dim):
+        layout = prefill_attention.UNMASKED_LAYOUT
+        prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, layout, segments=True)
+        if plan_free:
+            prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, layout)
 
 
 def uninstall(tower: nn.Module) -> int:

@@ -120,6 +120,35 @@ def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length, layou
     np.testing.assert_allclose(got, ref, atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[1024], [256, 300, 64, 300], [64, 64, 64, 5, 1500]])
+def test_segments_match_each_segments_own_attention(lengths):
+    """All segments of a tower call in one launch (attend_segments: q and k from the rotated
+    (S, 2, H, D) array, v from the (S, 3, H, D) projection, as the tower lays them out) against
+    MLX's SDPA over each segment alone, Qwen2-VL's tower heads (16 x 80); lengths not multiples
+    of a block's 64 queries, a segment shorter than the key tile."""
+
+    def compare():
+        import mlx.core as mx
+
+        total = sum(lengths)
+        qkv = mx.random.normal((total, 3, 16, 80), key=mx.random.key(4)).astype(mx.bfloat16)
+        qk = mx.random.normal((total, 2, 16, 80), key=mx.random.key(5)).astype(mx.bfloat16)
+        bounds = [0, *np.cumsum(lengths).tolist()]
+        refs = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            q, k = (qk[lo:hi, i].transpose(1, 0, 2)[None] for i in range(2))
+            v = qkv[lo:hi, 2].transpose(1, 0, 2)[None]
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=80**-0.5, mask=None)
+            refs.append(out[0].transpose(1, 0, 2).reshape(hi - lo, -1))
+        got = prefill_attention.attend_segments(qk, qkv, mx.array(bounds, dtype=mx.int32), max(lengths), 80**-0.5)
+        return np.array(mx.concatenate(refs).astype(mx.float32)), np.array(got.astype(mx.float32))
+
+    ref, got = on_own_thread(compare)
+    assert got.shape == ref.shape == (sum(lengths), 16 * 80)
+    np.testing.assert_allclose(got, ref, atol=2e-2)
+
+
 def test_a_noted_build_is_the_very_build_the_launch_takes(monkeypatch):
     """note_build (queued at load) names the kernel, shared memory, input dtypes and ranks, and
     template the launch takes: for the prompt forward (GQA heads, the default layout) and for a
@@ -156,7 +185,12 @@ def test_a_noted_build_is_the_very_build_the_launch_takes(monkeypatch):
         prefill_attention.note_build(bf16, 16, 16, 80, 80**-0.5, prefill_attention.UNMASKED_LAYOUT)
         seg = mx.zeros((3, 16, 64, 80), dtype=bf16)
         prefill_attention.attend_unmasked(seg, seg, seg, 80**-0.5)
+        prefill_attention.note_build(bf16, 16, 16, 80, 80**-0.5, prefill_attention.UNMASKED_LAYOUT, segments=True)
+        qkv = mx.zeros((200, 3, 16, 80), dtype=bf16)
+        bounds = mx.array([0, 64, 200], dtype=mx.int32)
+        prefill_attention.attend_segments(mx.zeros((200, 2, 16, 80), dtype=bf16), qkv, bounds, 136, 80**-0.5)
 
     on_own_thread(work)
-    assert len(noted) == len(launched) == 2 and noted == launched
+    assert len(noted) == len(launched) == 3 and noted == launched
     assert noted[0][0] != noted[1][0]  # the two layouts ask different shared memory
+    assert noted[1][1] != noted[2][1]  # segments: another build of the same kernel

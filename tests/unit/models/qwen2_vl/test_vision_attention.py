@@ -73,8 +73,9 @@ def test_pieces_without_a_plan_run_plan_free_until_idle_time_builds_their_plans(
 
 def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypatch):
     """The q/k rotation's build is queued for the tower's heads, head dim and activation dtype,
-    and is the very build (inputs' dtypes and ranks, template) a launch takes; the plan-free
-    attention's build is queued where that kernel serves the tower, with its heads and scale."""
+    and is the very build (inputs' dtypes and ranks, template) a launch takes; the attention
+    kernel's builds (all segments at once, and one run of them while its plan is missing) are
+    queued where that kernel serves the tower, with its heads and scale."""
     from types import SimpleNamespace
 
     from support.helpers import on_own_thread
@@ -82,7 +83,7 @@ def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypa
     from vlmserve.models.qwen2_vl import vision_attention
 
     noted, rotations, launched = [], [], []
-    monkeypatch.setattr(prefill_attention, "note_build", lambda *args: noted.append(args))
+    monkeypatch.setattr(prefill_attention, "note_build", lambda *args, **kw: noted.append((args, kw)))
     monkeypatch.setattr(cuda_kernels, "enabled", lambda: True)
 
     def build(inputs, template):
@@ -119,7 +120,8 @@ def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypa
     on_own_thread(lambda: load(False))
     assert noted == [] and len(rotations) == 1 and rotations == launched
     bf16 = on_own_thread(lambda: load(True))
-    assert noted == [(bf16, 4, 4, 16, 16**-0.5, prefill_attention.UNMASKED_LAYOUT)]
+    heads = (bf16, 4, 4, 16, 16**-0.5, prefill_attention.UNMASKED_LAYOUT)
+    assert noted == [(heads, {"segments": True}), (heads, {})]  # all segments at once; one run of them
     assert rotations[0][0][1] == (("T", bf16), ("D", 16), ("HD", 64))
 
 
@@ -146,3 +148,65 @@ def test_the_prompt_attention_build_is_queued_at_load_in_the_prompts_dtype(monke
     mxfp4 = SimpleNamespace(weight=SimpleNamespace(dtype="uint32"), scales=SimpleNamespace(dtype="uint8"))
     QwenVLModel._note_prompt_attention_build(model(mxfp4))  # not served: nothing queued
     assert noted == [("bfloat16", 12, 2, 128, 128**-0.5), ("float16", 12, 2, 128, 128**-0.5)]
+
+
+def test_a_call_takes_one_segments_launch_unless_its_large_attention_has_cudnn_plans(monkeypatch):
+    """Where vlmserve's kernel serves the tower's heads: a call with little attention work runs
+    all its segments in one launch; a large one runs cuDNN's route once every piece's plan is
+    built, and the one launch (queuing the missing plans) until then. Features agree either way
+    (stand-ins compute the same attention here)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from support.helpers import on_own_thread
+    from vlmserve.engine.ops import prefill_attention
+    from vlmserve.engine.ops.attention_plans import AttentionPlans
+    from vlmserve.models.qwen2_vl import vision_attention
+
+    launches = []
+
+    def segments_stand_in(qk, qkv, bounds, longest, scale):
+        import mlx.core as mx
+
+        launches.append(("segments", bounds.tolist(), longest))
+        outs = []
+        for lo, hi in zip(bounds.tolist(), bounds.tolist()[1:]):
+            q, k, v = (t[lo:hi, i].transpose(1, 0, 2)[None] for t, i in ((qk, 0), (qk, 1), (qkv, 2)))
+            outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(1, 0, 2))
+        return mx.concatenate(outs).reshape(qk.shape[0], -1)
+
+    monkeypatch.setattr(vision_attention.cuda_kernels, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
+    monkeypatch.setattr(prefill_attention, "attend_segments", segments_stand_in)
+    monkeypatch.setattr(vision_attention, "CUDNN_WORK", 2 * 6 * 6)  # two 6-patch images or more
+
+    def run():
+        import mlx.core as mx
+        from mlx_vlm.models.qwen2_vl.vision import Attention
+
+        attn = Attention(64, num_heads=4)
+        plans = AttentionPlans()
+        tower = SimpleNamespace(blocks=[SimpleNamespace(attn=attn)])
+        vision_attention.install(tower, plans)
+        x = mx.random.normal((23, 64), key=mx.random.key(0))
+        freqs = mx.random.uniform(0, 3, (23, 8), key=mx.random.key(1))
+        small, large = mx.array([0, 6, 11], dtype=mx.int32), mx.array([0, 6, 12, 18, 23], dtype=mx.int32)
+        got = {"small": attn(x[:11], small, freqs[:11])}
+        calls = len(launches)
+        got["unplanned"] = attn(x, large, freqs)
+        queued = plans.pending()
+        while plans.pending():
+            plans.build_next()
+        got["planned"] = attn(x, large, freqs)
+        vision_attention.uninstall(tower)  # mlx_vlm's own attention, one SDPA per segment
+        ref = {"small": attn(x[:11], small, freqs[:11]), "large": attn(x, large, freqs)}
+        return {k: np.array(v) for k, v in got.items()}, {k: np.array(v) for k, v in ref.items()}, calls, queued
+
+    got, ref, calls, queued = on_own_thread(run)
+    assert calls == 1 and launches[0] == ("segments", [0, 6, 11], 6)  # 61 < 72: the one launch
+    assert launches[1] == ("segments", [0, 6, 12, 18, 23], 6) and queued == 3  # 133: plans for 2x6, 1x6, 1x5
+    assert len(launches) == 2  # built: cuDNN's route
+    np.testing.assert_allclose(got["small"], ref["small"], rtol=1e-5, atol=1e-6)
+    for key in ("unplanned", "planned"):
+        np.testing.assert_allclose(got[key], ref["large"], rtol=1e-5, atol=1e-6)

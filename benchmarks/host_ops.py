@@ -1,0 +1,127 @@
+"""How many MLX primitives a vision-tower call and a multi-row prompt-piece forward queue, and
+what they cost the host against the device.
+
+On CUDA these phases are bound by the host's time per primitive (docs/benchmarks.md, "Where
+pass 1's extra time goes"). For each case: primitives in the lazy graph (by kind, the largest
+counts), the host's time to build and queue it, and the time until the device is done.
+
+    python benchmarks/host_ops.py MODEL_DIR [--sizes 448x448 1024x768 ...] [--rows 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import re
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image
+
+from vlmserve.config import ServerConfig
+from vlmserve.inputs.preprocess import Preprocessor
+from vlmserve.models.processor import load_processor
+from vlmserve.models.registry import load_model_adapter, model_type_of
+from vlmserve.protocol import ChatMessage, ChatRequest, SamplingParams
+
+MIXED = ["224x224", "336x336", "448x448", "512x384", "640x480", "384x640", "768x768", "1024x768"]
+
+
+def primitives(build) -> collections.Counter:
+    """The primitives behind what `build()` returns, by name (what it queues itself included)."""
+    queue, mx.async_eval = mx.async_eval, lambda *_: None
+    try:
+        arrays = build()
+    finally:
+        mx.async_eval = queue
+    out = io.StringIO()
+    mx.export_to_dot(out, *arrays)
+    return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', out.getvalue()))
+
+
+def _requests(path: Path, sizes: list[str], words: int):
+    pre = Preprocessor(load_processor(path), 32768, ServerConfig(), model_type=model_type_of(path))
+    rng = np.random.default_rng(0)
+    text = " ".join(["describe"] * words)
+    try:
+        out = []
+        for size in sizes:
+            parts = [("text", text)] if size == "text" else [("image", None), ("text", text)]
+            chat = ChatRequest([ChatMessage("user", parts)], SamplingParams())
+            images = []
+            if size != "text":
+                w, h = (int(x) for x in size.split("x"))
+                images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))]
+            out.append(pre.encode(pre.render(chat), images))
+        return out
+    finally:
+        pre.close()
+
+
+def _report(label: str, build, prepare=lambda: None, runs: int = 5) -> None:
+    prepare()
+    counts = primitives(build)
+    host, total = [], []
+    for _ in range(runs):
+        prepare()
+        mx.synchronize()
+        t0 = time.perf_counter()
+        arrays = build()
+        mx.async_eval(arrays)
+        t1 = time.perf_counter()
+        mx.eval(arrays)
+        host.append((t1 - t0) * 1e3)
+        total.append((time.perf_counter() - t0) * 1e3)
+    top = ", ".join(f"{k} {v}" for k, v in counts.most_common(8))
+    print(
+        f"{label}: {sum(counts.values())} primitives; host {np.median(host):.1f} ms, "
+        f"done {np.median(total):.1f} ms (median of {runs})\n    {top}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model", type=Path)
+    p.add_argument("--sizes", nargs="+", default=["448x448", "1024x768", "224x224,640x480,768x768", ",".join(MIXED)])
+    p.add_argument("--rows", type=int, default=8, help="rows of the prompt-piece forward")
+    p.add_argument("--piece", type=int, default=256, help="positions each row prefills in it")
+    args = p.parse_args()
+    model = load_model_adapter(args.model, model_type_of(args.model))
+    for mix in args.sizes:
+        sizes = mix.split(",")
+        requests = _requests(args.model, sizes, 8)
+        if getattr(model, "feature_cache", None) is not None:
+            model.feature_cache = None  # every call runs the tower
+        for _ in range(2):  # plans and kernels for these shapes, off the timing
+            mx.eval([s.embeds for s in model.embed_prompts(requests)])
+        while getattr(model, "attention_plans", None) is not None and model.attention_plans.pending():
+            model.build_next_attention_plan()
+        _report(f"embed {mix}", lambda requests=requests: [s.embeds for s in model.embed_prompts(requests)])
+
+    requests = _requests(args.model, ["text"] * args.rows, 3 * args.piece // 2)
+    states = model.embed_prompts(requests)
+    mx.eval([s.embeds for s in states])
+    spans = [(args.piece, 2 * args.piece)] * args.rows  # the second piece: each row has a cache to continue
+
+    def first_piece():
+        for s in states:
+            for c in s.cache:
+                c.offset = 0
+        model.prefill_pieces(states, [(0, args.piece)] * args.rows)
+        mx.eval([c.state for s in states for c in s.cache])
+
+    def second_piece():
+        logits = model.prefill_pieces(states, spans)
+        return [logits] + [c.state[0] for s in states for c in s.cache]
+
+    first_piece()
+    mx.eval(second_piece())
+    _report(f"pieces forward, {args.rows} rows x {args.piece} after {args.piece}", second_piece, first_piece)
+
+
+if __name__ == "__main__":
+    main()
