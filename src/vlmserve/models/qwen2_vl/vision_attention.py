@@ -39,12 +39,14 @@ import mlx.nn as nn
 from vlmserve.engine.ops import cuda_kernels, prefill_attention
 from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
 
-# The attention work (sum over segments of patches^2) past which a call whose cuDNN plans are
-# built takes cuDNN. Qwen2-VL's tower heads on an H100 (benchmarks/vision_attention.py): the one
-# launch took 0.04-0.07 ms a block more than cuDNN at one 224-448 px image (up to 1M), 0.3 ms
-# more at 8 448 px images or one 1024x768 (8-16M); cuDNN's route costs the host about 0.1 ms a
-# block and run in views and calls.
-CUDNN_WORK = 4 << 20
+# The attention work (patches^2 summed over segments) per cuDNN call past which a call whose
+# plans are built takes cuDNN's route. Qwen2-VL's tower heads on an H100 (benchmarks/
+# vision_attention.py and host_ops.py): the one launch took 0.04-0.07 ms a block more than
+# cuDNN at one 224-448 px image (work up to 1M) and 0.3 ms more at eight 448 px images or one
+# 1024x768 image (8-16M), while each cuDNN call costs the host 0.15-0.25 ms a block in views and
+# launches. A 1024x768 image's tower call took 35.6 ms through the one launch and 28.6 through
+# cuDNN; three images of three sizes 34.3 and 36.3 ms.
+CUDNN_WORK = 8 << 20
 
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -104,17 +106,18 @@ def _key(dtype: mx.Dtype, heads: int, dim: int, count: int, length: int) -> tupl
 
 def _takes_cudnn(bounds: list[int], dtype: mx.Dtype, heads: int, dim: int, scale: float, plans) -> bool:
     """Whether a tower call's attention goes to cuDNN run by run (`segment_attention`) rather than
-    all segments in one launch of vlmserve's kernel: where the call's attention is large enough
-    that cuDNN's faster kernel saves more device time than its route costs the host, and every
-    piece's plan is built. Such a call whose plans are missing takes the one launch and queues
+    all segments in one launch of vlmserve's kernel: where the call's attention per cuDNN call is
+    large enough that cuDNN's faster kernel saves more device time than its route costs the host,
+    and every piece's plan is built. Such a call whose plans are missing takes the one launch and queues
     their builds."""
     if plans is None or not cuda_kernels.cudnn_enabled():
         return False
     runs = segment_runs(bounds)
-    if sum(count * length * length for _, count, length in runs) < CUDNN_WORK:
+    pieces = power_of_two_pieces(runs)
+    if sum(count * length * length for _, count, length in runs) < CUDNN_WORK * len(pieces):
         return False
     missing = []
-    for _, count, length in power_of_two_pieces(runs):
+    for _, count, length in pieces:
         key = _key(dtype, heads, dim, count, length)
         if not plans.planned(key):
             missing.append(key)

@@ -179,7 +179,7 @@ def test_a_call_takes_one_segments_launch_unless_its_large_attention_has_cudnn_p
     monkeypatch.setattr(vision_attention.cuda_kernels, "cudnn_enabled", lambda: True)
     monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
     monkeypatch.setattr(prefill_attention, "attend_segments", segments_stand_in)
-    monkeypatch.setattr(vision_attention, "CUDNN_WORK", 2 * 6 * 6)  # two 6-patch images or more
+    monkeypatch.setattr(vision_attention, "CUDNN_WORK", 40)  # patches^2 per cuDNN call
 
     def run():
         import mlx.core as mx
@@ -204,8 +204,9 @@ def test_a_call_takes_one_segments_launch_unless_its_large_attention_has_cudnn_p
         return {k: np.array(v) for k, v in got.items()}, {k: np.array(v) for k, v in ref.items()}, calls, queued
 
     got, ref, calls, queued = on_own_thread(run)
-    assert calls == 1 and launches[0] == ("segments", [0, 6, 11], 6)  # 61 < 72: the one launch
-    assert launches[1] == ("segments", [0, 6, 12, 18, 23], 6) and queued == 3  # 133: plans for 2x6, 1x6, 1x5
+    assert calls == 1 and launches[0] == ("segments", [0, 6, 11], 6)  # 61 < 2 calls x 40: the one launch
+    # 133 >= 3 calls (2 x 6, 1 x 6, 1 x 5) x 40: cuDNN, once their plans are built
+    assert launches[1] == ("segments", [0, 6, 12, 18, 23], 6) and queued == 3
     assert len(launches) == 2  # built: cuDNN's route
     np.testing.assert_allclose(got["small"], ref["small"], rtol=1e-5, atol=1e-6)
     for key in ("unplanned", "planned"):
