@@ -395,6 +395,8 @@ def attend_segments(
     One launch instead of one per run of equal segments and three views of q, k and v each:
     the tower's calls are bound by the host's time per primitive."""
     positions, _, heads, dim = qk.shape
+    if qkv.dtype != qk.dtype or qkv.shape[0] != positions or qkv.shape[2:] != qk.shape[2:]:
+        raise ValueError(f"qk {qk.shape} {qk.dtype} and qkv {qkv.shape} {qkv.dtype} do not match")
     segments = bounds.shape[0] - 1
     query_warps, key_streams, _ = layout
     return _kernel(qk.dtype, dim, layout)(

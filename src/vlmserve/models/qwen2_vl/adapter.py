@@ -4,9 +4,10 @@
 - All images of several prompts share one vision-tower call (the tower takes many images'
   patches with their grids), and image prompts are embedded from host-side indices
   (embedding.py), so the worker never waits on a device read while embedding.
-- The tower's attention runs one SDPA per run of equal-length segments (vision_attention.py),
-  and warm-up builds its cuDNN plans per image size; other sizes run a plan-free kernel until
-  the engine builds theirs while idle.
+- On CUDA the tower's attention runs all of a call's images in one launch of a plan-free
+  kernel, or, for a call with a lot of attention, one cuDNN call per run of equal segments
+  (vision_attention.py); warm-up builds the cuDNN plans of its image sizes, and the engine
+  builds others while idle.
 - On CUDA a decode step over the slot cache takes the fused layer path (decode.py), and a
   prompt forward its own layer path in fewer primitives (prefill.py).
 Each is tested equal to `GenericModel`'s path.
@@ -14,7 +15,6 @@ Each is tested equal to `GenericModel`'s path.
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 from typing import Any
 
@@ -75,8 +75,7 @@ class QwenVLModel(GenericModel):
         vision_attention.install(self.model.vision_tower, self.attention_plans)
         if cuda_kernels.enabled():
             tower = self.model.vision_tower
-            plan_free = self.attention_plans is not None
-            vision_attention.note_builds(tower, tower.patch_embed.proj.weight.dtype, plan_free)
+            vision_attention.note_builds(tower, tower.patch_embed.proj.weight.dtype)
         super().install_fast_paths()
         self.fast_decode = qwen_decode.supports(self.language_model)
         self.fast_prefill = qwen_decode.same_layers(self.language_model)
@@ -207,23 +206,21 @@ class QwenVLModel(GenericModel):
         return sum(len(self.warm_vision_plans(tuple(grid), max_images)) for grid in image_grids(prepared).tolist())
 
     def warm_vision_plans(self, grid_thw: tuple[int, int, int], max_images: int) -> list[int]:
-        """Run the tower at every power-of-two image count up to `max_images` of one image size,
-        so cuDNN's attention plans for that size exist before traffic (vision_attention; other
-        sizes run plan-free until their plans are built while idle); returns the counts run
-        (none where the tower's attention does not go to cuDNN)."""
-        if not cuda_kernels.cudnn_enabled():
+        """Run the tower on one image of this size and build cuDNN's attention plans for it at
+        every power-of-two image count up to `max_images`, so calls large enough for cuDNN's
+        route (vision_attention) find them; returns the counts planned (none where the tower's
+        attention does not go to cuDNN)."""
+        if not cuda_kernels.cudnn_enabled() or self.attention_plans is None:
             return []
         vc = self.model.config.vision_config
         width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-        per_image = int(np.prod(grid_thw))
+        t, h, w = grid_thw
+        per_image = t * h * w
         max_images = min(max_images, max(1, TOWER_PATCHES // per_image))  # what one call takes
-        counts = [1 << i for i in range(max(1, max_images).bit_length())]
-        with self.attention_plans.building() if self.attention_plans is not None else contextlib.nullcontext():
-            for n in counts:
-                pixels = mx.zeros((n * per_image, width), dtype=dtype)
-                mx.eval(self._tower(pixels, np.array([grid_thw] * n, dtype=np.int64)))
-        return counts
+        counts = [t << i for i in range(max(1, max_images).bit_length())]  # frames of h x w patches
+        mx.eval(self._tower(mx.zeros((per_image, width), dtype=dtype), np.array([grid_thw], dtype=np.int64)))
+        return vision_attention.build_plans(self.model.vision_tower, dtype, h * w, counts, self.attention_plans)
 
     def _embed_image_prompt(
         self, prepared: PreparedRequest, features: mx.array, grid: np.ndarray, inputs: dict[str, mx.array] | None

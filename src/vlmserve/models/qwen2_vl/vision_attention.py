@@ -21,9 +21,8 @@ so a call with a lot of attention (CUDNN_WORK) takes it where its plans are buil
 into power-of-two image counts (13 = 8 + 4 + 1), so a segment length needs at most log2(max
 images) plans, which warm-up builds for its image sizes (`QwenVLModel.warm_vision_plans`); a
 large call whose plans are missing takes the one launch, and its plans are built while the
-engine is idle (engine/ops/attention_plans). A piece without a plan on the cuDNN route (the
-kernel serving, but not the whole call) runs the kernel on its run alone. The routes agree to
-bf16 rounding.
+engine is idle, or between steps once the call's lost time has paid for them
+(engine/ops/attention_plans). The routes agree to bf16 rounding.
 
 The swap is per module instance (its class is replaced by a subclass), so only the model
 the server loaded changes, never another copy of mlx_vlm's classes in the process.
@@ -39,14 +38,17 @@ import mlx.nn as nn
 from vlmserve.engine.ops import cuda_kernels, prefill_attention
 from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
 
-# The attention work (patches^2 summed over segments) per cuDNN call past which a call whose
-# plans are built takes cuDNN's route. Qwen2-VL's tower heads on an H100 (benchmarks/
-# vision_attention.py and host_ops.py): the one launch took 0.04-0.07 ms a block more than
-# cuDNN at one 224-448 px image (work up to 1M) and 0.3 ms more at eight 448 px images or one
-# 1024x768 image (8-16M), while each cuDNN call costs the host 0.15-0.25 ms a block in views and
-# launches. A 1024x768 image's tower call took 35.6 ms through the one launch and 28.6 through
-# cuDNN; three images of three sizes 34.3 and 36.3 ms.
+# When a call whose cuDNN plans are built takes cuDNN's route: its attention work (patches^2
+# summed over segments) passes CUDNN_WORK per cuDNN call, or one cuDNN call's passes
+# CUDNN_LARGEST. Qwen2-VL's tower heads on an H100 (benchmarks/vision_attention.py and
+# host_ops.py): the one launch took 0.04-0.07 ms a block more than cuDNN at one 224-448 px
+# image (work up to 1M), 0.3 ms more at eight 448 px images or one 1024x768 image (8-16M),
+# while each cuDNN call costs the host 0.15-0.25 ms a block in views and launches. A call of one
+# 1024x768 image was done after 35.6 ms through the one launch and 28.6 through cuDNN; of eight
+# sizes from 224 px to 1024x768, 88.0 and 70.6-79.9; of 224 px, 640x480 and 768 px, 34.3-38.0
+# and 33.1-36.3, with the host's share 13-19 ms against 33-36.
 CUDNN_WORK = 8 << 20
+CUDNN_LARGEST = 12 << 20
 
 
 def segment_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -104,52 +106,72 @@ def _key(dtype: mx.Dtype, heads: int, dim: int, count: int, length: int) -> tupl
     return (dtype, heads, dim, count, length)
 
 
-def _takes_cudnn(bounds: list[int], dtype: mx.Dtype, heads: int, dim: int, scale: float, plans) -> bool:
+class _Layout:
+    """What the blocks of one tower call share about its segments: the bounds as host numbers,
+    the cuDNN pieces, the attention work (patches^2 summed) and the longest segment."""
+
+    def __init__(self, cu_seqlens: mx.array):
+        self.cu_seqlens = cu_seqlens  # held: the identity the blocks look it up by stays its own
+        self.bounds = cu_seqlens.tolist()
+        runs = segment_runs(self.bounds)
+        self.pieces = power_of_two_pieces(runs) if cuda_kernels.cudnn_enabled() else runs
+        self.work = sum(count * length * length for _, count, length in runs)
+        self.largest = max((count * length * length for _, count, length in self.pieces), default=0)
+        self.longest = max((length for _, _, length in runs), default=0)
+
+    def covers(self, positions: int) -> bool:
+        """Whether the segments run from 0 to `positions` without a gap (every row is written)."""
+        b = self.bounds
+        return len(b) > 1 and b[0] == 0 and b[-1] == positions and all(lo <= hi for lo, hi in zip(b, b[1:]))
+
+
+_LAYOUTS: list[_Layout] = []  # the tower call in progress's (Qwen2.5-VL's blocks alternate two)
+
+
+def _layout(cu_seqlens: mx.array) -> _Layout:
+    for layout in _LAYOUTS:
+        if layout.cu_seqlens is cu_seqlens:
+            return layout
+    _LAYOUTS[:] = [_Layout(cu_seqlens), *_LAYOUTS[:1]]
+    return _LAYOUTS[0]
+
+
+def _takes_cudnn(layout: _Layout, dtype: mx.Dtype, heads: int, dim: int, scale: float, plans) -> bool:
     """Whether a tower call's attention goes to cuDNN run by run (`segment_attention`) rather than
-    all segments in one launch of vlmserve's kernel: where the call's attention per cuDNN call is
-    large enough that cuDNN's faster kernel saves more device time than its route costs the host,
-    and every piece's plan is built. Such a call whose plans are missing takes the one launch and queues
-    their builds."""
+    all segments in one launch of vlmserve's kernel: where cuDNN's faster kernel saves more
+    device time than its route costs the host (CUDNN_WORK), and every piece's plan is built.
+    Such a call whose plans are missing takes the one launch, and the missing plans are queued
+    with what the whole call loses without cuDNN."""
     if plans is None or not cuda_kernels.cudnn_enabled():
         return False
-    runs = segment_runs(bounds)
-    pieces = power_of_two_pieces(runs)
-    if sum(count * length * length for _, count, length in runs) < CUDNN_WORK * len(pieces):
+    if layout.work < CUDNN_WORK * len(layout.pieces) and layout.largest < CUDNN_LARGEST:
         return False
-    missing = []
-    for _, count, length in pieces:
-        key = _key(dtype, heads, dim, count, length)
-        if not plans.planned(key):
-            missing.append(key)
+    pieces = [(count, length) for _, count, length in layout.pieces]
+    missing = [(count, length) for count, length in pieces if not plans.planned(_key(dtype, heads, dim, count, length))]
+    if missing:
+        lost = sum(plan_free_loss_s(count, length, heads, dim) for count, length in pieces)
+        for count, length in missing:
             build = _plan_builder(dtype, count, length, heads, dim, scale)
-            plans.want(key, build, plan_free_loss_s(count, length, heads, dim))
+            plans.want(_key(dtype, heads, dim, count, length), build, lost / len(missing))
     return not missing
 
 
 def segment_attention(
     q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float, plans: AttentionPlans | None = None
 ) -> mx.array:
-    """Attention within each segment of q, k, v (S, H, D); segments are given by `bounds`. With
-    `plans`, a piece whose cuDNN plan is not built runs the plan-free kernel and is queued there."""
+    """Attention within each segment of q, k, v (S, H, D), segments given by `bounds`: one SDPA
+    per run of equal segments (power-of-two pieces of them on cuDNN), each noted in `plans` as
+    planned."""
     _, heads, dim = q.shape
     runs = segment_runs(bounds)
     cudnn = cuda_kernels.cudnn_enabled()
     if cudnn:
         runs = power_of_two_pieces(runs)
-    plan_free = cudnn and plans is not None and prefill_attention.serves(q.dtype, heads, heads, dim)
     outs = []
     for start, count, length in runs:
-        q_run, k_run, v_run = _run_views(q, k, v, start, count, length)
-        key = _key(q.dtype, heads, dim, count, length)
-        if plan_free and not plans.planned(key):
-            out = prefill_attention.attend_unmasked(q_run, k_run, v_run, scale)
-            outs.append(out.reshape(count * length, heads, dim))
-            build = _plan_builder(q.dtype, count, length, heads, dim, scale)
-            plans.want(key, build, plan_free_loss_s(count, length, heads, dim))
-            continue
-        outs.append(_through_cudnn(q_run, k_run, v_run, scale))
-        if plan_free:
-            plans.note_planned(key)
+        outs.append(_through_cudnn(*_run_views(q, k, v, start, count, length), scale))
+        if cudnn and plans is not None:
+            plans.note_planned(_key(q.dtype, heads, dim, count, length))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
@@ -189,7 +211,9 @@ def rotate_qk(qkv: mx.array, freqs: mx.array, rotary) -> mx.array:
     )[0]
 
 
-_TABLES: list = []  # [freqs, cos, sin] of the tower call in progress
+# [freqs, cos, sin] of the tower call in progress, held until the next call (a few MB for the
+# largest); the MLX thread is the only one that runs towers.
+_TABLES: list = []
 
 
 def _cos_sin(freqs: mx.array) -> tuple[mx.array, mx.array]:
@@ -215,18 +239,17 @@ def _make_class(base: type) -> type:
         seq_length = x.shape[0]
         qkv = self.qkv(x).reshape(seq_length, 3, self.num_heads, -1)
         qk = rotate_qk(qkv, rotary_pos_emb, rotary)
-        bounds = cu_seqlens.tolist()
+        layout = _layout(cu_seqlens)
         plans = getattr(self, "attention_plans", None)
         heads, dim = self.num_heads, qk.shape[-1]
         if (
-            bounds[-1] == seq_length
+            layout.covers(seq_length)
             and prefill_attention.serves(qk.dtype, heads, heads, dim)
-            and not _takes_cudnn(bounds, qk.dtype, heads, dim, self.scale, plans)
+            and not _takes_cudnn(layout, qk.dtype, heads, dim, self.scale, plans)
         ):
-            longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
             cu = cu_seqlens if cu_seqlens.dtype == mx.int32 else cu_seqlens.astype(mx.int32)
-            return self.proj(prefill_attention.attend_segments(qk, qkv, cu, longest, self.scale))
-        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], bounds, self.scale, plans)
+            return self.proj(prefill_attention.attend_segments(qk, qkv, cu, layout.longest, self.scale))
+        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], layout.bounds, self.scale, plans)
         return self.proj(out.reshape(seq_length, -1))
 
     return type(f"Segment{base.__name__}", (base,), {"__call__": __call__})
@@ -236,8 +259,9 @@ _CLASSES: dict[type, type] = {}
 
 
 def install(tower: nn.Module, plans: AttentionPlans | None = None) -> int:
-    """Swap the tower's per-segment attention modules for the run-batched version, sharing `plans`
-    (None: every piece goes to cuDNN where MLX sends it); returns how many."""
+    """Swap the tower's per-segment attention modules for this module's version, sharing `plans`
+    (None: calls the one launch serves take it, others go to cuDNN where MLX sends them);
+    returns how many."""
     swapped = 0
     for block in getattr(tower, "blocks", []):
         attn = getattr(block, "attn", None)
@@ -254,12 +278,30 @@ def install(tower: nn.Module, plans: AttentionPlans | None = None) -> int:
     return swapped
 
 
-def note_builds(tower: nn.Module, dtype: mx.Dtype, plan_free: bool) -> None:
+def build_plans(tower: nn.Module, dtype: mx.Dtype, length: int, counts: list[int], plans: AttentionPlans) -> list[int]:
+    """Build cuDNN's attention plans for `counts` segments of `length` patches at the tower's
+    heads, laid out as its calls lay them out (warm-up), and note them in `plans`; returns the
+    counts built."""
+    attn = _installed(tower)
+    if attn is None:
+        return []
+    for count in counts:
+        _plan_builder(dtype, count, length, attn.num_heads, attn.head_dim, attn.scale)()
+        plans.note_planned(_key(dtype, attn.num_heads, attn.head_dim, count, length))
+    return counts
+
+
+def _installed(tower: nn.Module):
+    """The tower's first attention module of this module's classes, if any."""
+    blocks = getattr(tower, "blocks", [])
+    return next((b.attn for b in blocks if type(getattr(b, "attn", None)) in _CLASSES.values()), None)
+
+
+def note_builds(tower: nn.Module, dtype: mx.Dtype) -> None:
     """Queue the builds of the tower's kernels for its heads and activation dtype ahead of its
     first image (a few seconds of compiling each on a first start otherwise): the q/k rotation,
-    and with `plan_free` the plan-free attention."""
-    blocks = getattr(tower, "blocks", [])
-    attn = next((b.attn for b in blocks if type(getattr(b, "attn", None)) in _CLASSES.values()), None)
+    and the one-launch attention where it serves the tower."""
+    attn = _installed(tower)
     if attn is None:
         return
     heads, dim = attn.num_heads, attn.head_dim
@@ -273,8 +315,6 @@ def note_builds(tower: nn.Module, dtype: mx.Dtype, plan_free: bool) -> None:
     if prefill_attention.serves(dtype, heads, heads, dim):
         layout = prefill_attention.UNMASKED_LAYOUT
         prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, layout, segments=True)
-        if plan_free:
-            prefill_attention.note_build(dtype, heads, heads, dim, attn.scale, layout)
 
 
 def uninstall(tower: nn.Module) -> int:

@@ -121,12 +121,14 @@ def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length, layou
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[1024], [256, 300, 64, 300], [64, 64, 64, 5, 1500]])
-def test_segments_match_each_segments_own_attention(lengths):
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("lengths", [[1024], [256, 300, 64, 300], [64, 64, 64, 5, 1500], [64, 0, 300]])
+def test_segments_match_each_segments_own_attention(lengths, strided):
     """All segments of a tower call in one launch (attend_segments: q and k from the rotated
     (S, 2, H, D) array, v from the (S, 3, H, D) projection, as the tower lays them out) against
     MLX's SDPA over each segment alone, Qwen2-VL's tower heads (16 x 80); lengths not multiples
-    of a block's 64 queries, a segment shorter than the key tile."""
+    of a block's 64 queries, a segment shorter than the key tile, an empty one; q and k also as a
+    view of the projection's rows (the strides of a (S, 3, H, D) array)."""
 
     def compare():
         import mlx.core as mx
@@ -134,9 +136,13 @@ def test_segments_match_each_segments_own_attention(lengths):
         total = sum(lengths)
         qkv = mx.random.normal((total, 3, 16, 80), key=mx.random.key(4)).astype(mx.bfloat16)
         qk = mx.random.normal((total, 2, 16, 80), key=mx.random.key(5)).astype(mx.bfloat16)
+        if strided:
+            qk = qkv[:, :2]
         bounds = [0, *np.cumsum(lengths).tolist()]
         refs = []
         for lo, hi in zip(bounds, bounds[1:]):
+            if hi == lo:
+                continue
             q, k = (qk[lo:hi, i].transpose(1, 0, 2)[None] for i in range(2))
             v = qkv[lo:hi, 2].transpose(1, 0, 2)[None]
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=80**-0.5, mask=None)

@@ -3,6 +3,8 @@ into runs (the features against mlx_vlm's: e2e/models/qwen2_vl/test_vision_atten
 
 from __future__ import annotations
 
+import pytest
+
 from vlmserve.models.qwen2_vl.vision_attention import segment_runs
 
 
@@ -25,29 +27,16 @@ def test_power_of_two_pieces_cut_runs_largest_first():
     assert power_of_two_pieces([(0, 32, 10)]) == [(0, 32, 10)]
 
 
-def test_pieces_without_a_plan_run_plan_free_until_idle_time_builds_their_plans(monkeypatch):
-    """Where cuDNN would serve: a piece whose plan is not built takes the plan-free kernel (here a
-    stand-in computing the same attention) and is queued; once built, it goes to MLX's SDPA. The
-    features are the same either way (to the kernels' rounding; exactly here)."""
+def test_segment_attention_runs_one_sdpa_per_piece_and_notes_each_plan(monkeypatch):
+    """cuDNN's route: one SDPA per power-of-two piece of each run of equal segments, each piece's
+    shape noted as planned; the features equal one SDPA per segment."""
     import numpy as np
 
     from support.helpers import on_own_thread
-    from vlmserve.engine.ops import prefill_attention
     from vlmserve.engine.ops.attention_plans import AttentionPlans
     from vlmserve.models.qwen2_vl import vision_attention
 
-    plan_free = []
-
-    def stand_in(q, k, v, scale):
-        import mlx.core as mx
-
-        plan_free.append(q.shape)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
-        return out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1)
-
     monkeypatch.setattr(vision_attention.cuda_kernels, "cudnn_enabled", lambda: True)
-    monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
-    monkeypatch.setattr(prefill_attention, "attend_unmasked", stand_in)
     bounds = [0, 6, 12, 18, 23]  # three segments of 6 (pieces of 2 and 1), one of 5
 
     def run():
@@ -55,27 +44,48 @@ def test_pieces_without_a_plan_run_plan_free_until_idle_time_builds_their_plans(
 
         q, k, v = (mx.random.normal((23, 2, 16), key=mx.random.key(i)) for i in range(3))
         plans = AttentionPlans()
-        first = vision_attention.segment_attention(q, k, v, bounds, 0.25, plans)
-        queued = plans.pending()
-        while plans.pending():
-            plans.build_next()
-        calls = len(plan_free)
-        second = vision_attention.segment_attention(q, k, v, bounds, 0.25, plans)
-        reference = vision_attention.segment_attention(q, k, v, bounds, 0.25)  # no plans: MLX's SDPA throughout
-        return np.array(first), np.array(second), np.array(reference), queued, calls
+        got = vision_attention.segment_attention(q, k, v, bounds, 0.25, plans)
+        keys = [(mx.float32, 2, 16, n, length) for n, length in ((2, 6), (1, 6), (1, 5))]
+        ref = [
+            mx.fast.scaled_dot_product_attention(*(t[lo:hi].transpose(1, 0, 2)[None] for t in (q, k, v)), scale=0.25)
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
+        ref = mx.concatenate([r[0].transpose(1, 0, 2) for r in ref])
+        return np.array(got), np.array(ref), [plans.planned(key) for key in keys]
 
-    first, second, reference, queued, calls = on_own_thread(run)
-    assert plan_free == [(2, 2, 6, 16), (1, 2, 6, 16), (1, 2, 5, 16)]  # the first call's three pieces
-    assert queued == 3 and calls == 3  # the second call took none: all planned
-    np.testing.assert_allclose(first, reference, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(second, reference)
+    got, ref, planned = on_own_thread(run)
+    assert planned == [True, True, True]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_cudnns_route_is_taken_past_the_work_per_call_or_for_one_large_call(monkeypatch):
+    """The thresholds: total work against CUDNN_WORK per cuDNN call, or one call's against
+    CUDNN_LARGEST (here with every plan built)."""
+    from support.helpers import on_own_thread
+    from vlmserve.engine.ops.attention_plans import AttentionPlans
+    from vlmserve.models.qwen2_vl import vision_attention
+
+    monkeypatch.setattr(vision_attention.cuda_kernels, "cudnn_enabled", lambda: True)
+    monkeypatch.setattr(vision_attention, "CUDNN_WORK", 60)
+
+    def decide(bounds, largest):
+        import mlx.core as mx
+
+        monkeypatch.setattr(vision_attention, "CUDNN_LARGEST", largest)
+        layout = vision_attention._Layout(mx.array(bounds, dtype=mx.int32))
+        plans = AttentionPlans()
+        with plans.building():  # every shape planned
+            return vision_attention._takes_cudnn(layout, "bf16", 2, 16, 0.25, plans)
+
+    # one segment of 10 and one of 2: work 104 < 2 calls x 60; the larger call's 100
+    assert on_own_thread(lambda: [decide([0, 10, 12], 100), decide([0, 10, 12], 101)]) == [True, False]
+    assert on_own_thread(lambda: decide([0, 10, 20], 1000))  # one call of two: 200 >= 60
 
 
 def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypatch):
     """The q/k rotation's build is queued for the tower's heads, head dim and activation dtype,
-    and is the very build (inputs' dtypes and ranks, template) a launch takes; the attention
-    kernel's builds (all segments at once, and one run of them while its plan is missing) are
-    queued where that kernel serves the tower, with its heads and scale."""
+    and is the very build (inputs' dtypes and ranks, template) a launch takes; the one-launch
+    attention's build is queued where that kernel serves the tower, with its heads and scale."""
     from types import SimpleNamespace
 
     from support.helpers import on_own_thread
@@ -112,7 +122,7 @@ def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypa
         monkeypatch.setattr(prefill_attention, "serves", lambda *args: serves)
         tower = SimpleNamespace(blocks=[SimpleNamespace(attn=Attention(64, num_heads=4)) for _ in range(2)])
         vision_attention.install(tower)
-        vision_attention.note_builds(tower, mx.bfloat16, plan_free=True)
+        vision_attention.note_builds(tower, mx.bfloat16)
         qkv = mx.zeros((10, 3, 4, 16), dtype=mx.bfloat16)
         vision_attention.rotate_qk(qkv, mx.zeros((10, 8), dtype=mx.float32), rotary=None)
         return mx.bfloat16
@@ -121,7 +131,7 @@ def test_the_towers_builds_are_queued_at_load_as_the_launches_take_them(monkeypa
     assert noted == [] and len(rotations) == 1 and rotations == launched
     bf16 = on_own_thread(lambda: load(True))
     heads = (bf16, 4, 4, 16, 16**-0.5, prefill_attention.UNMASKED_LAYOUT)
-    assert noted == [(heads, {"segments": True}), (heads, {})]  # all segments at once; one run of them
+    assert noted == [(heads, {"segments": True})]
     assert rotations[0][0][1] == (("T", bf16), ("D", 16), ("HD", 64))
 
 
@@ -161,7 +171,7 @@ def test_a_call_takes_one_segments_launch_unless_its_large_attention_has_cudnn_p
 
     from support.helpers import on_own_thread
     from vlmserve.engine.ops import prefill_attention
-    from vlmserve.engine.ops.attention_plans import AttentionPlans
+    from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
     from vlmserve.models.qwen2_vl import vision_attention
 
     launches = []
@@ -180,6 +190,7 @@ def test_a_call_takes_one_segments_launch_unless_its_large_attention_has_cudnn_p
     monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
     monkeypatch.setattr(prefill_attention, "attend_segments", segments_stand_in)
     monkeypatch.setattr(vision_attention, "CUDNN_WORK", 40)  # patches^2 per cuDNN call
+    monkeypatch.setattr(vision_attention, "CUDNN_LARGEST", 1000)
 
     def run():
         import mlx.core as mx
@@ -193,21 +204,50 @@ def test_a_call_takes_one_segments_launch_unless_its_large_attention_has_cudnn_p
         freqs = mx.random.uniform(0, 3, (23, 8), key=mx.random.key(1))
         small, large = mx.array([0, 6, 11], dtype=mx.int32), mx.array([0, 6, 12, 18, 23], dtype=mx.int32)
         got = {"small": attn(x[:11], small, freqs[:11])}
-        calls = len(launches)
+        calls, queued_small = len(launches), plans.pending()
         got["unplanned"] = attn(x, large, freqs)
         queued = plans.pending()
+        lost = sum(w.lost_s for w in plans._wanted.values())
         while plans.pending():
             plans.build_next()
         got["planned"] = attn(x, large, freqs)
         vision_attention.uninstall(tower)  # mlx_vlm's own attention, one SDPA per segment
         ref = {"small": attn(x[:11], small, freqs[:11]), "large": attn(x, large, freqs)}
-        return {k: np.array(v) for k, v in got.items()}, {k: np.array(v) for k, v in ref.items()}, calls, queued
+        got = {k: np.array(v) for k, v in got.items()}
+        return got, {k: np.array(v) for k, v in ref.items()}, calls, queued_small, queued, lost
 
-    got, ref, calls, queued = on_own_thread(run)
-    assert calls == 1 and launches[0] == ("segments", [0, 6, 11], 6)  # 61 < 2 calls x 40: the one launch
+    got, ref, calls, queued_small, queued, lost = on_own_thread(run)
+    # 61 < 2 calls x 40: the one launch, nothing queued
+    assert calls == 1 and launches[0] == ("segments", [0, 6, 11], 6) and queued_small == 0
     # 133 >= 3 calls (2 x 6, 1 x 6, 1 x 5) x 40: cuDNN, once their plans are built
     assert launches[1] == ("segments", [0, 6, 12, 18, 23], 6) and queued == 3
+    # what the whole call lost without cuDNN
+    assert lost == pytest.approx(sum(plan_free_loss_s(n, length, 4, 16) for n, length in ((2, 6), (1, 6), (1, 5))))
     assert len(launches) == 2  # built: cuDNN's route
     np.testing.assert_allclose(got["small"], ref["small"], rtol=1e-5, atol=1e-6)
     for key in ("unplanned", "planned"):
         np.testing.assert_allclose(got[key], ref["large"], rtol=1e-5, atol=1e-6)
+
+
+def test_warm_up_notes_a_plan_for_every_image_count_it_builds(monkeypatch):
+    """build_plans (warm-up) builds cuDNN's plan of each count of one image size, laid out as the
+    tower lays out its calls, and notes it: calls of that size then find it planned."""
+    from types import SimpleNamespace
+
+    from support.helpers import on_own_thread
+    from vlmserve.engine.ops.attention_plans import AttentionPlans
+    from vlmserve.models.qwen2_vl import vision_attention
+
+    def run():
+        import mlx.core as mx
+        from mlx_vlm.models.qwen2_vl.vision import Attention
+
+        tower = SimpleNamespace(blocks=[SimpleNamespace(attn=Attention(64, num_heads=4))])
+        vision_attention.install(tower)
+        plans = AttentionPlans()
+        built = vision_attention.build_plans(tower, mx.bfloat16, 36, [1, 2, 4], plans)
+        keys = [(mx.bfloat16, 4, 16, n, length) for n, length in ((1, 36), (2, 36), (4, 36), (8, 36), (1, 25))]
+        return built, [plans.planned(key) for key in keys]
+
+    built, planned = on_own_thread(run)
+    assert built == [1, 2, 4] and planned == [True, True, True, False, False]
