@@ -14,13 +14,13 @@ import argparse
 import collections
 import io
 import re
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from PIL import Image
 
+from host_timing import host_and_done_ms  # benchmarks/, the script's directory
 from vlmserve.config import ServerConfig
 from vlmserve.inputs.preprocess import Preprocessor
 from vlmserve.models.processor import load_processor
@@ -64,21 +64,11 @@ def _requests(path: Path, sizes: list[str], words: int):
 def _report(label: str, build, prepare=lambda: None, runs: int = 5) -> None:
     prepare()
     counts = primitives(build)
-    host, total = [], []
-    for _ in range(runs):
-        prepare()
-        mx.synchronize()
-        t0 = time.perf_counter()
-        arrays = build()
-        mx.async_eval(arrays)
-        t1 = time.perf_counter()
-        mx.eval(arrays)
-        host.append((t1 - t0) * 1e3)
-        total.append((time.perf_counter() - t0) * 1e3)
+    host, done = host_and_done_ms(build, runs, prepare)
     top = ", ".join(f"{k} {v}" for k, v in counts.most_common(8))
     print(
-        f"{label}: {sum(counts.values())} primitives; host {np.median(host):.1f} ms, "
-        f"done {np.median(total):.1f} ms (median of {runs})\n    {top}",
+        f"{label}: {sum(counts.values())} primitives; host {host:.1f} ms, "
+        f"done {done:.1f} ms (median of {runs})\n    {top}",
         flush=True,
     )
 

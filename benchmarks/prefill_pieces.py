@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from host_timing import host_and_done_ms  # benchmarks/, the script's directory
 from vlmserve.models.registry import load_model_adapter
 from vlmserve.protocol import PreparedRequest
 
@@ -32,21 +32,6 @@ def _states(model, rows: int, before: int, piece: int):
             model.prefill(st, 0, before)
     mx.eval([c.state for st in states for c in st.cache])
     return states
-
-
-def _time(fn, repeat: int) -> tuple[float, float]:
-    hosts, totals = [], []
-    for _ in range(repeat):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        arrays = fn()
-        mx.async_eval(arrays)
-        t1 = time.perf_counter()
-        mx.eval(arrays)
-        t2 = time.perf_counter()
-        hosts.append(t1 - t0)
-        totals.append(t2 - t0)
-    return float(np.median(hosts)) * 1e3, float(np.median(totals)) * 1e3
 
 
 def _ways(model, states, start: int, end: int) -> dict:
@@ -85,8 +70,8 @@ def main() -> None:
     for rows in args.rows:
         states = _states(model, rows, args.before, args.piece)
         for name, fn in _ways(model, states, args.before, args.before + args.piece).items():
-            _time(fn, 2)  # first runs build kernels
-            host, total = _time(fn, args.repeat)
+            host_and_done_ms(fn, 2)  # first runs build kernels
+            host, total = host_and_done_ms(fn, args.repeat)
             print(json.dumps({"rows": rows, "way": name, "host_ms": round(host, 2), "total_ms": round(total, 2)}))
 
 
