@@ -127,17 +127,26 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def test_warm_vision_plans_runs_each_power_of_two_up_to_the_limit(grid_server, monkeypatch):
+def test_warm_vision_plans_builds_each_power_of_two_up_to_the_limit(grid_server, monkeypatch):
+    """Warm-up builds cuDNN's plans of an image size at every power-of-two image count up to
+    what one call takes, and notes them: calls of those shapes find them planned."""
     from vlmserve.engine.ops import cuda_kernels
+    from vlmserve.engine.ops.attention_plans import AttentionPlans
 
     model = grid_server.state.engine.core.model
     monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: False)
     assert grid_server.on_worker(model.warm_vision_plans, (1, 8, 8), 8) == []  # no plans to build
 
     monkeypatch.setattr(cuda_kernels, "cudnn_enabled", lambda: True)
+    plans = AttentionPlans()
+    monkeypatch.setattr(model, "attention_plans", plans)
     batches = _sdpa_batches(monkeypatch)
     assert grid_server.on_worker(model.warm_vision_plans, (1, 8, 8), 7) == [1, 2, 4]
     assert {1, 2, 4} <= set(batches) and all(_power_of_two(n) for n in batches)
+    attn = model.model.vision_tower.blocks[0].attn
+    dtype = model.model.vision_tower.patch_embed.proj.weight.dtype
+    key = (dtype, attn.num_heads, attn.head_dim)
+    assert [plans.planned((*key, n, 64)) for n in (1, 2, 4, 8)] == [True, True, True, False]
     assert grid_server.on_worker(model.warm_vision_plans, (1, 8, 8), 2) == [1, 2]
 
 
