@@ -13,6 +13,9 @@ import threading
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 from support.helpers import MODELS, ROOT, on_own_thread
 
 FORMATS = ("float32", "4bit")
@@ -54,3 +57,21 @@ def checkpoint(name: str, fmt: str, cache_dir: Path) -> Path:
         if not dst.is_dir():
             on_own_thread(lambda: mf.write_quantized(src, dst))
         return dst
+
+
+def image_prompt(path: Path, sizes=((80, 64),)):
+    """A preprocessed chat request with random images of these (width, height) sizes and a question."""
+    from vlmserve.config import ServerConfig
+    from vlmserve.inputs.preprocess import Preprocessor
+    from vlmserve.models.processor import load_processor
+    from vlmserve.models.registry import model_type_of
+    from vlmserve.protocol import ChatMessage, ChatRequest, SamplingParams
+
+    pre = Preprocessor(load_processor(path), 4096, ServerConfig(), model_type=model_type_of(path))
+    rng = np.random.default_rng(5)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    parts = [("image", None) for _ in images] + [("text", "What is it?")]
+    try:
+        return pre.encode(pre.render(ChatRequest([ChatMessage("user", parts)], SamplingParams())), images)
+    finally:
+        pre.close()

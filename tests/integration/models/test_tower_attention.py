@@ -8,32 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from PIL import Image
 
+from support.families import checkpoint, image_prompt
 from support.helpers import MODELS, on_own_thread
 
 
-def _image_prompt(path, sizes=((80, 64),)):
-    from vlmserve.config import ServerConfig
-    from vlmserve.inputs.preprocess import Preprocessor
-    from vlmserve.models.processor import load_processor
-    from vlmserve.models.registry import model_type_of
-    from vlmserve.protocol import ChatMessage, ChatRequest, SamplingParams
-
-    pre = Preprocessor(load_processor(path), 4096, ServerConfig(), model_type=model_type_of(path))
-    rng = np.random.default_rng(5)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
-    parts = [("image", None) for _ in images] + [("text", "What is it?")]
-    try:
-        return pre.encode(pre.render(ChatRequest([ChatMessage("user", parts)], SamplingParams())), images)
-    finally:
-        pre.close()
-
-
 def _checkpoint(name, tmp_path_factory):
-    from support.families import checkpoint
-
-    return MODELS / name if (MODELS / name).is_dir() else checkpoint(name, "float32", tmp_path_factory.mktemp("tower"))
+    return checkpoint(name, "float32", tmp_path_factory.mktemp("tower"))
 
 
 # Idefics3's model drops all-zero images before its tower (its processor's padding): a rebuild on
@@ -61,7 +42,7 @@ def test_new_tower_shapes_run_plan_free_until_their_plans_are_built(name, monkey
     from vlmserve.models.registry import load_model_adapter, model_type_of
 
     path = _checkpoint(name, tmp_path_factory)
-    prepared = _image_prompt(path, CASES[name])
+    prepared = image_prompt(path, CASES[name])
 
     plan_free, through_mlx = [], []
     monkeypatch.setattr(tower_attention, "available", lambda: True)
@@ -113,7 +94,7 @@ def test_warm_up_builds_the_plans_of_its_images_shapes(monkeypatch):
     from vlmserve.models.registry import load_model_adapter, model_type_of
 
     path = MODELS / "llava"
-    prepared = _image_prompt(path)
+    prepared = image_prompt(path)
     monkeypatch.setattr(tower_attention, "available", lambda: True)
     monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
     plan_free = []
@@ -150,7 +131,7 @@ def test_a_tower_call_that_fails_queues_nothing(monkeypatch):
     from vlmserve.models.registry import load_model_adapter, model_type_of
 
     path = MODELS / "llava"
-    prepared = _image_prompt(path)
+    prepared = image_prompt(path)
     monkeypatch.setattr(tower_attention, "available", lambda: True)
     monkeypatch.setattr(prefill_attention, "serves", lambda *args: True)
 

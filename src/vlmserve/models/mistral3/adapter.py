@@ -1,4 +1,5 @@
-"""Mistral 3 with Ministral 3's text model: its llama-4 query scaling per row.
+"""Mistral 3: Ministral 3's text model's llama-4 query scaling per row, and Pixtral's vision
+tower one image at a time, unmasked (models/pixtral/tower.py).
 
 mlx_vlm's Ministral 3 forward scales every query by its position past the rope's original
 length (1 + beta * log(1 + floor(p / original))), with the positions of the first row of the
@@ -20,6 +21,7 @@ import sys
 import mlx.core as mx
 
 from vlmserve.models.generic import GenericModel
+from vlmserve.models.pixtral import tower as pixtral_tower
 
 
 def llama4_scale(offset, length: int, beta: float, original: int) -> mx.array:
@@ -75,4 +77,5 @@ def install(text_model) -> bool:
 class Mistral3Model(GenericModel):
     def install_fast_paths(self) -> None:
         install(self.language_model.model)
+        pixtral_tower.install(self.model.vision_tower)
         super().install_fast_paths()
