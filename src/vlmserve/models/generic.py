@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -386,13 +386,19 @@ class GenericModel:
         pixel_values = inputs.pop("pixel_values", None)
         return input_ids, pixel_values, mx.ones(input_ids.shape, dtype=mx.int32), inputs
 
+    def tower_call_key(self, prepared: PreparedRequest) -> Hashable:
+        """The part of a tower attention shape's key that the rest of its call decides: the
+        call's signature, as a tower that slices each image out of the call lays it out by the
+        others (tower_attention)."""
+        return _call_signature(prepared)
+
     def _embed_pixels(self, prepared: PreparedRequest, input_ids: mx.array, pixel_values, mask: mx.array, inputs: dict):
         """The model's embedding of a prompt with its images (the vision tower's call), its
         attention routed off new cuDNN plans where this model's is (tower_attention)."""
         if not self.routes_tower_attention or pixel_values is None:
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
         with tower_attention.routed(
-            self.attention_plans, _call_signature(prepared), lambda: self._tower_rebuild(prepared)
+            self.attention_plans, self.tower_call_key(prepared), lambda: self._tower_rebuild(prepared)
         ):
             return self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
 

@@ -18,6 +18,7 @@ _FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
     "kimi_vl": ("vlmserve.models.kimi_vl.processing:KimiVLProcessing", None),
     "llava_next": ("vlmserve.models.llava_next.processing:LlavaNextProcessing", None),
     "mistral3": (None, "vlmserve.models.mistral3.adapter:Mistral3Model"),
+    "mistral_large3": (None, "vlmserve.models.pixtral.adapter:PixtralModel"),
     "pixtral": (None, "vlmserve.models.pixtral.adapter:PixtralModel"),
     "qwen2_vl": (
         "vlmserve.models.qwen2_vl.processing:QwenVLProcessing",

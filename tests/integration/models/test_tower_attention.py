@@ -19,7 +19,8 @@ def _checkpoint(name, tmp_path_factory):
 
 # Idefics3's model drops all-zero images before its tower (its processor's padding): a rebuild on
 # zeros would meet no shape of the real call.
-CASES = {"llava": ((80, 64),), "idefics3": ((100, 60), (40, 40))}
+# Mistral 3's Pixtral tower runs image by image (models/pixtral/tower.py): two of one size.
+CASES = {"llava": ((80, 64),), "idefics3": ((100, 60), (40, 40)), "mistral3": ((80, 64), (48, 96), (64, 64), (80, 64))}
 
 
 def test_stand_in_pixels_keep_blank_images_blank_and_no_memory_of_the_real_ones():

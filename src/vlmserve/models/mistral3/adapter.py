@@ -20,8 +20,7 @@ import sys
 
 import mlx.core as mx
 
-from vlmserve.models.generic import GenericModel
-from vlmserve.models.pixtral import tower as pixtral_tower
+from vlmserve.models.pixtral.adapter import PixtralModel
 
 
 def llama4_scale(offset, length: int, beta: float, original: int) -> mx.array:
@@ -74,8 +73,7 @@ def install(text_model) -> bool:
     return True
 
 
-class Mistral3Model(GenericModel):
+class Mistral3Model(PixtralModel):
     def install_fast_paths(self) -> None:
         install(self.language_model.model)
-        pixtral_tower.install(self.model.vision_tower)
         super().install_fast_paths()

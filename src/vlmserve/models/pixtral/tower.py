@@ -11,7 +11,8 @@ layer's hidden states) are joined in image order: the features mlx_vlm's masked 
 to its attention's rounding.
 
 The swap is per module instance (its class is replaced by a subclass), so only the model the
-server loaded changes; the mask function is rebound only while the swapped tower runs.
+server loaded changes; the mask function is rebound only while the swapped tower runs (on the
+MLX thread, the only one that runs towers).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def _make_class(base: type) -> type:
     module = sys.modules[base.__module__]
 
     def __call__(self, x: mx.array, output_hidden_states: bool | None = None, image_sizes=None):
+        if image_sizes is not None and len(image_sizes) != x.shape[0]:  # mlx_vlm's call says why
+            return base.__call__(self, x, output_hidden_states, image_sizes=image_sizes)
         runs = []
         with _unmasked(module):
             for i in range(x.shape[0]):
@@ -76,6 +79,10 @@ def install(tower: nn.Module) -> bool:
         _CLASSES[base] = _make_class(base)
     tower.__class__ = _CLASSES[base]
     return True
+
+
+def installed(tower: nn.Module) -> bool:
+    return type(tower) in _CLASSES.values()
 
 
 def uninstall(tower: nn.Module) -> bool:

@@ -35,11 +35,16 @@ def test_per_image_runs_equal_the_masked_call_and_leave_the_mask_function_as_it_
         installed = tower.install(model), tower.install(model), tower.install(vision.Encoder(config))
         last, states = model(x, output_hidden_states=True, image_sizes=sizes)
         one, _ = model(x[:1], output_hidden_states=False, image_sizes=sizes[:1])
+        try:
+            model(x[:, :, :, :2], image_sizes=sizes)  # two channels: the tower's convolution fails
+        except ValueError:
+            pass
+        restored_after_failure = vision.generate_block_attention_mask is mask_function
         return (
             [np.array(a) for a in (ref_last, last, one, ref_last[:, : 8 * 6])],
             [(np.array(a), np.array(b)) for a, b in zip(ref_states, states)],
             installed,
-            vision.generate_block_attention_mask is mask_function,
+            vision.generate_block_attention_mask is mask_function and restored_after_failure,
         )
 
     (ref_last, last, one, ref_first), states, installed, restored = on_own_thread(run)
