@@ -77,8 +77,9 @@ def make_decode_step(decode: Callable, block_size: int, compiled: bool) -> Calla
 class PaddedDecodeBatch:
     """Rows of a model whose caches are not all plain (recurrent or convolution state, rotating
     windows) in mlx_vlm's own batch caches, left-padded to the longest row; the KV budget counts
-    each row's positions and fixed state (GenericModel.row_memory), and a preempted row's caches
-    go to host memory and come back by the same merge a joining row takes."""
+    each row at that width, and its fixed state (GenericModel.row_memory; the runner's
+    `_padded_width`), and a preempted row's caches go to host memory and come back by the same
+    merge a joining row takes."""
 
     paged = False  # its KV is mlx_vlm's, outside the block pools
 

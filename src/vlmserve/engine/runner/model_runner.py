@@ -626,33 +626,46 @@ class ModelRunner:
 
     def _growth(self) -> int:
         """Budget blocks the running rows' next positions need beyond what they hold."""
-        return sum(self._row_growth(s) for s in self.sched.running)
+        width = self._padded_width()
+        return sum(self._row_growth(s, width) for s in self.sched.running)
 
-    def _row_growth(self, seq: Sequence) -> int:
+    def _padded_width(self, joining: Sequence | None = None) -> int:
+        """Positions each row of a padded batch holds: mlx_vlm's batch caches left-pad every row
+        to the longest one's (with `joining`, as if it had joined). 0 for the paged batches,
+        whose rows hold their own positions only."""
+        if self.batches.paged:
+            return 0
+        rows = self.sched.running if joining is None else [*self.sched.running, joining]
+        return max((s.cache_len for s in rows), default=0)
+
+    def _row_growth(self, seq: Sequence, width: int = 0) -> int:
         """Budget blocks a row's next position needs beyond what it holds (a padded batch's row
-        holds no blocks of its own: what it was counted)."""
+        holds no blocks of its own: what it was counted, and it is counted at the batch's
+        `width`, its padding included). Negative where a padded row's batch got narrower."""
         held = self._weight(seq.kv_dtype) * len(seq.blocks) if self.batches.paged else seq.kv_units
-        return self._cost(seq.cache_len + 1, seq.kv_dtype) - held
+        return self._cost(max(seq.cache_len, width) + 1, seq.kv_dtype) - held
 
     def _grow_blocks(self, prev):
         """Before a step: the block each row's next position needs. When too few are free, the
         previous step is read first (rows may finish) and then the latest rows are preempted; a
         row alone that still cannot grow has reached what the budget holds and ends there."""
-        units = [self._row_growth(s) for s in self.sched.running]
+        width = self._padded_width()
+        units = [self._row_growth(s, width) for s in self.sched.running]
         if sum(units) > self.budget.free:
             if prev is not None:
                 self._resolve(prev)
                 prev = None
             while self.sched.running and self._growth() > self.budget.free:
                 victim = self.sched.preemption_victim()
-                grown = victim.kv_units + self._row_growth(victim)
+                own = self._cost(victim.cache_len + 1, victim.kv_dtype)  # its padding aside
                 alone = len(self.sched.running) == 1 and self.budget.used == victim.kv_units
-                if alone or grown > self.budget.total:  # it could never resume: it is as long as it gets
+                if alone or own > self.budget.total:  # it could never resume: it is as long as it gets
                     self.finish(victim, FinishReason.LENGTH)
                     self.remove_rows([victim])
                 else:
                     self._preempt(victim)
-            units = [self._row_growth(s) for s in self.sched.running]  # rows went: count again
+            width = self._padded_width()  # rows went: count again
+            units = [self._row_growth(s, width) for s in self.sched.running]
         if self.sched.running:
             for seq, grown in zip(self.sched.running, units):
                 seq.kv_units += grown
@@ -670,8 +683,14 @@ class ModelRunner:
                 self.finish(seq, FinishReason.LENGTH)
                 continue
             # Room for the running rows' next blocks too: else the row that just came back, the
-            # latest arrival, is the first put aside again at the next step's growth.
-            headroom = sum(self._weight(s.kv_dtype) for s in self.sched.running)
+            # latest arrival, is the first put aside again at the next step's growth. In a padded
+            # batch that is its padding to the longest row, and theirs to it.
+            if self.batches.paged:
+                headroom = sum(self._weight(s.kv_dtype) for s in self.sched.running)
+            else:
+                width = self._padded_width(joining=seq)
+                padding = self._cost(max(seq.cache_len, width) + 1, seq.kv_dtype) - cost
+                headroom = padding + sum(max(0, self._row_growth(s, width)) for s in self.sched.running)
             if cost + headroom > self.budget.free and self.sched.running:
                 return
             if not self.budget.take(cost):

@@ -1,0 +1,68 @@
+"""The KV budget of a padded batch (models whose caches are not paged: mlx_vlm's batch caches
+left-pad every row to the longest): each row is counted at the batch's width, so a short row
+beside a long one pays for its padding; when that does not fit, the latest arrival steps aside,
+and it resumes only once its padding, and the others' to it, fits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vlmserve.engine.runner.model_runner import ModelRunner
+from vlmserve.engine.sched.kv_budget import KVBudget
+from vlmserve.engine.sched.request import Sequence
+from vlmserve.engine.sched.scheduler import Scheduler
+
+
+def _runner(total_blocks: int, paged: bool = False) -> ModelRunner:
+    runner = ModelRunner.__new__(ModelRunner)  # only the budget's bookkeeping: no model, no device
+    runner.budget = KVBudget(total_blocks, block_size=16, row_blocks=1)
+    runner.sched = Scheduler(max_num_seqs=8, kv_budget=runner.budget)
+    runner.batches = SimpleNamespace(paged=paged)
+    runner._weights = {}
+    runner.preempted, runner.ended = [], []
+    runner.batch = SimpleNamespace(grow=lambda: None, resume=lambda seq, host: None)
+    runner._preempt = lambda seq: (runner.preempted.append(seq), runner.sched.preempt(seq))
+    runner.finish = lambda seq, reason: runner.ended.append((seq, reason))
+    runner.remove_rows = runner.sched.remove_running
+    return runner
+
+
+def _row(runner: ModelRunner, arrival: float, cache_len: int) -> Sequence:
+    """A running row of `cache_len` positions, counted as a join counts it (its own positions)."""
+    req = SimpleNamespace(arrival=arrival, cancelled=False, request_id=str(arrival))
+    seq = Sequence(req=req, sampler=None, text=None, cache_len=cache_len)
+    seq.kv_units = runner._cost(cache_len + 1, None)
+    assert runner.budget.take(seq.kv_units)
+    runner.sched.running.append(seq)
+    return seq
+
+
+def test_rows_of_a_padded_batch_are_counted_at_its_width():
+    runner = _runner(total_blocks=40)
+    long, short = _row(runner, 1.0, 160), _row(runner, 2.0, 10)  # 11 + 1 and 1 + 1 blocks
+    assert runner._padded_width() == 160 and runner.budget.used == 14
+    assert runner._row_growth(long, 160) == 0 and runner._row_growth(short, 160) == 10  # its padding
+    runner._grow_blocks(None)
+    assert short.kv_units == long.kv_units == 12 and runner.budget.used == 24 and not runner.preempted
+    runner.sched.remove_running([long])  # the long row ends: the batch narrows, the short row gives back
+    assert runner._growth() == -10
+
+
+def test_the_latest_row_steps_aside_when_its_padding_does_not_fit_and_resumes_when_it_does():
+    runner = _runner(total_blocks=20)
+    long, short = _row(runner, 1.0, 160), _row(runner, 2.0, 10)
+    runner._grow_blocks(None)  # 12 + 12 > 20: the short row (the latest) steps aside, not ended
+    assert runner.preempted == [short] and not runner.ended and runner.sched.running == [long]
+    assert runner.budget.used == 12
+    runner.resume_preempted()  # own cost 2 fits, its padding (10 more) does not
+    assert runner.sched.preempted == [short]
+    long.cache_len = 100  # a narrower batch: own 2 + padding 6 of the 12 free
+    runner.sched.running[0].kv_units = runner._cost(101, None)
+    runner.budget.used = long.kv_units
+    runner.resume_preempted()
+    assert runner.sched.running == [long, short] and runner.sched.preempted == []
+
+
+def test_paged_rows_are_counted_at_their_own_length():
+    runner = _runner(total_blocks=40, paged=True)
+    assert runner._padded_width() == 0
