@@ -190,8 +190,9 @@ class EngineCore:
     @staticmethod
     def _padded_budget(model, config: ServerConfig, budget: int) -> KVBudget:
         """The budget of a model whose caches are not paged (one padded batch): each row counted
-        at its positions' bytes plus its fixed state (a recurrent or convolution state), the
-        padding up to the batch's longest row not counted."""
+        at its positions' bytes plus its fixed state (a recurrent or convolution state); the
+        runner counts a running row's positions at the batch's width, its padding up to the
+        longest row included."""
         memory = model.row_memory()
         if memory is None:
             log.info("KV budget: none (this model's caches are neither paged nor of kinds it can count)")

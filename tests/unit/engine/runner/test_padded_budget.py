@@ -15,7 +15,7 @@ from vlmserve.engine.sched.scheduler import Scheduler
 
 def _runner(total_blocks: int, paged: bool = False) -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)  # only the budget's bookkeeping: no model, no device
-    runner.budget = KVBudget(total_blocks, block_size=16, row_blocks=1)
+    runner.budget = KVBudget(total_blocks, block_size=16, row_blocks=0 if paged else 1)
     runner.sched = Scheduler(max_num_seqs=8, kv_budget=runner.budget)
     runner.batches = SimpleNamespace(paged=paged)
     runner._weights = {}
@@ -63,6 +63,31 @@ def test_the_latest_row_steps_aside_when_its_padding_does_not_fit_and_resumes_wh
     assert runner.sched.running == [long, short] and runner.sched.preempted == []
 
 
+def test_when_the_long_row_arrived_last_it_steps_aside_and_the_batch_narrows():
+    runner = _runner(total_blocks=20)
+    short, long = _row(runner, 1.0, 10), _row(runner, 2.0, 160)
+    runner._grow_blocks(None)  # the long row (the latest) steps aside: the short one is 2 again
+    assert runner.preempted == [long] and runner.sched.running == [short]
+    assert short.kv_units == 2 and runner.budget.used == 2 == sum(s.kv_units for s in runner.sched.running)
+
+
+def test_a_row_longer_than_the_running_ones_resumes_only_with_room_for_their_padding_to_it():
+    runner = _runner(total_blocks=20)
+    a, b = _row(runner, 1.0, 10), _row(runner, 2.0, 10)  # 2 + 2 blocks
+    long = _row(runner, 3.0, 100)  # own 8: 12 in all
+    runner._preempt(long)
+    assert runner.budget.used == 4
+    runner.resume_preempted()  # its 8, and the others' padding to 101 positions: 2 x 6 more > 16 free
+    assert runner.sched.preempted == [long]
+    runner.sched.remove_running([b])
+    runner.resume_preempted()  # 8 + 6 of 18 free
+    assert runner.sched.running == [a, long]
+
+
 def test_paged_rows_are_counted_at_their_own_length():
     runner = _runner(total_blocks=40, paged=True)
+    runner._weights = {None: 1}  # (no model to ask for its KV dtype)
+    short, long = _row(runner, 1.0, 10), _row(runner, 2.0, 160)
+    short.blocks, long.blocks = [1], list(range(2, 12))  # one block for 10 positions, ten for 160
     assert runner._padded_width() == 0
+    assert [runner._row_growth(s, runner._padded_width()) for s in (short, long)] == [0, 1]  # no padding
