@@ -436,6 +436,8 @@ class ModelRunner:
             if not seqs:
                 return
             rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
+            if not self.batch.paged:
+                self._make_room_for_padding(seqs)
         try:
             self.batch.join(seqs, rows_cache, rows)
         finally:
@@ -614,6 +616,21 @@ class ModelRunner:
                 break
             self._preempt(victim)
         return True
+
+    def _make_room_for_padding(self, joining: list[Sequence]) -> None:
+        """Before rows join a padded batch: where the padding their join makes (theirs to the
+        longest row, the others' to theirs) does not fit, running rows that arrived after them
+        step aside first, latest first, while the batch is still narrow (afterwards, taking a
+        row out would make the padded caches first). What is still short the next step's growth
+        settles, setting aside the rows that arrived last (joining ones among them)."""
+        first = min(s.req.arrival for s in joining)
+        while True:
+            width = max(self._padded_width(), max(s.cache_len for s in joining))
+            need = sum(max(0, self._row_growth(s, width)) for s in [*self.sched.running, *joining])
+            later = [s for s in self.sched.running if s.req.arrival > first]
+            if need <= self.budget.free or not later:
+                return
+            self._preempt(max(later, key=lambda s: s.req.arrival))
 
     def _preempt(self, seq: Sequence) -> None:
         seq.host_kv = self.batch.evict(seq)

@@ -91,3 +91,26 @@ def test_paged_rows_are_counted_at_their_own_length():
     short.blocks, long.blocks = [1], list(range(2, 12))  # one block for 10 positions, ten for 160
     assert runner._padded_width() == 0
     assert [runner._row_growth(s, runner._padded_width()) for s in (short, long)] == [0, 1]  # no padding
+
+
+def test_rows_that_arrived_after_a_long_joining_row_step_aside_before_it_joins():
+    """A long row joining late (its prompt took longer) beside shorter rows that arrived after
+    it: those step aside, latest first, until the padding its join makes fits, while the batch
+    is still narrow; earlier rows are never set aside for it."""
+    runner = _runner(total_blocks=30)
+    early = _row(runner, 0.5, 10)
+    later = [_row(runner, 2.0, 10), _row(runner, 3.0, 10)]
+    joining = _row(runner, 1.0, 160)  # paid for its own positions (12) at the join
+    runner.sched.running.remove(joining)
+    runner._make_room_for_padding([joining])  # 3 x 10 more for the others' padding > 30 - 18 free
+    assert runner.preempted == [later[1], later[0]] and runner.sched.running == [early]
+    assert runner.budget.used == 14 and runner._growth() + runner._row_growth(joining, 160) <= runner.budget.free
+
+
+def test_a_joining_row_that_arrived_last_is_left_to_the_next_steps_growth():
+    runner = _runner(total_blocks=16)
+    first = _row(runner, 1.0, 10)
+    joining = _row(runner, 2.0, 160)
+    runner.sched.running.remove(joining)
+    runner._make_room_for_padding([joining])  # nothing arrived after it: nothing set aside now
+    assert not runner.preempted and runner.sched.running == [first]
