@@ -643,8 +643,12 @@ class ModelRunner:
 
     def _growth(self) -> int:
         """Budget blocks the running rows' next positions need beyond what they hold."""
+        return sum(self._row_growths())
+
+    def _row_growths(self) -> list[int]:
+        """`_row_growth` of each running row, in order, at the batch's width now."""
         width = self._padded_width()
-        return sum(self._row_growth(s, width) for s in self.sched.running)
+        return [self._row_growth(s, width) for s in self.sched.running]
 
     def _padded_width(self, joining: Sequence | None = None) -> int:
         """Positions each row of a padded batch holds: mlx_vlm's batch caches left-pad every row
@@ -666,8 +670,7 @@ class ModelRunner:
         """Before a step: the block each row's next position needs. When too few are free, the
         previous step is read first (rows may finish) and then the latest rows are preempted; a
         row alone that still cannot grow has reached what the budget holds and ends there."""
-        width = self._padded_width()
-        units = [self._row_growth(s, width) for s in self.sched.running]
+        units = self._row_growths()
         if sum(units) > self.budget.free:
             if prev is not None:
                 self._resolve(prev)
@@ -681,8 +684,7 @@ class ModelRunner:
                     self.remove_rows([victim])
                 else:
                     self._preempt(victim)
-            width = self._padded_width()  # rows went: count again
-            units = [self._row_growth(s, width) for s in self.sched.running]
+            units = self._row_growths()  # rows went: count again
         if self.sched.running:
             for seq, grown in zip(self.sched.running, units):
                 seq.kv_units += grown

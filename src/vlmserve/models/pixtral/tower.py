@@ -69,7 +69,7 @@ _CLASSES: dict[type, type] = {}
 def install(tower: nn.Module) -> bool:
     """Swap a Pixtral vision tower's call for the per-image one; False for other towers."""
     base = type(tower)
-    if base in _CLASSES.values():
+    if installed(tower):
         return False
     if base.__name__ != "VisionModel" or base.__module__ != _VISION_MODULE:
         return False
@@ -87,7 +87,7 @@ def installed(tower: nn.Module) -> bool:
 
 def uninstall(tower: nn.Module) -> bool:
     """Give the tower back mlx_vlm's own call (for comparisons)."""
-    if type(tower) not in _CLASSES.values():
+    if not installed(tower):
         return False
     tower.__class__ = type(tower).__mro__[1]
     return True

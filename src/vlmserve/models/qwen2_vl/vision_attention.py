@@ -157,18 +157,15 @@ def _takes_cudnn(layout: _Layout, dtype: mx.Dtype, heads: int, dim: int, scale: 
 
 
 def segment_attention(
-    q: mx.array, k: mx.array, v: mx.array, bounds: list[int], scale: float, plans: AttentionPlans | None = None
+    q: mx.array, k: mx.array, v: mx.array, layout: _Layout, scale: float, plans: AttentionPlans | None = None
 ) -> mx.array:
-    """Attention within each segment of q, k, v (S, H, D), segments given by `bounds`: one SDPA
-    per run of equal segments (power-of-two pieces of them on cuDNN), each noted in `plans` as
-    planned."""
+    """Attention within each segment of q, k, v (S, H, D), segments as `layout` holds them: one
+    SDPA per run of equal segments (power-of-two pieces of them on cuDNN), each noted in `plans`
+    as planned."""
     _, heads, dim = q.shape
-    runs = segment_runs(bounds)
     cudnn = cuda_kernels.cudnn_enabled()
-    if cudnn:
-        runs = power_of_two_pieces(runs)
     outs = []
-    for start, count, length in runs:
+    for start, count, length in layout.pieces:
         outs.append(_through_cudnn(*_run_views(q, k, v, start, count, length), scale))
         if cudnn and plans is not None:
             plans.note_planned(_key(q.dtype, heads, dim, count, length))
@@ -249,7 +246,7 @@ def _make_class(base: type) -> type:
         ):
             cu = cu_seqlens if cu_seqlens.dtype == mx.int32 else cu_seqlens.astype(mx.int32)
             return self.proj(prefill_attention.attend_segments(qk, qkv, cu, layout.longest, self.scale))
-        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], layout.bounds, self.scale, plans)
+        out = segment_attention(qk[:, 0], qk[:, 1], qkv[:, 2], layout, self.scale, plans)
         return self.proj(out.reshape(seq_length, -1))
 
     return type(f"Segment{base.__name__}", (base,), {"__call__": __call__})

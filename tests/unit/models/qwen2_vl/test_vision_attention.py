@@ -44,7 +44,8 @@ def test_segment_attention_runs_one_sdpa_per_piece_and_notes_each_plan(monkeypat
 
         q, k, v = (mx.random.normal((23, 2, 16), key=mx.random.key(i)) for i in range(3))
         plans = AttentionPlans()
-        got = vision_attention.segment_attention(q, k, v, bounds, 0.25, plans)
+        layout = vision_attention._Layout(mx.array(bounds, dtype=mx.int32))
+        got = vision_attention.segment_attention(q, k, v, layout, 0.25, plans)
         keys = [(mx.float32, 2, 16, n, length) for n, length in ((2, 6), (1, 6), (1, 5))]
         ref = [
             mx.fast.scaled_dot_product_attention(*(t[lo:hi].transpose(1, 0, 2)[None] for t in (q, k, v)), scale=0.25)
