@@ -17,15 +17,10 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
-from PIL import Image
 
-from host_timing import host_and_done_ms  # benchmarks/, the script's directory
-from vlmserve.config import ServerConfig
-from vlmserve.inputs.preprocess import Preprocessor
-from vlmserve.models.processor import load_processor
+from chat_requests import prepared_chats  # benchmarks/, the script's directory
+from host_timing import host_and_done_ms
 from vlmserve.models.registry import load_model_adapter, model_type_of
-from vlmserve.protocol import ChatMessage, ChatRequest, SamplingParams
 
 MIXED = ["224x224", "336x336", "448x448", "512x384", "640x480", "384x640", "768x768", "1024x768"]
 
@@ -43,22 +38,9 @@ def primitives(build) -> collections.Counter:
 
 
 def _requests(path: Path, sizes: list[str], words: int):
-    pre = Preprocessor(load_processor(path), 32768, ServerConfig(), model_type=model_type_of(path))
-    rng = np.random.default_rng(0)
-    text = " ".join(["describe"] * words)
-    try:
-        out = []
-        for size in sizes:
-            parts = [("text", text)] if size == "text" else [("image", None), ("text", text)]
-            chat = ChatRequest([ChatMessage("user", parts)], SamplingParams())
-            images = []
-            if size != "text":
-                w, h = (int(x) for x in size.split("x"))
-                images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))]
-            out.append(pre.encode(pre.render(chat), images))
-        return out
-    finally:
-        pre.close()
+    """`sizes`: "WxH" for an image request, "text" for text alone; `words` of text each."""
+    dims = [None if size == "text" else tuple(int(x) for x in size.split("x")) for size in sizes]
+    return prepared_chats(path, dims, " ".join(["describe"] * words))
 
 
 def _report(label: str, build, prepare=lambda: None, runs: int = 5) -> None:

@@ -18,26 +18,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image
 
-from vlmserve.config import ServerConfig
-from vlmserve.inputs.preprocess import Preprocessor
-from vlmserve.models.processor import load_processor
+from chat_requests import prepared_chats  # benchmarks/, the script's directory
 from vlmserve.models.registry import load_model_adapter, model_type_of
-from vlmserve.protocol import ChatMessage, ChatRequest, SamplingParams
-
-
-def _requests(path: Path, sizes: list[tuple[int, int]]):
-    pre = Preprocessor(load_processor(path), 8192, ServerConfig(), model_type=model_type_of(path))
-    rng = np.random.default_rng(0)
-    chat = ChatRequest([ChatMessage("user", [("image", None), ("text", "What is it?")])], SamplingParams())
-    try:
-        return [
-            pre.encode(pre.render(chat), [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))])
-            for w, h in sizes
-        ]
-    finally:
-        pre.close()
 
 
 def _timed(model, requests, routes: bool) -> list[tuple[list[float], np.ndarray]]:
@@ -61,7 +44,7 @@ def main() -> None:
     p.add_argument("sizes", help="WxH,WxH,... (the first warms the kernel)")
     args = p.parse_args()
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
-    requests = _requests(args.model, sizes)
+    requests = prepared_chats(args.model, sizes, "What is it?", context=8192)
     model = load_model_adapter(args.model, model_type_of(args.model))
     if not model.routes_tower_attention:
         raise SystemExit("this model's tower does not take the route here (CUDA with cuDNN, a generic family)")
