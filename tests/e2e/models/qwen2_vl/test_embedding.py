@@ -229,6 +229,9 @@ def test_pixels_shipped_as_bfloat16_embed_as_cast_on_device(qwen_server):
             b = [np.array(s.embeds.astype(mx.float32)) for s in vlm.embed_prompts(plain)]
         finally:
             tower.update(saved)
+            # Features of the bf16 tower were cached under these images: later tests on this
+            # server must not be served them.
+            qwen_server.engine.core.forget_prefixes()
         return a, b
 
     a, b = qwen_server.on_worker(compare)
