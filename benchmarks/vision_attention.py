@@ -1,4 +1,5 @@
-"""Micro-benchmark: one vision-tower attention call (Qwen2-VL's tower heads, 16 x 80, bf16) per
+"""Micro-benchmark: one vision-tower attention call (Qwen2-VL's tower heads, 16 x 80, bf16; others
+with --heads / --dim, e.g. Qwen3-VL 8B's 16 x 72) per
 image size and image count, through cuDNN (MLX's SDPA on CUDA: its first call builds the
 plan, timed apart) and through the plan-free prompt attention kernel that serves a size until
 its plan is built (engine/ops/prefill_attention.attend_unmasked), and through the same kernel
@@ -19,8 +20,6 @@ import time
 import mlx.core as mx
 
 from vlmserve.engine.ops import prefill_attention
-
-HEADS, DIM = 16, 80
 
 
 def _patches(width: int, height: int, patch: int = 14, merge: int = 2) -> int:
@@ -47,14 +46,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     layouts = {prefill_attention.UNMASKED_LAYOUT, prefill_attention.LAYOUT}
     ap.add_argument("--layouts", nargs="+", default=[",".join(map(str, layout)) for layout in sorted(layouts)])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=80)
     args = ap.parse_args()
-    scale = DIM**-0.5
+    heads, dim = args.heads, args.dim
+    scale = dim**-0.5
     for size in args.sizes:
         width, height = (int(x) for x in size.split("x"))
         length = _patches(width, height)
         for count in args.counts:
-            qkv = mx.random.normal((count * length, 3, HEADS, DIM)).astype(mx.bfloat16)
-            q, k, v = (qkv[:, i].reshape(count, length, HEADS, DIM).transpose(0, 2, 1, 3) for i in range(3))
+            qkv = mx.random.normal((count * length, 3, heads, dim)).astype(mx.bfloat16)
+            q, k, v = (qkv[:, i].reshape(count, length, heads, dim).transpose(0, 2, 1, 3) for i in range(3))
             mx.eval(q, k, v)
 
             def cudnn(q=q, k=k, v=v):
@@ -71,7 +73,7 @@ def main() -> None:
                 return prefill_attention.attend_segments(qk, qkv, bounds, length, scale, layout)
 
             first = _seconds(cudnn, 1)  # builds the plan
-            flops = 4 * count * HEADS * length * length * DIM
+            flops = 4 * count * heads * length * length * dim
             row = {
                 "size": size,
                 "patches": length,
@@ -80,7 +82,7 @@ def main() -> None:
                 "cudnn_ms": round(_seconds(cudnn, args.repeats) * 1e3, 3),
             }
             row["cudnn_tflops"] = round(flops / row["cudnn_ms"] / 1e9, 1)
-            if prefill_attention.serves(mx.bfloat16, HEADS, HEADS, DIM):
+            if prefill_attention.serves(mx.bfloat16, heads, heads, dim):
                 for text in args.layouts:
                     layout = tuple(int(x) for x in text.split(","))
                     call = functools.partial(plan_free, layout)

@@ -44,7 +44,9 @@ PAD = 8  # elements after each shared row: the mma loads of 8 rows hit 8 differe
 # One block: QW * 16 queries of one (row, head) (a warp's 16 each), whose keys its KS streams of
 # QW warps split; grid (query tiles, heads, rows).
 _SOURCE = """
-    constexpr int BK = KEY_TILE, RS = D + PAD, DK = D / 16, DN = D / 8, KN = BK / 8;
+    // D: the head dim in memory; DP: the one the tensor cores run (D up to a multiple of 16),
+    // whose extra elements are zeros (nothing to a score) and are never written out.
+    constexpr int BK = KEY_TILE, RS = DP + PAD, DK = DP / 16, DN = DP / 8, KN = BK / 8;
     constexpr int NW = QW * KS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int qw = warp % QW, ks_id = warp / QW;  // this warp's 16 queries of the block's, its key stream
@@ -84,13 +86,16 @@ _SOURCE = """
         const size_t qr = SEGMENTS ? q_strides[0] : q_strides[2], qd = q_strides[3];
         const T* q0 = qh + (size_t)min(wq + g, L - 1) * qr;
         const T* q1 = qh + (size_t)min(wq + g + 8, L - 1) * qr;
+        // Element d of a query row, zero in the padding (D is a multiple of 8, so a pair is
+        // either side of it).
+        auto at = [&](const T* row, size_t d) { return d < D ? row[d * qd] : static_cast<T>(0.f); };
         #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
             const size_t d = kk * 16 + 2 * c;
-            qa[kk][0] = pair(q0[d * qd], q0[(d + 1) * qd]);
-            qa[kk][1] = pair(q1[d * qd], q1[(d + 1) * qd]);
-            qa[kk][2] = pair(q0[(d + 8) * qd], q0[(d + 9) * qd]);
-            qa[kk][3] = pair(q1[(d + 8) * qd], q1[(d + 9) * qd]);
+            qa[kk][0] = pair(at(q0, d), at(q0, d + 1));
+            qa[kk][1] = pair(at(q1, d), at(q1, d + 1));
+            qa[kk][2] = pair(at(q0, d + 8), at(q0, d + 9));
+            qa[kk][3] = pair(at(q1, d + 8), at(q1, d + 9));
         }
     }
     float o[DN][4];
@@ -143,6 +148,10 @@ _SOURCE = """
     // The QW warps of a stream share its tiles (a named barrier each); stream s takes the
     // block's key tiles s, s + KS, s + 2 KS, ...
     auto stream_sync = [&]() { asm volatile("bar.sync %0, %1;" :: "r"(1 + ks_id), "r"(QW * 32) : "memory"); };
+    if constexpr (DP > D) {  // the padding of both stages' key and value rows: zeros, never copied over
+        for (int i = qw * 32 + lane; i < 4 * BK * (DP - D); i += QW * 32)
+            ks0[(i / (DP - D)) * RS + D + i % (DP - D)] = static_cast<T>(0.f);
+    }
     const int first_tile = k_begin + ks_id * BK;
     if (first_tile < k_end) load_tile(0, first_tile);
     for (int k0 = first_tile, stage = 0; k0 < k_end; k0 += KS * BK, stage ^= 1) {
@@ -227,14 +236,14 @@ _SOURCE = """
     // Merge the streams' partial softmaxes through shared memory, in stream order (deterministic).
     constexpr int R = QW * 16;                          // the block's queries
     __syncthreads();
-    float* const po = reinterpret_cast<float*>(smem);  // (KS, R, D) partial outputs
-    float* const pm = po + KS * R * D;                  // (KS, R) maxima
+    float* const po = reinterpret_cast<float*>(smem);  // (KS, R, DP) partial outputs
+    float* const pm = po + KS * R * DP;                 // (KS, R) maxima
     float* const pl = pm + KS * R;                      // (KS, R) sums
     const int row = ks_id * R + qw * 16 + g;
     #pragma unroll
     for (int n = 0; n < DN; ++n) {
-        float* row0 = po + row * D + n * 8 + 2 * c;
-        float* row1 = row0 + 8 * D;
+        float* row0 = po + row * DP + n * 8 + 2 * c;
+        float* row1 = row0 + 8 * DP;
         row0[0] = o[n][0]; row0[1] = o[n][1]; row1[0] = o[n][2]; row1[1] = o[n][3];
     }
     if (c == 0) {
@@ -252,7 +261,7 @@ _SOURCE = """
         #pragma unroll
         for (int w = 0; w < KS; ++w) {
             const float f = pm[w * R + r] == -INFINITY ? 0.f : exp2f(pm[w * R + r] - top);
-            num += po[(w * R + r) * D + d] * f;
+            num += po[(w * R + r) * DP + d] * f;
             den += pl[w * R + r] * f;
         }
         out[(out_row0 + q_first + r) * (HQ * D) + head * D + d] = static_cast<T>(den > 0.f ? num / den : 0.f);
@@ -269,9 +278,15 @@ UNMASKED_LAYOUT = (QUERY_WARPS, 1, KEY_TILE)
 
 
 def serves(dtype: mx.Dtype, q_heads: int, kv_heads: int, dim: int) -> bool:
-    """On CUDA with the kernels on: bf16/fp16, whole query heads per KV head, a head dim of 16k
-    up to 128 (a wider one would ask more shared memory than many GPUs give a block)."""
-    return cuda_kernels.enabled() and dtype in MMA_TYPES and q_heads % kv_heads == 0 and dim % 16 == 0 and dim <= 128
+    """On CUDA with the kernels on: bf16/fp16, whole query heads per KV head, a head dim of 8k
+    up to 128 (a wider one would ask more shared memory than many GPUs give a block; one not
+    a multiple of 16, such as SigLIP's and Qwen3-VL's 72, runs padded inside the kernel)."""
+    return cuda_kernels.enabled() and dtype in MMA_TYPES and q_heads % kv_heads == 0 and dim % 8 == 0 and dim <= 128
+
+
+def padded_dim(dim: int) -> int:
+    """The head dim the tensor cores run: `dim` up to a multiple of 16."""
+    return -(-dim // 16) * 16
 
 
 def shared_bytes(dim: int, itemsize: int = 2, layout: tuple[int, int, int] | None = None) -> int:
@@ -289,7 +304,7 @@ def _kernel(dtype: mx.Dtype, dim: int, layout: tuple[int, int, int]):
         ("q", "k", "v", "off", "lo"),
         _SOURCE.replace("{mma}", MMA_TYPES[dtype]),
         ensure_row_contiguous=False,
-        shared_memory=shared_bytes(dim, layout=layout),
+        shared_memory=shared_bytes(padded_dim(dim), layout=layout),
     )
 
 
@@ -307,6 +322,7 @@ def _template(
         ("SEGMENTS", int(segments)),
         ("T", dtype),
         ("D", dim),
+        ("DP", padded_dim(dim)),
         ("HQ", q_heads),
         ("HKV", kv_heads),
         ("QW", query_warps),

@@ -40,7 +40,7 @@ def available() -> bool:
 def takes(queries: mx.array, keys: mx.array, values: mx.array, mask, extra: dict) -> bool:
     """Whether a call goes plan-free when its shape has no plan: one cuDNN would take (prompt-
     shaped, no mask) and the kernel serves (bf16/fp16 self-attention of one dtype, keys and
-    values alike, a head dim it holds once padded to a multiple of 16)."""
+    values alike, a head dim it holds once padded to a multiple of 8)."""
     if mask is not None or any(v is not None and v is not False for v in extra.values()):
         return False
     if queries.ndim != 4 or keys.shape != values.shape or keys.ndim != 4:
@@ -56,14 +56,15 @@ def takes(queries: mx.array, keys: mx.array, values: mx.array, mask, extra: dict
 
 
 def _kernel_dim(dim: int) -> int:
-    """The head dim the kernel runs: the next multiple of 16 (SigLIP so400m's 72 runs as 80)."""
-    return -(-dim // 16) * 16
+    """The head dim handed to the kernel: the next multiple of 8 (it pads to 16 itself, so
+    SigLIP so400m's 72 goes in as it is)."""
+    return -(-dim // 8) * 8
 
 
 def _plan_free(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """(B, Hq, L, D) attention by the plan-free kernel, laid out as MLX's call returns it. A head
     dim the kernel does not take is padded with zeros, which add nothing to a score, and the
-    values' padding is cut off the output."""
+    values' padding is cut off the output (the kernel pads a multiple of 8 itself)."""
     batch, heads, length, dim = queries.shape
     padded = _kernel_dim(dim)
     if padded != dim:

@@ -36,6 +36,8 @@ _CASES = {
     # keys and values as a transposed view (a cache filled from the block pool)
     "transposed": (2, 16, 4, 64, 33, 128, [90, 10], [0, 0], "transposed"),
     "odd_head_dim": (1, 4, 2, 96, 20, 64, [40], [0], "contiguous"),
+    # a head dim the tensor cores run padded to 80 (SigLIP's, Qwen3-VL's towers), from a buffer
+    "padded_head_dim": (2, 16, 16, 72, 70, 256, [0, 120], [0, 0], "buffer"),
     # a head's elements not adjacent (its last axis strided): read element by element
     "strided_elements": (1, 12, 2, 64, 40, 96, [50], [0], "dim_major"),
 }
@@ -92,10 +94,11 @@ def test_serves_only_layouts_it_takes():
             serves("float32", 12, 2, 128),
             serves("bfloat16", 12, 5, 128),
             serves("bfloat16", 12, 2, 72),
+            serves("bfloat16", 12, 2, 100),
             serves("bfloat16", 12, 2, 256),
         ]
     )
-    assert got == [on, on, False, False, False, False]
+    assert got == [on, on, False, False, on, False, False]
 
 
 @pytest.mark.gpu
@@ -121,12 +124,14 @@ def test_unmasked_matches_cudnn_on_a_vision_towers_segments(count, length, layou
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim", [80, 72])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("lengths", [[1024], [256, 300, 64, 300], [64, 64, 64, 5, 1500], [64, 0, 300]])
-def test_segments_match_each_segments_own_attention(lengths, strided):
+def test_segments_match_each_segments_own_attention(lengths, strided, dim):
     """All segments of a tower call in one launch (attend_segments: q and k from the rotated
     (S, 2, H, D) array, v from the (S, 3, H, D) projection, as the tower lays them out) against
-    MLX's SDPA over each segment alone, Qwen2-VL's tower heads (16 x 80); lengths not multiples
+    MLX's SDPA over each segment alone, Qwen2-VL's tower heads (16 x 80) and Qwen3-VL 8B's
+    (16 x 72, padded inside the kernel); lengths not multiples
     of a block's 64 queries, a segment shorter than the key tile, an empty one; q and k also as a
     view of the projection's rows (the strides of a (S, 3, H, D) array)."""
 
@@ -134,8 +139,8 @@ def test_segments_match_each_segments_own_attention(lengths, strided):
         import mlx.core as mx
 
         total = sum(lengths)
-        qkv = mx.random.normal((total, 3, 16, 80), key=mx.random.key(4)).astype(mx.bfloat16)
-        qk = mx.random.normal((total, 2, 16, 80), key=mx.random.key(5)).astype(mx.bfloat16)
+        qkv = mx.random.normal((total, 3, 16, dim), key=mx.random.key(4)).astype(mx.bfloat16)
+        qk = mx.random.normal((total, 2, 16, dim), key=mx.random.key(5)).astype(mx.bfloat16)
         if strided:
             qk = qkv[:, :2]
         bounds = [0, *np.cumsum(lengths).tolist()]
@@ -145,13 +150,13 @@ def test_segments_match_each_segments_own_attention(lengths, strided):
                 continue
             q, k = (qk[lo:hi, i].transpose(1, 0, 2)[None] for i in range(2))
             v = qkv[lo:hi, 2].transpose(1, 0, 2)[None]
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=80**-0.5, mask=None)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=None)
             refs.append(out[0].transpose(1, 0, 2).reshape(hi - lo, -1))
-        got = prefill_attention.attend_segments(qk, qkv, mx.array(bounds, dtype=mx.int32), max(lengths), 80**-0.5)
+        got = prefill_attention.attend_segments(qk, qkv, mx.array(bounds, dtype=mx.int32), max(lengths), dim**-0.5)
         return np.array(mx.concatenate(refs).astype(mx.float32)), np.array(got.astype(mx.float32))
 
     ref, got = on_own_thread(compare)
-    assert got.shape == ref.shape == (sum(lengths), 16 * 80)
+    assert got.shape == ref.shape == (sum(lengths), 16 * dim)
     np.testing.assert_allclose(got, ref, atol=2e-2)
 
 

@@ -104,28 +104,31 @@ def test_one_rebuild_plans_every_shape_of_its_tower_call(monkeypatch):
 
 
 def test_a_head_dim_the_kernel_does_not_take_is_padded_and_cut_back(monkeypatch):
-    """SigLIP so400m's head dim of 72 runs as 80: zeros padded onto q, k and v change no score,
-    and the output's padding is cut off; the result is the attention of the call as it came."""
+    """A head dim that is not a multiple of 8 (60) runs as 64: zeros padded onto q, k and v
+    change no score, and the output's padding is cut off; the result is the attention of the
+    call as it came. One the kernel pads itself (SigLIP's and Qwen3-VL's 72) goes in as it is."""
     from vlmserve.engine.ops import prefill_attention, tower_attention
 
-    monkeypatch.setattr(prefill_attention, "serves", lambda dtype, q_heads, kv_heads, dim: dim % 16 == 0)
+    monkeypatch.setattr(prefill_attention, "serves", lambda dtype, q_heads, kv_heads, dim: dim % 8 == 0)
     seen = []
 
-    def run():
+    def run(dim):
         import mlx.core as mx
 
         real = mx.fast.scaled_dot_product_attention
         monkeypatch.setattr(prefill_attention, "attend_unmasked", _kernel_stand_in(seen))
-        q, k, v = (mx.random.normal((2, 3, 10, 72), key=mx.random.key(i)) for i in range(3))
+        q, k, v = (mx.random.normal((2, 3, 10, dim), key=mx.random.key(i)) for i in range(3))
         q, k, v = (t.astype(mx.bfloat16) for t in (q, k, v))
-        ours = tower_attention._plan_free(q, k, v, 72**-0.5)
+        ours = tower_attention._plan_free(q, k, v, dim**-0.5)
         return (
             tower_attention.takes(q, k, v, None, {}),
             np.array(ours.astype(mx.float32)),
-            np.array(real(q, k, v, scale=72**-0.5).astype(mx.float32)),
+            np.array(real(q, k, v, scale=dim**-0.5).astype(mx.float32)),
         )
 
-    taken, ours, reference = on_own_thread(run)
-    assert taken and seen == [(2, 3, 10, 80)]
-    assert ours.shape == reference.shape == (2, 3, 10, 72)
-    np.testing.assert_allclose(ours, reference, rtol=2e-2, atol=2e-2)  # bf16: the same to its rounding
+    for dim, kernel_dim in [(60, 64), (72, 72)]:
+        seen.clear()
+        taken, ours, reference = on_own_thread(lambda dim=dim: run(dim))
+        assert taken and seen == [(2, 3, 10, kernel_dim)]
+        assert ours.shape == reference.shape == (2, 3, 10, dim)
+        np.testing.assert_allclose(ours, reference, rtol=2e-2, atol=2e-2)  # bf16: the same to its rounding
