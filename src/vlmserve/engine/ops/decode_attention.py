@@ -75,7 +75,8 @@ _SOURCE = """
         for (int e = 0; e < E; ++e) { qr[h][e] = static_cast<float>(q[q0 + h * D + sub * E + e]); acc[h][e] = 0.f; }
     }
     float kc[E], vc[E], kn[E], vn[E];
-    int p = warp * P + grp;
+    // A sliding-window layer's row sees its last WINDOW positions only.
+    int p = (WINDOW > 0 ? max(0, len - WINDOW) : 0) + warp * P + grp;
     if (p < len) { const size_t o = at(p); load(k + o, kc); load(v + o, vc); }
     for (; p < len; p += STRIDE) {
         if (p + STRIDE < len) { const size_t o = at(p + STRIDE); load(k + o, kn); load(v + o, vn); }
@@ -189,10 +190,12 @@ def attend(
     lengths: mx.array,
     scale: float,
     out_shape: tuple[int, ...] | None = None,
+    window: int = 0,
 ) -> mx.array:
     """queries (B, Hq, 1, D) over the cache's pools (N, Hkv, D) (whole arrays: the kernel loads
-    their rows in 16-byte pieces); row b attends to its first lengths[b] positions. The output
-    is (B, Hq, 1, D), or the same memory as `out_shape` (e.g. (B, 1, Hq*D))."""
+    their rows in 16-byte pieces); row b attends to its first lengths[b] positions, or with a
+    sliding `window`, to the last `window` of them. The output is (B, Hq, 1, D), or the same
+    memory as `out_shape` (e.g. (B, 1, Hq*D))."""
     batch, q_heads, _, dim = queries.shape
     kv_heads = cache.keys.shape[1]
     rep = q_heads // kv_heads
@@ -220,6 +223,7 @@ def attend(
             ("HB", hb),
             ("NW", nw),
             ("SCALE_BITS", float32_bits(scale)),
+            ("WINDOW", window),
         ],
         grid=(batch * kv_heads * (rep // hb) * 32 * nw, 1, 1),
         threadgroup=(32 * nw, 1, 1),
@@ -229,16 +233,17 @@ def attend(
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx_vlm's attention entry point; one-token steps over the paged pool take the kernel,
-    and prompt attention on CUDA keeps off cuDNN's per-shape plans (composed_attention)."""
+    """mlx_vlm's attention entry point; one-token steps over the paged pool take the kernel
+    (sliding-window layers too, given the mask the pool's cache made for them), and prompt
+    attention on CUDA keeps off cuDNN's per-shape plans (composed_attention)."""
+    window = cache.kernel_window(mask) if isinstance(cache, PagedLayerCache) else None
     if (
         sinks is None
-        and isinstance(cache, PagedLayerCache)
-        and cache.plain_mask
+        and window is not None
         and cache.values.shape[-1] == queries.shape[-1]  # the kernel reads values at the keys' width
         and available(queries, cache.keys)
     ):
-        return attend(queries, cache, cache.offset + queries.shape[2], scale)
+        return attend(queries, cache, cache.offset + queries.shape[2], scale, window=window)
     quantized = hasattr(cache, "bits") or hasattr(cache, "dequantize")  # mlx_vlm's own paths for these
     if not quantized and composed_attention.avoids_cudnn(queries, mask) and cuda_kernels.cudnn_enabled():
         return composed_attention.composed(queries, keys, values, scale, mask, sinks)

@@ -55,15 +55,26 @@ class PagedLayerCache:
         """Positions the dense gather spans per row."""
         return self.table.shape[1] * self.block_size
 
+    def kernel_window(self, mask: Any) -> int | None:
+        """The sliding window (0: none) through which an attention call given `mask` sees each
+        row's last positions, for a kernel that reads the pool itself; None where that is not
+        known: a mask this step did not make, in a step with windowed layers."""
+        for made, window in self.step.get("masks", ()):
+            if made is mask:
+                return window
+        return 0 if self.plain_mask else None
+
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any):
-        # A model with sliding-window layers makes a full mask too, in either order: one window
-        # means no layer of the step takes the window-less kernel.
+        # A model with sliding-window layers makes a full mask too, in either order, and hands
+        # each layer one of them: each mask is kept with its window, so the attention of a layer
+        # knows which it was given (kernel_window).
         self.step["window"] = max(self.step.get("window", 0), window_size or 0)
         pos = mx.arange(self.width)[None, None, None, :]
         end = (self.offset + n)[:, None, None, None]
         mask = pos < end
         if window_size:
             mask = mask & (pos >= end - window_size)
+        self.step.setdefault("masks", []).append((mask, window_size or 0))
         return mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):

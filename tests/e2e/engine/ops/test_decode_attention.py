@@ -55,13 +55,15 @@ def _paged(k, v, lengths, block_size: int, seed: int = 0):
     return PagedLayerCache(pool_k, pool_v, mx.array(n), mx.array(write), mx.array(table), block_size)
 
 
-def _float32_attention(q, k, v, lengths, scale):
+def _float32_attention(q, k, v, lengths, scale, window=0):
     import mlx.core as mx
 
     rep = q.shape[1] // k.shape[1]
     kk, vv = (mx.repeat(t.astype(mx.float32), rep, axis=1) for t in (k, v))
     s = (q.astype(mx.float32) @ kk.transpose(0, 1, 3, 2)) * scale
-    s = mx.where(mx.arange(k.shape[2])[None, None, None, :] < lengths[:, None, None, None], s, -mx.inf)
+    pos, end = mx.arange(k.shape[2])[None, None, None, :], lengths[:, None, None, None]
+    seen = (pos < end) & (pos >= end - window) if window else pos < end
+    s = mx.where(seen, s, -mx.inf)
     return mx.softmax(s, axis=-1) @ vv
 
 
@@ -71,11 +73,13 @@ _LAYOUTS = [(5, 12, 2, 128, 300, [1, 7, 300, 150, 64]), (3, 8, 8, 64, 96, [96, 1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 40], ids=["full", "sliding"])
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=["gqa6", "mha", "wide"])
-def test_kernel_matches_float32_attention(qwen_server, dtype, atol, layout):
+def test_kernel_matches_float32_attention(qwen_server, dtype, atol, layout, window):
     """Each launch shape the kernel may take for this layout agrees with float32 attention,
-    and gives the same result on a second call."""
+    and gives the same result on a second call; with a sliding window (a Gemma 3 layer's),
+    rows longer and shorter than it each see their last `window` positions."""
     batch, q_heads, kv_heads, dim, capacity, lengths = layout
 
     def compare():
@@ -87,14 +91,14 @@ def test_kernel_matches_float32_attention(qwen_server, dtype, atol, layout):
         if not decode_attention.available(q, k):
             return None
         n = mx.array(lengths, dtype=mx.int32)
-        ref = np.array(_float32_attention(q, k, v, n, dim**-0.5))
+        ref = np.array(_float32_attention(q, k, v, n, dim**-0.5, window))
         shapes, results = decode_attention.SHAPES, []
         try:
             for shape in shapes:
                 decode_attention.SHAPES = (shape,)
                 if decode_attention.serves(q, k):
                     cache = _paged(k, v, [x - 1 for x in lengths], block_size=16, seed=len(results))
-                    first, second = (decode_attention.attend(q, cache, n, dim**-0.5) for _ in range(2))
+                    first, second = (decode_attention.attend(q, cache, n, dim**-0.5, window=window) for _ in range(2))
                     results.append((shape, np.array(first.astype(mx.float32)), np.array(second.astype(mx.float32))))
         finally:
             decode_attention.SHAPES = shapes
