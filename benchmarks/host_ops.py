@@ -1,5 +1,6 @@
-"""How many MLX primitives a vision-tower call and a multi-row prompt-piece forward queue, and
-what they cost the host against the device.
+"""How many MLX primitives a vision-tower call and a multi-row prompt-piece forward (each row in
+its own cache, and in the block pool as the server runs it) queue, and what they cost the host
+against the device.
 
 On CUDA these phases are bound by the host's time per primitive (docs/benchmarks.md, "Where
 pass 1's extra time goes"). For each case: primitives in the lazy graph (by kind, the largest
@@ -20,8 +21,11 @@ import mlx.core as mx
 
 from chat_requests import prepared_chats  # benchmarks/, the script's directory
 from host_timing import host_and_done_ms
+from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayout
+from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.models.registry import load_model_adapter, model_type_of
 
+BLOCK_SIZE = 32  # the server's default (--block-size)
 MIXED = ["224x224", "336x336", "448x448", "512x384", "640x480", "384x640", "768x768", "1024x768"]
 
 
@@ -74,7 +78,7 @@ def main() -> None:
             model.build_next_attention_plan()
         _report(f"embed {mix}", lambda requests=requests: [s.embeds for s in model.embed_prompts(requests)])
 
-    requests = _requests(args.model, ["text"] * args.rows, 3 * args.piece // 2)
+    requests = _requests(args.model, ["text"] * args.rows, 4 * args.piece)  # past the two pieces
     states = model.embed_prompts(requests)
     mx.eval([s.embeds for s in states])
     spans = [(args.piece, 2 * args.piece)] * args.rows  # the second piece: each row has a cache to continue
@@ -92,7 +96,25 @@ def main() -> None:
 
     first_piece()
     mx.eval(second_piece())
-    _report(f"pieces forward, {args.rows} rows x {args.piece} after {args.piece}", second_piece, first_piece)
+    label = f"pieces forward, {args.rows} rows x {args.piece} after {args.piece}"
+    _report(f"{label}, each row's own cache", second_piece, first_piece)
+
+    # The same forward as the runner runs it on a paged model: every row's KV in the block pool.
+    layers, kv_shape, dtype = model.kv_layout()
+    pool = BlockPool(layers, kv_shape, dtype, BLOCK_SIZE, blocks=args.rows * (-(-2 * args.piece // BLOCK_SIZE)) + 1)
+    tables = [pool.allocate(-(-2 * args.piece // BLOCK_SIZE)) for _ in range(args.rows)]
+
+    def pooled(span):
+        layout = PiecesLayout(pool, tables, [span[0]] * args.rows, [span[1] - span[0]] * args.rows)
+        caches = [PagedPiecesCache(layout, layer) for layer in range(layers)]
+        return [model.prefill_pieces(states, [span] * args.rows, caches=caches), *pool.arrays()]
+
+    def first_pooled_piece():
+        mx.eval(pooled((0, args.piece)))
+
+    first_pooled_piece()
+    mx.eval(pooled(spans[0]))
+    _report(f"{label}, in the block pool", lambda: pooled(spans[0]), first_pooled_piece)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,12 @@ class ModelAdapter(Protocol):
     # Whether `prefill_pieces` serves (plain KV caches, causal attention, a forward that takes it).
     prefills_pieces: bool
 
-    def prefill_pieces(self, states: list[Any], spans: list[tuple[int, int]], bucket: int = 1) -> Any:
+    def prefill_pieces(
+        self, states: list[Any], spans: list[tuple[int, int]], bucket: int = 1, caches: list | None = None
+    ) -> Any:
         """Prefill positions [start, end) of several prompts in one forward, each into its own
-        cache; each piece's last logits (rows, V)."""
+        cache, or into `caches` (one per layer over these rows, their KV in the block pool);
+        each piece's last logits (rows, V)."""
 
     def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
         """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache."""

@@ -600,18 +600,22 @@ class GenericModel:
         """Whether `prefill_pieces` serves this model: rows with plain KV caches, attended causally."""
         return self.can_batch and not self.prefix_lm and self._pieces_work
 
-    def prefill_pieces(self, states: list[PromptState], spans: list[tuple[int, int]], bucket: int = 1) -> mx.array:
+    def prefill_pieces(
+        self, states: list[PromptState], spans: list[tuple[int, int]], bucket: int = 1, caches: list | None = None
+    ) -> mx.array:
         """Prefill prompt positions [start, end) of several requests in one right-padded forward,
         each into its own cache, whatever each cache holds already (earlier pieces, a cached
-        prefix). The padded length is rounded up to a multiple of `bucket`. Returns each row's
-        logits at the last position of its piece, (rows, V), lazily.
+        prefix), or with `caches` (a layer cache each, over these rows: their KV in the block
+        pool, engine/ops/paged_prefill_cache) into those. The padded length is rounded up to a
+        multiple of `bucket`. Returns each row's logits at the last position of its piece,
+        (rows, V), lazily.
 
         A model whose forward cannot take it (a language model that needs its cache offset as a
         number) raises; its caches are left as they were and later steps prefill row by row."""
         longest = -(-max(e - s for s, e in spans) // bucket) * bucket
         ids, embeds, kwargs = self._stacked_inputs(states, spans, longest, left=False)
         lengths = [e - s for s, e in spans]
-        cache = [RaggedLayerCache(list(rows), lengths) for rows in zip(*(st.cache for st in states))]
+        cache = caches or [RaggedLayerCache(list(rows), lengths) for rows in zip(*(st.cache for st in states))]
         try:
             return self._prompt_forward(ids, embeds, cache, kwargs, last=[n - 1 for n in lengths])
         except Exception:

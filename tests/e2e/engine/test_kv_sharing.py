@@ -63,6 +63,9 @@ def _holders(core) -> tuple[dict, dict]:
         if shared is not None:
             for i, b in enumerate(shared.blocks):
                 held[(id(shared.pool), b)].append(("hit", i, shared.length, id(seq)))
+        if seq.prefill_pool is not None:  # prefilling in pieces into its blocks: it writes from `prefilled` on
+            for i, b in enumerate(seq.prefill_blocks):
+                held[(id(seq.prefill_pool), b)].append(("row", i, seq.prefilled, id(seq)))
     for cache in runner.prefix_caches():
         for key, kv in cache._entries.items():
             assert len(kv.blocks) == -(-kv.length // kv.pool.block_size)

@@ -198,6 +198,25 @@ class PagedDecodeBatch:
                 owner.blocks = []
             raise
 
+    def adopt(self, owners: list[Any]) -> None:
+        """Rows whose prompts were prefilled into this pool (their `prefill_blocks`) join with
+        those blocks, and the one their next position needs."""
+        if any(owner.prefill_pool is not self.pool for owner in owners):
+            raise RuntimeError("the KV pool its prompt was prefilled into is gone")
+        try:
+            for owner in owners:
+                owner.blocks, owner.prefill_blocks, owner.prefill_pool = owner.prefill_blocks, [], None
+                owner.blocks = owner.blocks + self.pool.allocate(
+                    max(0, self.blocks_for(owner.cache_len + 1) - len(owner.blocks))
+                )
+                self._place(owner)
+        except BaseException:
+            self.remove(owners)
+            for owner in owners:
+                self.pool.release(owner.blocks)
+                owner.blocks = []
+            raise
+
     def resume(self, owner: Any, host_kv: list) -> None:
         """A preempted row comes back with the KV `evict` gave out."""
         owner.blocks = self.pool.allocate(self.blocks_for(owner.cache_len + 1))
@@ -294,6 +313,16 @@ class DtypeGroupedBatch:
             self._group(dtype).join(owners, rows_cache, rows)
         finally:
             self._drop_empty()  # a join that failed may leave its new group empty
+
+    def adopt(self, owners: list[Any]) -> None:
+        """Rows prefilled into a pool (PagedDecodeBatch.adopt) join the batch of its dtype."""
+        for owner in owners:
+            owner.kv_dtype = owner.prefill_pool.dtype
+        try:
+            for dtype in {owner.kv_dtype for owner in owners}:
+                self._group(dtype).adopt([owner for owner in owners if owner.kv_dtype == dtype])
+        finally:
+            self._drop_empty()
 
     def resume(self, owner: Any, host_kv: list) -> None:
         self._group(owner.kv_dtype).resume(owner, host_kv)

@@ -21,6 +21,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayout
+from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
 from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
@@ -252,7 +254,8 @@ class ModelRunner:
     def _pieces_forwards(rows: list[tuple[Sequence, int]]) -> list[tuple[list[tuple[Sequence, int]], bool]]:
         """The rows, as (rows, together) forwards: together, their attention scores (rows x longest
         piece x widest context: that attention is not fused) stay within PIECES_MAX_PAIRS; a row
-        past it on its own goes alone, through the single-prompt path's fused attention."""
+        past it on its own goes alone, through the single-prompt path's fused attention (or, its
+        KV in the pool, in a forward of its own)."""
         forwards: list[tuple[list[tuple[Sequence, int]], bool]] = []
         current: list[tuple[Sequence, int]] = []
         longest = width = 0
@@ -261,7 +264,9 @@ class ModelRunner:
             n = max(1, end - start)  # a row with nothing left still counts a position
             end = start + n
             if n * end > PIECES_MAX_PAIRS:
-                forwards.append(([(seq, budget)], False))
+                # Alone, its attention is as large as the single-prompt path's; a row whose KV is
+                # in the pool goes on in this forward, which alone continues it.
+                forwards.append(([(seq, budget)], seq.prefill_pool is not None))
                 continue
             if current and (len(current) + 1) * max(longest, n) * max(width, end) > PIECES_MAX_PAIRS:
                 forwards.append((current, True))
@@ -291,14 +296,29 @@ class ModelRunner:
         elif todo:
             # The padded length, given as the multiple to round to: the forward runs exactly it.
             padded = self.sched.padded_length(max(end - start for _, (start, end) in todo))
+            pool = self._pieces_pool([seq for seq, _ in todo])
+            moved = [seq for seq, _ in todo if pool is not None and seq.prefill_pool is None]
             try:
-                logits = self.model.prefill_pieces([s.prompt for s, _ in todo], [span for _, span in todo], padded)
-            except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
+                caches = self._paged_pieces(pool, todo) if pool is not None else None
+                logits = self.model.prefill_pieces(
+                    [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
+                )
+            except Exception as exc:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
+                for seq in moved:  # their own caches still hold their prompts so far
+                    self._leave_pool(seq)
                 for seq, (start, end) in todo:
-                    self.prefill_alone(seq, end - start)
+                    if seq.prefill_pool is not None:  # nothing but the pool holds its KV
+                        self.fail_prefill(seq, exc)
+                    else:
+                        self.prefill_alone(seq, end - start)
             else:
                 self.stats.batched_prefills += 1
-                mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
+                if pool is not None:
+                    for seq in moved:
+                        seq.prompt.cache = None  # its KV is in the pool now
+                    mx.async_eval(pool.arrays())
+                else:
+                    mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
                 if self.hooks:
                     self.hooks.on_prefill(time.perf_counter() - t0)
         done = []
@@ -314,8 +334,65 @@ class ModelRunner:
             picked = logits[mx.array([row[id(s)] for s in sampling], dtype=mx.int32)]
             going = {id(s) for s in self._first_tokens(sampling, picked)}
             done = [s for s in done if not s.last_in_prefill or id(s) in going]
+        pooled = [s for s in done if s.prefill_pool is not None]
+        done = [s for s in done if s.prefill_pool is None]
+        if pooled:
+            self._join(pooled, None)
         if done:
             self._join(done, self.model.merge_caches([s.prompt.cache for s in done]))
+
+    def _pieces_pool(self, seqs: list[Sequence]) -> BlockPool | None:
+        """The block pool a pieces forward of these rows writes their KV into, or None: each row
+        goes on in its own cache (no paged batch, or prompts that embed in another dtype than
+        the model's KV: such a row decodes in its own dtype's pool)."""
+        held = {id(s.prefill_pool): s.prefill_pool for s in seqs if s.prefill_pool is not None}
+        if held:
+            if len(held) > 1:
+                raise RuntimeError("rows prefilled into different KV pools")
+            return next(iter(held.values()))
+        if not self.batches.paged:
+            return None
+        dtype = self.model.kv_layout()[2]
+        if any(s.prompt.embeds.dtype != dtype for s in seqs):
+            return None
+        return self.batches.pool(dtype)
+
+    def _paged_pieces(self, pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list[PagedPiecesCache]:
+        """The layer caches of a pieces forward whose rows' KV lives in `pool`: each row's blocks
+        (its prompt's KV so far moved in, the first time) then cover its piece."""
+        bs = pool.block_size
+        for seq, (_, end) in todo:
+            if seq.prefill_pool is None:
+                self._move_into_pool(seq, pool)
+            short = -(-end // bs) - len(seq.prefill_blocks)
+            if short > 0:
+                seq.prefill_blocks = seq.prefill_blocks + pool.allocate(short)
+        layout = PiecesLayout(
+            pool, [s.prefill_blocks for s, _ in todo], [a for _, (a, _) in todo], [b - a for _, (a, b) in todo]
+        )
+        return [PagedPiecesCache(layout, layer) for layer in range(pool.num_layers)]
+
+    def _move_into_pool(self, seq: Sequence, pool: BlockPool) -> None:
+        """A prefilling row's KV so far goes into `pool`: a cached prefix's full blocks shared, the
+        rest copied from its own cache (kept until the forward that continues it is queued)."""
+        hit, seq.prefix_hit = seq.prefix_hit, None
+        blocks = hit.take(pool) if hit is not None else []
+        seq.prefill_pool, seq.prefill_blocks = pool, blocks
+        start, n = len(blocks) * pool.block_size, seq.prefilled
+        if n > start:
+            seq.prefill_blocks = blocks + pool.allocate(-(-n // pool.block_size) - len(blocks))
+            layers = [
+                (c.keys[0, :, start:n, :].swapaxes(0, 1), c.values[0, :, start:n, :].swapaxes(0, 1))
+                for c in seq.prompt.cache
+            ]
+            pool.write(seq.prefill_blocks, layers, n, start)
+
+    @staticmethod
+    def _leave_pool(seq: Sequence) -> None:
+        """A prefilling row lets go of its blocks in the pool (it ends, or goes on in its own cache)."""
+        if seq.prefill_pool is not None:
+            seq.prefill_pool.release(seq.prefill_blocks)
+        seq.prefill_pool, seq.prefill_blocks = None, []
 
     def _first_tokens(self, seqs: list[Sequence], logits: mx.array) -> list[Sequence]:
         """Sample each row's first token from the logits of its prompt's last position (a row of
@@ -421,8 +498,10 @@ class ModelRunner:
         for cache in self.prefix_caches():
             cache.reclaim(pool, blocks)
 
-    def _join(self, seqs: list[Sequence], rows_cache: list[Any]) -> None:
-        """Prefilled rows enter the running batch; their last prompt token is the next input."""
+    def _join(self, seqs: list[Sequence], rows_cache: list[Any] | None) -> None:
+        """Prefilled rows enter the running batch; their last prompt token is the next input.
+        `rows_cache`: the batch cache their prefill made, or None for rows prefilled into the
+        pool (`prefill_blocks`)."""
         for seq in seqs:
             if not seq.last_in_prefill:  # else its cache holds the whole prompt, its first token is out
                 seq.cache_len = seq.num_prompt - 1
@@ -432,14 +511,18 @@ class ModelRunner:
         rows = None
         if self.budget.bounded:  # a padded batch's rows join one at a time (their caches are not batchable)
             index = {id(s): i for i, s in enumerate(seqs)}
-            seqs = self._pay_for_prompts(seqs, kv_dtype(rows_cache))
+            dtype = kv_dtype(rows_cache) if rows_cache is not None else seqs[0].prefill_pool.dtype
+            seqs = self._pay_for_prompts(seqs, dtype)
             if not seqs:
                 return
             rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
             if not self.batch.paged:
                 self._make_room_for_padding(seqs)
         try:
-            self.batch.join(seqs, rows_cache, rows)
+            if rows_cache is None:  # prefilled into the pool: their blocks join
+                self.batch.adopt(seqs)
+            else:
+                self.batch.join(seqs, rows_cache, rows)
         finally:
             for seq in seqs:  # what the join did not take of their cached prefixes
                 self._let_go_of_prefix(seq)
@@ -750,6 +833,8 @@ class ModelRunner:
 
     def release_memory(self) -> None:
         """Idle: hand the block pools back, but for the blocks cached prefixes hold."""
+        if any(s.prefill_pool is not None for s in self.sched.prefilling):
+            return  # those rows' block ids must stay as they are
         if self.batch is None or not self.batch.layout():
             self.batch = None
             for pool, mapping in self.batches.release():
@@ -796,6 +881,7 @@ class ModelRunner:
             return
         seq.finished = True
         self._let_go_of_prefix(seq)  # it may end before joining
+        self._leave_pool(seq)
         event = event or TokenEvent()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             event.text += seq.text.finish()

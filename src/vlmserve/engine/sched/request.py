@@ -45,6 +45,9 @@ class Sequence:
     embedded_len: int | None = None  # the embedded prompt's length (a vision merge may change it)
     kv_units: int = 0  # KV budget blocks it holds (reserved at admission, then what its blocks cost)
     blocks: list[int] = field(default_factory=list)  # its KV blocks in the pool of its dtype (the runner's)
+    # While it prefills in pieces: its KV blocks so far and their pool (the runner's), until it joins.
+    prefill_blocks: list[int] = field(default_factory=list)
+    prefill_pool: Any = None
     kv_dtype: Any = None  # the dtype its KV decodes in (the runner's)
     host_kv: Any = None  # its KV while preempted, copied out of the pool
     prefix_hit: Any = None  # the cached prefix its prompt cache starts with (runner's PrefixHit), until it joins

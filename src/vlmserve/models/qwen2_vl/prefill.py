@@ -31,6 +31,7 @@ from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.models.base import create_attention_mask
 
 from vlmserve.engine.ops import composed_attention, cuda_kernels, few_row_linear, few_row_matmul, prefill_attention
+from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.ragged_cache import RaggedLayerCache
 
@@ -46,7 +47,7 @@ def cache_rows(cache, batch: int) -> tuple[mx.array, mx.array] | None:
     """Where each row's new positions start in `cache` and its first key a query may see, as the
     attention kernel takes them ((B,) int32 each), before the forward writes; None for a cache
     it does not know."""
-    if isinstance(cache, RaggedLayerCache):
+    if isinstance(cache, (RaggedLayerCache, PagedPiecesCache)):
         return cache.offset, mx.zeros((batch,), dtype=mx.int32)
     if type(cache) is vlm_cache.KVCache:
         return mx.full((batch,), cache.offset, dtype=mx.int32), mx.zeros((batch,), dtype=mx.int32)

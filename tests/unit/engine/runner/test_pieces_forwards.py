@@ -1,5 +1,6 @@
 """ModelRunner._pieces_forwards: prompt pieces go together in order while rows x longest piece x
-widest context stays within PIECES_MAX_PAIRS; a row past it alone goes through the single path."""
+widest context stays within PIECES_MAX_PAIRS; a row past it alone goes through the single path,
+or, its KV already in the block pool, in a pieces forward of its own."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from vlmserve.engine.runner.model_runner import ModelRunner
 from vlmserve.engine.sched.request import Sequence
 
 
-def _row(name: str, prefilled: int, end: int):
-    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end)
+def _row(name: str, prefilled: int, end: int, pool=None):
+    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end, prefill_pool=pool)
     row.next_piece = partial(Sequence.next_piece, row)  # the real method, over these counts
     return row
 
@@ -32,4 +33,15 @@ def test_rows_split_at_the_bound_and_a_wide_row_goes_alone(monkeypatch):
         (["wide"], False),
         (["a", "b", "c"], True),
         (["d", "short"], True),
+    ]
+
+
+def test_a_row_whose_kv_is_in_the_pool_goes_past_the_bound_in_a_forward_of_its_own(monkeypatch):
+    monkeypatch.setattr(model_runner, "PIECES_MAX_PAIRS", 1000)
+    rows = [(_row("pooled", 60, 500, pool=object()), 30), (_row("own", 60, 500), 30), (_row("short", 0, 20), 10)]
+    forwards = ModelRunner._pieces_forwards(rows)  # 30 positions ending at 90: 2,700 pairs each
+    assert [([r.name for r, _ in f], together) for f, together in forwards] == [
+        (["pooled"], True),
+        (["own"], False),
+        (["short"], True),
     ]
