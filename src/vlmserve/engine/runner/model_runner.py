@@ -176,12 +176,19 @@ class ModelRunner:
             # long enough to pay for that, or half its prompt (not the chat template's opening
             # tokens that every request shares).
             least = min(MIN_PREFIX_HIT, len(key) // 2) if seq.batchable else 1
-            seq.prefix_hit = cache.lookup(key, prompt.cache, least)
-            seq.prefilled = seq.cached_tokens = seq.prefix_hit.length if seq.prefix_hit else 0
+            pool = self._pieces_pool([seq]) if seq.batchable and self.model.prefills_pieces else None
+            found = cache.find(key, least, pool) if pool is not None else None
+            if found is not None:  # its pieces go into the pool: the prefix stays there, shared
+                self._hit_into_pool(seq, pool, *found)
+            else:
+                seq.prefix_hit = cache.lookup(key, prompt.cache, least)
+                seq.prefilled = seq.prefix_hit.length if seq.prefix_hit else 0
+            seq.cached_tokens = seq.prefilled
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0, prepared.has_pixels)
         # A hit's copy reads the pool's arrays of this moment: queued now, it lets them go.
-        mx.async_eval(prompt.embeds, *([c.state for c in prompt.cache] if seq.cached_tokens else []))
+        copied = [c.state for c in prompt.cache] if seq.cached_tokens and seq.prefill_pool is None else []
+        mx.async_eval(prompt.embeds, *copied, *(seq.prefill_pool.arrays() if seq.prefill_pool is not None else []))
         if self.hooks and prepared.has_pixels:
             self.hooks.on_vision(seconds)
 
@@ -386,6 +393,24 @@ class ModelRunner:
                 for c in seq.prompt.cache
             ]
             pool.write(seq.prefill_blocks, layers, n, start)
+
+    @staticmethod
+    def _hit_into_pool(seq: Sequence, pool: BlockPool, kv, length: int) -> None:
+        """A prompt whose pieces will go into `pool` starts from `length` positions of a cached
+        prefix there: the prefix's full blocks become its first ones, shared, and the positions
+        past them are copied into a block of its own (it writes on from `length`)."""
+        bs = pool.block_size
+        full = kv.blocks[: length // bs]
+        start = len(full) * bs
+        # Read before anything is allocated: an allocation may evict the entry and free its blocks.
+        where = pool.positions(kv.blocks, length)[start:] if length > start else None
+        tail = [(k[where], v[where]) for k, v in zip(pool.keys, pool.values)] if where is not None else []
+        pool.retain(full)
+        seq.prefill_pool, seq.prefill_blocks = pool, list(full)
+        seq.prefilled = length
+        if tail:
+            seq.prefill_blocks = seq.prefill_blocks + pool.allocate(1)
+            pool.write(seq.prefill_blocks, tail, length, start)
 
     @staticmethod
     def _leave_pool(seq: Sequence) -> None:

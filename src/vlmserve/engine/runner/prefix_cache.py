@@ -1,9 +1,11 @@
 """KV prefix caches: LRUs of KV in the paged pool (runner/block_pool.py), keyed by token ids.
 
 An entry holds the blocks of the row it came from (the row's prompt once prefilled, its prompt
-and answer once finished): no copy. A row that reuses a prefix copies it into its prompt cache
-for its prefill, and at its join takes the prefix's full blocks into its own block table, so
-the two share them. Blocks only entries hold are the pool's slack: rows that need blocks evict
+and answer once finished): no copy. A row whose prompt goes on in pieces into the pool takes
+the prefix's full blocks as its first ones at once (sharing them) and copies only the positions
+past them into a block of its own; another row copies the prefix into its prompt cache for its
+prefill, and at its join takes the full blocks into its own block table. Either way the two
+share them. Blocks only entries hold are the pool's slack: rows that need blocks evict
 entries (oldest first) before the pool grows. Entries do not count against the KV budget, so
 they never cost a row its place.
 
@@ -104,17 +106,29 @@ class PrefixCache:
     def supports(cache: list[Any]) -> bool:
         return kv_caches.all_plain(cache)
 
+    def find(self, tokens: np.ndarray, least: int = 1, pool: BlockPool | None = None) -> tuple[PooledKV, int] | None:
+        """The entry holding the longest cached prefix of `tokens` (leaving >= 1 token to run), if
+        at least `least` tokens (and, with `pool`, in that pool), and how many of its positions
+        match; it becomes the most recently used. Nothing is copied."""
+        if not self._entries:
+            return None
+        found = self._index.longest(np.asarray(tokens).tolist(), len(tokens) - 1)
+        if found is None or found[1] < least or (pool is not None and self._entries[found[0]].pool is not pool):
+            return None
+        best_key, best_n = found
+        kv = self._entries[best_key] = self._entries.pop(best_key)
+        return kv, best_n
+
     def lookup(self, tokens: np.ndarray, fresh_cache: list[Any], least: int = 1) -> PrefixHit | None:
         """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run) if it holds
         at least `least` tokens; None: nothing reused. The copy is lazy: evaluate the cache's
         arrays soon (they hold the pool's arrays of this moment)."""
-        if not self._entries or not self.supports(fresh_cache):
+        if not self.supports(fresh_cache):
             return None
-        found = self._index.longest(np.asarray(tokens).tolist(), len(tokens) - 1)
-        if found is None or found[1] < least:
+        found = self.find(tokens, least)
+        if found is None:
             return None
-        best_key, best_n = found
-        kv = self._entries[best_key] = self._entries.pop(best_key)  # now the most recently used
+        kv, best_n = found
         # Room for the whole prompt, in the cache's own steps: its pieces then write in place, where
         # a buffer of the prefix alone grew (zeros and a concatenation per layer) at the first one.
         step = getattr(fresh_cache[0], "step", 1)
