@@ -14,9 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-# Key widths are rounded up to this (mlx_vlm's KVCache grows its buffers in the same steps), so
-# forwards of similar rows share kernel shapes.
-WIDTH_STEP = 256
+from vlmserve.engine.ops.paged_prefill_cache import WIDTH_STEP, pieces_mask
 
 
 class RaggedLayerCache:
@@ -35,14 +33,7 @@ class RaggedLayerCache:
         self.width = -(-ends // WIDTH_STEP) * WIDTH_STEP
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
-        """(rows, 1, n, width): query i of row r sees keys up to starts[r] + i (and, with a
-        sliding window, the `window_size` last of them)."""
-        keys = mx.arange(self.width)[None, None, None, :]
-        last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
-        mask = keys <= last
-        if window_size:
-            mask = mask & (keys > last - window_size)
-        return mask
+        return pieces_mask(self.offset, n, self.width, window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys, values (rows, kv_heads, n, dim), right-padded: each row's real positions go into its

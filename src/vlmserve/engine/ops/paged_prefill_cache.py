@@ -19,8 +19,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-# Key widths are rounded up to this, so forwards of similar rows share kernel shapes.
+# Key widths are rounded up to this (mlx_vlm's KVCache grows its buffers in the same steps), so
+# forwards of similar rows share kernel shapes.
 WIDTH_STEP = 256
+
+
+def pieces_mask(offset: mx.array, n: int, width: int, window_size: int | None = None) -> mx.array:
+    """(rows, 1, n, width) for right-padded pieces starting at `offset` (rows,): query i of row r
+    sees keys up to offset[r] + i (and, with a sliding window, the `window_size` last of them)."""
+    keys = mx.arange(width)[None, None, None, :]
+    last = offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
+    mask = keys <= last
+    if window_size:
+        mask = mask & (keys > last - window_size)
+    return mask
 
 
 class PiecesLayout:
@@ -74,14 +86,7 @@ class PagedPiecesCache:
         return self.layout.lengths
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
-        """(rows, 1, n, width): query i of row r sees keys up to starts[r] + i (and, with a
-        sliding window, the `window_size` last of them)."""
-        keys = mx.arange(self.layout.width)[None, None, None, :]
-        last = self.offset[:, None, None, None] + mx.arange(n)[None, None, :, None]
-        mask = keys <= last
-        if window_size:
-            mask = mask & (keys > last - window_size)
-        return mask
+        return pieces_mask(self.offset, n, self.layout.width, window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys, values (rows, kv_heads, n, dim), right-padded: into the rows' blocks; returns

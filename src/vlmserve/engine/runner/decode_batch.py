@@ -191,11 +191,7 @@ class PagedDecodeBatch:
                     self.pool.write(owner.blocks, layer_kv, n, start)
                 self._place(owner)
         except BaseException:
-            # None of them joins: the caller fails them; their blocks go back, placed or not.
-            self.remove(owners)
-            for owner in owners:
-                self.pool.release(owner.blocks)
-                owner.blocks = []
+            self._none_join(owners)
             raise
 
     def adopt(self, owners: list[Any]) -> None:
@@ -211,11 +207,16 @@ class PagedDecodeBatch:
                 )
                 self._place(owner)
         except BaseException:
-            self.remove(owners)
-            for owner in owners:
-                self.pool.release(owner.blocks)
-                owner.blocks = []
+            self._none_join(owners)
             raise
+
+    def _none_join(self, owners: list[Any]) -> None:
+        """A join that failed: none of them joins (the caller fails them); their blocks go back,
+        placed or not."""
+        self.remove(owners)
+        for owner in owners:
+            self.pool.release(owner.blocks)
+            owner.blocks = []
 
     def resume(self, owner: Any, host_kv: list) -> None:
         """A preempted row comes back with the KV `evict` gave out."""
