@@ -136,14 +136,18 @@ def test_pieces_prefilled_together_give_each_prompts_own_tokens(family, tmp_path
 
 
 class _NoRaggedForward:
-    """A language model whose forward refuses ragged caches (as one that needs its offset as a number)."""
+    """A language model whose forward refuses ragged caches (as one that needs its offset as a
+    number), after its first `takes` such forwards."""
 
-    def __init__(self, inner, kv_layout):
+    def __init__(self, inner, kv_layout, takes: int = 0):
         self._inner = inner
         self._kv = kv_layout
+        self._takes = takes
 
     def __call__(self, *args, cache=None, **kwargs):
-        if cache and isinstance(cache[0], (RaggedLayerCache, PagedPiecesCache)):
+        if cache and isinstance(cache[0], (RaggedLayerCache, PagedPiecesCache)) and self._takes > 0:
+            self._takes -= 1
+        elif cache and isinstance(cache[0], (RaggedLayerCache, PagedPiecesCache)):
             _, (heads, dim, _), dtype = self._kv
             written = mx.zeros((len(cache[0].lengths), heads, max(cache[0].lengths), dim), dtype=dtype)
             cache[0].update_and_fetch(written, written)  # the first layer writes, then the forward fails
@@ -154,14 +158,17 @@ class _NoRaggedForward:
         return getattr(self._inner, name)
 
 
-def test_a_model_that_cannot_take_pieces_together_prefills_them_one_at_a_time(tmp_path_factory):
+@pytest.mark.parametrize("takes", [0, 2])
+def test_a_model_that_cannot_take_pieces_together_prefills_them_one_at_a_time(tmp_path_factory, takes):
+    """Refused at once, or after two such forwards, when rows' KV is in the block pool already:
+    those rows go on in their own caches."""
     server = _server("qwen2_vl", tmp_path_factory)
     try:
         model = server.engine.core.model
         bodies = _bodies(server.model_id)
         alone = asyncio.run(_outputs(server, bodies, concurrent=False))
         model.fast_prefill = False  # on CUDA the family's own prompt forward would not go through the wrapper
-        model.language_model = _NoRaggedForward(model.language_model, model.kv_layout())
+        model.language_model = _NoRaggedForward(model.language_model, model.kv_layout(), takes)
         together = asyncio.run(_outputs(server, bodies, concurrent=True))
         assert together == alone  # what the failed forward wrote was taken back
         assert not model.prefills_pieces

@@ -159,6 +159,16 @@ class BlockPool:
             where = mx.concatenate([where, mx.broadcast_to(where[:1], (size - length,))])
         return [(k[where], v[where]) for k, v in zip(self.keys, self.values)]
 
+    def fill(self, cache: list, blocks: list[int], length: int, room: int) -> None:
+        """Make a row's own (empty) mlx_vlm KVCache per layer hold its first `length` positions
+        here, with room for `room` in the cache's own steps: its pieces then write in place,
+        where a buffer of these positions alone grew (zeros and a concatenation per layer) at
+        the first one. Lazy: evaluate the caches soon (they hold the pool's arrays of now)."""
+        step = getattr(cache[0], "step", 1)
+        for layer, (k, v) in zip(cache, self.read(blocks, length, -(-room // step) * step)):
+            layer.keys, layer.values = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
+            layer.offset = length
+
     def to_host(self, blocks: list[int], length: int) -> list:
         """A row's KV copied out to host memory (a preempted row's, until it resumes)."""
         return host_arrays.to_host([list(kv) for kv in self.read(blocks, length)])

@@ -213,6 +213,8 @@ class ModelRunner:
         token: how mlx_vlm.generate splits the prompt too (chunks, then the last token alone).
         A row whose prefill runs its last position too (`last_in_prefill`) takes its first token
         from this forward."""
+        if seq.prefill_pool is not None:  # its KV so far is in the pool: back into its own cache
+            self._back_to_own_cache(seq)
         target = seq.prefill_end
         end = min(target, seq.prefilled + budget)
         logits = None
@@ -310,19 +312,18 @@ class ModelRunner:
                 logits = self.model.prefill_pieces(
                     [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
                 )
-            except Exception as exc:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
+            except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
                 for seq in moved:  # their own caches still hold their prompts so far
                     self._leave_pool(seq)
-                for seq, (start, end) in todo:
-                    if seq.prefill_pool is not None:  # nothing but the pool holds its KV
-                        self.fail_prefill(seq, exc)
-                    else:
-                        self.prefill_alone(seq, end - start)
+                for seq, (start, end) in todo:  # (rows whose KV is in the pool go back to their own caches)
+                    self.prefill_alone(seq, end - start)
             else:
                 self.stats.batched_prefills += 1
                 if pool is not None:
-                    for seq in moved:
-                        seq.prompt.cache = None  # its KV is in the pool now
+                    for seq in moved:  # its KV is in the pool now: its own cache lets go of it
+                        for layer in seq.prompt.cache:
+                            layer.keys = layer.values = None
+                            layer.offset = 0
                     mx.async_eval(pool.arrays())
                 else:
                     mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
@@ -411,6 +412,14 @@ class ModelRunner:
         if tail:
             seq.prefill_blocks = seq.prefill_blocks + pool.allocate(1)
             pool.write(seq.prefill_blocks, tail, length, start)
+
+    def _back_to_own_cache(self, seq: Sequence) -> None:
+        """A row prefilling into the pool goes on in its own (emptied) cache instead: a path that
+        takes only such caches (its pieces' forward failed, or it goes alone)."""
+        if seq.prefilled:
+            seq.prefill_pool.fill(seq.prompt.cache, seq.prefill_blocks, seq.prefilled, seq.num_prompt)
+            mx.async_eval([c.state for c in seq.prompt.cache])
+        self._leave_pool(seq)
 
     @staticmethod
     def _leave_pool(seq: Sequence) -> None:

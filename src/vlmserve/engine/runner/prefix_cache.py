@@ -129,13 +129,7 @@ class PrefixCache:
         if found is None:
             return None
         kv, best_n = found
-        # Room for the whole prompt, in the cache's own steps: its pieces then write in place, where
-        # a buffer of the prefix alone grew (zeros and a concatenation per layer) at the first one.
-        step = getattr(fresh_cache[0], "step", 1)
-        size = -(-len(tokens) // step) * step
-        for layer, (k, v) in zip(fresh_cache, kv.pool.read(kv.blocks, best_n, size)):
-            layer.keys, layer.values = k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
-            layer.offset = best_n
+        kv.pool.fill(fresh_cache, kv.blocks, best_n, len(tokens))
         full = kv.blocks[: best_n // kv.pool.block_size]
         kv.pool.retain(full)
         return PrefixHit(best_n, PooledKV(kv.pool, full, len(full) * kv.pool.block_size) if full else None)
