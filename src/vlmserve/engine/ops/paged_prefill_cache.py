@@ -104,4 +104,5 @@ class PagedPiecesCache:
         )
 
     def rollback(self) -> None:
-        """Nothing to undo: a failed forward wrote only past each row's prefilled positions."""
+        """Nothing to undo: a failed forward wrote only past each row's prefilled positions (in
+        its own blocks, which it keeps or gives back) and into block 0."""

@@ -370,6 +370,7 @@ class ModelRunner:
         (its prompt's KV so far moved in, the first time) then cover its piece."""
         bs = pool.block_size
         for seq, (_, end) in todo:
+            self._count_positions(seq, end, pool.dtype)
             if seq.prefill_pool is None:
                 self._move_into_pool(seq, pool)
             short = -(-end // bs) - len(seq.prefill_blocks)
@@ -379,6 +380,20 @@ class ModelRunner:
             pool, [s.prefill_blocks for s, _ in todo], [a for _, (a, _) in todo], [b - a for _, (a, b) in todo]
         )
         return [PagedPiecesCache(layout, layer) for layer in range(pool.num_layers)]
+
+    def _count_positions(self, seq: Sequence, positions: int, dtype) -> None:
+        """Before a prefilling row takes blocks of the pool for `positions`: the budget counts
+        them, where they pass what admission reserved (from the prompt's ids: a vision merge may
+        embed it longer), making room as its join would; raises where that cannot be done (the
+        forward then leaves the pool, and the join refuses the row as before)."""
+        if not self.budget.bounded:
+            return
+        extra = self._cost(positions, dtype) - seq.kv_units
+        if extra <= 0:
+            return
+        if not self._make_room(extra, keep=seq) or not self.budget.take(extra):
+            raise RuntimeError(f"request {seq.req.request_id}'s prompt needs more KV memory than the budget holds")
+        seq.kv_units += extra
 
     def _move_into_pool(self, seq: Sequence, pool: BlockPool) -> None:
         """A prefilling row's KV so far goes into `pool`: a cached prefix's full blocks shared, the
@@ -840,7 +855,11 @@ class ModelRunner:
             log.info("resumed request %s at %d tokens", seq.req.request_id, seq.cache_len)
 
     def _drop_batch(self) -> None:
-        """Forget the running batch and every pool, with the prefixes cached there."""
+        """Forget the running batch and every pool, with the prefixes cached there (rows
+        prefilling into a pool go on in their own caches)."""
+        for seq in self.sched.prefilling:
+            if seq.prefill_pool is not None:
+                self._back_to_own_cache(seq)
         self.batch = None
         for pool in self.batches.pools.values():
             for cache in self.prefix_caches():
@@ -867,8 +886,6 @@ class ModelRunner:
 
     def release_memory(self) -> None:
         """Idle: hand the block pools back, but for the blocks cached prefixes hold."""
-        if any(s.prefill_pool is not None for s in self.sched.prefilling):
-            return  # those rows' block ids must stay as they are
         if self.batch is None or not self.batch.layout():
             self.batch = None
             for pool, mapping in self.batches.release():

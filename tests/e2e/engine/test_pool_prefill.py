@@ -1,0 +1,140 @@
+"""Rows that prefill in pieces straight into the KV pool (engine/ops/paged_prefill_cache.py):
+a decode step that fails (and drops the pools) leaves them to go on in their own caches, and a
+prompt that embeds longer than its ids is counted by the budget before it takes blocks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from support.helpers import MODELS, on_own_thread
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.runner.tokenizer import TextCodec
+from vlmserve.engine.sched.kv_budget import KVBudget
+from vlmserve.engine.sched.request import EngineRequest
+from vlmserve.models.registry import load_model_adapter, model_type_of
+from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _model(name: str):
+    path = MODELS / name
+    codec = TextCodec(path)
+    return load_model_adapter(path, model_type_of(path), codec.eos_token_ids), codec
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int) -> tuple[EngineRequest, list]:
+    events: list = []
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(rid, PreparedRequest(prompt_ids=np.array(prompt, np.int32)), sampling, events.append), events
+
+
+def _tokens(events: list) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def _run(core: EngineCore, steps: int = 500) -> None:
+    for _ in range(steps):
+        if not core.has_work():
+            return
+        core.step()
+    raise AssertionError("the engine did not finish its work")
+
+
+def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
+    prompts = {rid: [(7 * i + ord(rid)) % 400 + 20 for i in range(100)] for rid in "BCD"}
+
+    def work():
+        model, codec = _model("qwen2_vl")
+
+        def engine() -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0)
+
+        alone = {}
+        for rid, prompt in prompts.items():
+            core = engine()
+            request, events = _request(rid, prompt, 5)
+            core.add(request)
+            _run(core)
+            alone[rid] = _tokens(events)
+
+        core = engine()
+        a, a_events = _request("A", list(range(20, 30)), 40)
+        core.add(a)
+        core.step()
+        core.step()
+        events = {}
+        for rid in "BC":
+            request, events[rid] = _request(rid, prompts[rid], 5)
+            core.add(request)
+        core.step()
+        in_pool = [s.req.request_id for s in core.sched.prefilling if s.prefill_pool is not None]
+        batch = core.runner.batch
+        forward = type(batch).forward_pieces
+
+        def fails_once(self, *args, **kwargs):
+            type(batch).forward_pieces = forward
+            raise RuntimeError("a decode step failed")
+
+        type(batch).forward_pieces = fails_once
+        try:
+            core.step()
+        finally:
+            type(batch).forward_pieces = forward
+        request, events["D"] = _request("D", prompts["D"], 5)
+        core.add(request)
+        _run(core)
+        return alone, in_pool, a_events[-1].finish_reason, events
+
+    alone, in_pool, a_reason, events = on_own_thread(work)
+    assert sorted(in_pool) == ["B", "C"]  # prefilling into the pool when the step failed
+    assert a_reason == FinishReason.ERROR  # the decoding row ends with its step
+    for rid, got in events.items():
+        assert got[-1].finish_reason == FinishReason.LENGTH, (rid, got[-1].error)
+        assert _tokens(got) == alone[rid], rid
+
+
+def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks():
+    """A merge that makes the prompt 4x its ids (as LLaVA-NeXT's image features can): the pool
+    never grows past the budget, and what the budget counts is what the rows hold."""
+
+    def work():
+        import mlx.core as mx
+
+        model, codec = _model("llava")
+        embed = model.embed_prompts
+
+        def longer(prepared, staged=None):
+            states = embed(prepared) if staged is None else embed(prepared, staged)
+            out = []
+            for st in states:
+                embeds = mx.concatenate([st.embeds] * 4, axis=1)
+                ids = mx.full((1, embeds.shape[1]), int(st.input_ids[0, -1].item()), dtype=mx.int32)
+                out.append(replace(st, embeds=embeds, input_ids=ids))
+            return out
+
+        model.embed_prompts = longer
+        budget = KVBudget(40, 4)
+        core = EngineCore(
+            model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0, kv_budget=budget
+        )
+        reasons = []
+        for i in range(4):
+            request, events = _request(f"r{i}", [(11 * j + i) % 400 + 20 for j in range(30)], 4)
+            core.add(request)
+            reasons.append(events)
+        seen = []
+        for _ in range(300):
+            if not core.has_work():
+                break
+            core.step()
+            held = sum(s.kv_units for s in core.sched.running + core.sched.prefilling)
+            seen += [(p.num_blocks, p.most, held, budget.used) for p in core.runner.batches.pools.values()]
+        return seen, [events[-1].finish_reason for events in reasons]
+
+    seen, reasons = on_own_thread(work)
+    assert seen and all(blocks <= most and held == used for blocks, most, held, used in seen)
+    assert FinishReason.LENGTH in reasons  # at least one fits and runs to its end
