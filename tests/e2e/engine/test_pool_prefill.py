@@ -99,7 +99,8 @@ def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
 
 def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks():
     """A merge that makes the prompt 4x its ids (as LLaVA-NeXT's image features can): the pool
-    never grows past the budget, and what the budget counts is what the rows hold."""
+    never grows past the budget, what the budget counts is what the rows hold, and a row it
+    cannot hold ends without sending the others' pieces back to one forward each."""
 
     def work():
         import mlx.core as mx
@@ -121,6 +122,9 @@ def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks
         core = EngineCore(
             model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0, kv_budget=budget
         )
+        alone = []
+        single = core.runner.prefill_single
+        core.runner.prefill_single = lambda seq, budget: (alone.append(seq.prefilled), single(seq, budget))[1]
         reasons = []
         for i in range(4):
             request, events = _request(f"r{i}", [(11 * j + i) % 400 + 20 for j in range(30)], 4)
@@ -133,8 +137,10 @@ def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks
             core.step()
             held = sum(s.kv_units for s in core.sched.running + core.sched.prefilling)
             seen += [(p.num_blocks, p.most, held, budget.used) for p in core.runner.batches.pools.values()]
-        return seen, [events[-1].finish_reason for events in reasons]
+        return seen, [(events[-1].finish_reason, events[-1].error) for events in reasons], alone
 
-    seen, reasons = on_own_thread(work)
+    seen, ends, alone = on_own_thread(work)
     assert seen and all(blocks <= most and held == used for blocks, most, held, used in seen)
-    assert FinishReason.LENGTH in reasons  # at least one fits and runs to its end
+    assert (FinishReason.LENGTH, None) in ends  # at least one fits and runs to its end
+    assert all(reason == FinishReason.LENGTH or "KV memory" in error for reason, error in ends)
+    assert all(prefilled == 0 for prefilled in alone)  # only first pieces went alone

@@ -176,7 +176,7 @@ class ModelRunner:
             # long enough to pay for that, or half its prompt (not the chat template's opening
             # tokens that every request shares).
             least = min(MIN_PREFIX_HIT, len(key) // 2) if seq.batchable else 1
-            pool = self._pieces_pool([seq]) if seq.batchable and self.model.prefills_pieces else None
+            pool = self._pieces_pool([seq], create=False) if seq.batchable and self.model.prefills_pieces else None
             found = cache.find(key, least, pool) if pool is not None else None
             if found is not None:  # its pieces go into the pool: the prefix stays there, shared
                 self._hit_into_pool(seq, pool, *found)
@@ -263,8 +263,8 @@ class ModelRunner:
     def _pieces_forwards(rows: list[tuple[Sequence, int]]) -> list[tuple[list[tuple[Sequence, int]], bool]]:
         """The rows, as (rows, together) forwards: together, their attention scores (rows x longest
         piece x widest context: that attention is not fused) stay within PIECES_MAX_PAIRS; a row
-        past it on its own goes alone, through the single-prompt path's fused attention (or, its
-        KV in the pool, in a forward of its own)."""
+        past it on its own goes alone, through the single-prompt path's fused attention (a row
+        whose KV is in the pool goes back to its own cache for that)."""
         forwards: list[tuple[list[tuple[Sequence, int]], bool]] = []
         current: list[tuple[Sequence, int]] = []
         longest = width = 0
@@ -273,9 +273,7 @@ class ModelRunner:
             n = max(1, end - start)  # a row with nothing left still counts a position
             end = start + n
             if n * end > PIECES_MAX_PAIRS:
-                # Alone, its attention is as large as the single-prompt path's; a row whose KV is
-                # in the pool goes on in this forward, which alone continues it.
-                forwards.append(([(seq, budget)], seq.prefill_pool is not None))
+                forwards.append(([(seq, budget)], False))
                 continue
             if current and (len(current) + 1) * max(longest, n) * max(width, end) > PIECES_MAX_PAIRS:
                 forwards.append((current, True))
@@ -306,19 +304,23 @@ class ModelRunner:
             # The padded length, given as the multiple to round to: the forward runs exactly it.
             padded = self.sched.padded_length(max(end - start for _, (start, end) in todo))
             pool = self._pieces_pool([seq for seq, _ in todo])
+            if pool is not None:  # a row the budget cannot hold that far ends now, as its join would end it
+                todo = [(seq, span) for seq, span in todo if self._count_positions(seq, span[1], pool.dtype)]
             moved = [seq for seq, _ in todo if pool is not None and seq.prefill_pool is None]
             try:
-                caches = self._paged_pieces(pool, todo) if pool is not None else None
-                logits = self.model.prefill_pieces(
-                    [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
-                )
-            except Exception:  # noqa: BLE001 - the model said why, and wrote nothing: one at a time
+                caches = self._paged_pieces(pool, todo) if pool is not None and todo else None
+                if todo:
+                    logits = self.model.prefill_pieces(
+                        [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
+                    )
+            except Exception as exc:  # noqa: BLE001 - nothing was written where a row reads: one at a time
+                log.warning("prefilling %d prompts' pieces together failed; one at a time: %r", len(todo), exc)
                 for seq in moved:  # their own caches still hold their prompts so far
                     self._leave_pool(seq)
                 for seq, (start, end) in todo:  # (rows whose KV is in the pool go back to their own caches)
                     self.prefill_alone(seq, end - start)
             else:
-                self.stats.batched_prefills += 1
+                self.stats.batched_prefills += bool(todo)
                 if pool is not None:
                     for seq in moved:  # its KV is in the pool now: its own cache lets go of it
                         for layer in seq.prompt.cache:
@@ -349,10 +351,11 @@ class ModelRunner:
         if done:
             self._join(done, self.model.merge_caches([s.prompt.cache for s in done]))
 
-    def _pieces_pool(self, seqs: list[Sequence]) -> BlockPool | None:
+    def _pieces_pool(self, seqs: list[Sequence], create: bool = True) -> BlockPool | None:
         """The block pool a pieces forward of these rows writes their KV into, or None: each row
         goes on in its own cache (no paged batch, or prompts that embed in another dtype than
-        the model's KV: such a row decodes in its own dtype's pool)."""
+        the model's KV: such a row decodes in its own dtype's pool; or, unless `create`, no
+        such pool yet)."""
         held = {id(s.prefill_pool): s.prefill_pool for s in seqs if s.prefill_pool is not None}
         if held:
             if len(held) > 1:
@@ -363,14 +366,13 @@ class ModelRunner:
         dtype = self.model.kv_layout()[2]
         if any(s.prompt.embeds.dtype != dtype for s in seqs):
             return None
-        return self.batches.pool(dtype)
+        return self.batches.pool(dtype) if create else self.batches.pools.get(dtype)
 
     def _paged_pieces(self, pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list[PagedPiecesCache]:
         """The layer caches of a pieces forward whose rows' KV lives in `pool`: each row's blocks
         (its prompt's KV so far moved in, the first time) then cover its piece."""
         bs = pool.block_size
         for seq, (_, end) in todo:
-            self._count_positions(seq, end, pool.dtype)
             if seq.prefill_pool is None:
                 self._move_into_pool(seq, pool)
             short = -(-end // bs) - len(seq.prefill_blocks)
@@ -381,19 +383,20 @@ class ModelRunner:
         )
         return [PagedPiecesCache(layout, layer) for layer in range(pool.num_layers)]
 
-    def _count_positions(self, seq: Sequence, positions: int, dtype) -> None:
+    def _count_positions(self, seq: Sequence, positions: int, dtype) -> bool:
         """Before a prefilling row takes blocks of the pool for `positions`: the budget counts
         them, where they pass what admission reserved (from the prompt's ids: a vision merge may
-        embed it longer), making room as its join would; raises where that cannot be done (the
-        forward then leaves the pool, and the join refuses the row as before)."""
-        if not self.budget.bounded:
-            return
-        extra = self._cost(positions, dtype) - seq.kv_units
+        embed it longer), making room as its join would. A row it cannot hold ends here, as its
+        join would end it (False)."""
+        extra = self._cost(positions, dtype) - seq.kv_units if self.budget.bounded else 0
         if extra <= 0:
-            return
-        if not self._make_room(extra, keep=seq) or not self.budget.take(extra):
-            raise RuntimeError(f"request {seq.req.request_id}'s prompt needs more KV memory than the budget holds")
-        seq.kv_units += extra
+            return True
+        if self._make_room(extra, keep=seq) and self.budget.take(extra):
+            seq.kv_units += extra
+            return True
+        self.sched.drop_prefilling(seq)
+        self.finish(seq, FinishReason.ERROR, error="its prompt needs more KV memory than the budget holds")
+        return False
 
     def _move_into_pool(self, seq: Sequence, pool: BlockPool) -> None:
         """A prefilling row's KV so far goes into `pool`: a cached prefix's full blocks shared, the
@@ -860,6 +863,7 @@ class ModelRunner:
         for seq in self.sched.prefilling:
             if seq.prefill_pool is not None:
                 self._back_to_own_cache(seq)
+            self._let_go_of_prefix(seq)  # its own cache holds the prefix too
         self.batch = None
         for pool in self.batches.pools.values():
             for cache in self.prefix_caches():

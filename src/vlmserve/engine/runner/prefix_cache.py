@@ -108,8 +108,9 @@ class PrefixCache:
 
     def find(self, tokens: np.ndarray, least: int = 1, pool: BlockPool | None = None) -> tuple[PooledKV, int] | None:
         """The entry holding the longest cached prefix of `tokens` (leaving >= 1 token to run), if
-        at least `least` tokens (and, with `pool`, in that pool), and how many of its positions
-        match; it becomes the most recently used. Nothing is copied."""
+        at least `least` tokens, and how many of its positions match; it becomes the most
+        recently used. Nothing is copied. With `pool`, None where that entry is in another pool
+        (a shorter match there is not looked for)."""
         if not self._entries:
             return None
         found = self._index.longest(np.asarray(tokens).tolist(), len(tokens) - 1)

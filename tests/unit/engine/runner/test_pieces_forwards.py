@@ -1,6 +1,6 @@
 """ModelRunner._pieces_forwards: prompt pieces go together in order while rows x longest piece x
-widest context stays within PIECES_MAX_PAIRS; a row past it alone goes through the single path,
-or, its KV already in the block pool, in a pieces forward of its own."""
+widest context stays within PIECES_MAX_PAIRS; a row past it alone goes through the single path
+(its KV in the block pool too: the single path fills its own cache back from there)."""
 
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ def test_rows_split_at_the_bound_and_a_wide_row_goes_alone(monkeypatch):
     ]
 
 
-def test_a_row_whose_kv_is_in_the_pool_goes_past_the_bound_in_a_forward_of_its_own(monkeypatch):
+def test_a_row_whose_kv_is_in_the_pool_goes_past_the_bound_alone_too(monkeypatch):
     monkeypatch.setattr(model_runner, "PIECES_MAX_PAIRS", 1000)
     rows = [(_row("pooled", 60, 500, pool=object()), 30), (_row("own", 60, 500), 30), (_row("short", 0, 20), 10)]
     forwards = ModelRunner._pieces_forwards(rows)  # 30 positions ending at 90: 2,700 pairs each
     assert [([r.name for r, _ in f], together) for f, together in forwards] == [
-        (["pooled"], True),
+        (["pooled"], False),
         (["own"], False),
         (["short"], True),
     ]
