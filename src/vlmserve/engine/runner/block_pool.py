@@ -136,17 +136,24 @@ class BlockPool:
         log.info("KV pool (%s) grew to %d blocks (%.2f GB)", str(self.dtype).removeprefix("mlx.core."), size, gb)
 
     # ---- moving one row's KV in and out -----------------------------------------------
+    def slots(self, blocks: list[int], length: int) -> np.ndarray:
+        """Pool indices of a row's first `length` positions, on the host."""
+        ids = np.asarray(blocks, dtype=np.int32)[:, None] * self.block_size + np.arange(self.block_size, dtype=np.int32)
+        return ids.reshape(-1)[:length]
+
     def positions(self, blocks: list[int], length: int) -> mx.array:
         """Pool indices of a row's first `length` positions."""
-        ids = np.asarray(blocks, dtype=np.int32)[:, None] * self.block_size + np.arange(self.block_size, dtype=np.int32)
-        return mx.array(ids.reshape(-1)[:length])
+        return mx.array(self.slots(blocks, length))
 
     def write(self, blocks: list[int], layer_kv: list[tuple[mx.array, mx.array]], length: int, start: int = 0) -> None:
         """Put a row's KV of positions [start, length), (length - start, kv_heads, dim) per layer,
         at those positions of its blocks."""
-        if length <= start:
-            return
-        where = self.positions(blocks, length)[start:]
+        if length > start:
+            self.write_at(self.positions(blocks, length)[start:], layer_kv)
+
+    def write_at(self, where: mx.array, layer_kv: list[tuple[mx.array, mx.array]]) -> None:
+        """Put KV (N, kv_heads, dim) per layer at pool indices `where` (N,): one scatter a layer,
+        whatever rows the positions belong to."""
         for i, (k, v) in enumerate(layer_kv):
             self.keys[i][where] = k.astype(self.dtype)
             self.values[i][where] = v.astype(self.dtype)

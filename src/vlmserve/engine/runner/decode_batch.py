@@ -170,8 +170,11 @@ class PagedDecodeBatch:
         """rows_cache: per-layer mlx_vlm BatchKVCache from a prefill, rows left-padded, ending
         together; `rows`: each owner's row there (default: in order). An owner whose prompt
         cache began with a cached prefix (`prefix_hit`) takes that prefix's full blocks as its
-        first ones, shared, and writes only what follows."""
+        first ones, shared, and writes only what follows. Every row's positions go into the pool
+        with one gather and one scatter a layer (a copy per row and layer would be thousands of
+        launches for a group of 32 prompts)."""
         end = rows_cache[0]._idx if rows_cache else 0
+        batch_rows, cache_positions, slots = [], [], []  # per written position: its row, where it is, where it goes
         try:
             for i, owner in zip(rows or range(len(owners)), owners):
                 n = owner.cache_len
@@ -181,15 +184,15 @@ class PagedDecodeBatch:
                 start = len(owner.blocks) * self.pool.block_size
                 owner.blocks = owner.blocks + self.pool.allocate(self.blocks_for(n + 1) - len(owner.blocks))
                 if n > start:
-                    layer_kv = [
-                        (
-                            c.keys[i, :, end - n + start : end, :].swapaxes(0, 1),
-                            c.values[i, :, end - n + start : end, :].swapaxes(0, 1),
-                        )
-                        for c in rows_cache
-                    ]
-                    self.pool.write(owner.blocks, layer_kv, n, start)
+                    batch_rows.append(np.full(n - start, i, np.int32))
+                    cache_positions.append(np.arange(end - n + start, end, dtype=np.int32))
+                    slots.append(self.pool.slots(owner.blocks, n)[start:])
                 self._place(owner)
+            if slots:
+                b, p = mx.array(np.concatenate(batch_rows)), mx.array(np.concatenate(cache_positions))
+                # (B, heads, L, dim) seen as (B, L, heads, dim): each position's (heads, dim) at [row, position].
+                layer_kv = [(c.keys.swapaxes(1, 2)[b, p], c.values.swapaxes(1, 2)[b, p]) for c in rows_cache]
+                self.pool.write_at(mx.array(np.concatenate(slots)), layer_kv)
         except BaseException:
             self._none_join(owners)
             raise

@@ -4,6 +4,7 @@ out unchanged (to the host and back, bfloat16 included)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from support.helpers import on_own_thread
 from vlmserve.engine.runner.block_pool import BlockPool
@@ -119,27 +120,28 @@ def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
     assert values == [[1.0, 1.0], [3.0, 3.0]] and lengths == [5, 3]
 
 
-def test_a_join_that_fails_leaves_no_row_and_no_block_behind():
+@pytest.mark.parametrize("failing", ["allocate", "write_at"])
+def test_a_join_that_fails_leaves_no_row_and_no_block_behind(failing):
     """The caller fails every row of a join that raised: none may stay in the batch (it would
-    decode forever) or hold blocks."""
+    decode forever) or hold blocks; whether the second row's blocks or the copy of all rows'
+    KV fails."""
     import mlx.core as mx
-    import pytest
 
     from vlmserve.engine.runner.decode_batch import DtypeGroupedBatch, PagedDecodeBatch
 
     def work():
         pool = BlockPool(2, (1, 4, 4), mx.float32, block_size=4, blocks=16)
         batch = DtypeGroupedBatch(lambda dtype: PagedDecodeBatch(None, None, pool, context_length=64), mx.float32)
-        writes = []
-        original = pool.write
+        calls = []
+        original = getattr(pool, failing)
 
-        def failing(blocks, layer_kv, n, start=0):
-            writes.append(n)
-            if len(writes) == 2:
+        def fails(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == (2 if failing == "allocate" else 1):
                 raise RuntimeError("out of memory")
-            return original(blocks, layer_kv, n, start)
+            return original(*args, **kwargs)
 
-        pool.write = failing
+        setattr(pool, failing, fails)
         owners = [_Row(5), _Row(3), _Row(4)]
         with pytest.raises(RuntimeError):
             batch.join(owners, [_PrefillLayer(3), _PrefillLayer(3)])
@@ -195,21 +197,28 @@ def test_a_row_reusing_a_cached_prefix_shares_its_full_blocks_and_writes_the_res
         # 5 positions match (the sixth differs): 2 full blocks shared, positions 4 and 5 written
         row.prefix_hit = cache.lookup(np.array([0, 1, 2, 3, 4, 99, 98]), fresh)
         writes = []
-        original = pool.write
+        original = pool.write_at
 
-        def counting(blocks, layer_kv, n, start=0):
-            writes.append((n, start))
-            return original(blocks, layer_kv, n, start)
+        def counting(where, layer_kv):
+            writes.append(np.array(where).tolist())
+            return original(where, layer_kv)
 
-        pool.write = counting
+        pool.write_at = counting
         prefill = _PrefillLayer(1)
         prefill.keys = mx.concatenate([mx.zeros((1, 1, 0, 4)), kv.transpose(1, 0, 2)[None]], axis=2)
         prefill.values, prefill._idx = -prefill.keys, 6
         PagedDecodeBatch(None, None, pool, context_length=64).join([row], [prefill])
         back = pool.read(row.blocks, 6)[0][0]
-        return row.blocks[:2] == first[:2], [pool.refs[b] for b in row.blocks], writes, mx.array_equal(back, kv).item()
+        written = pool.slots(row.blocks, 6)[4:].tolist()  # positions 4 and 5: the third block
+        return (
+            row.blocks[:2] == first[:2],
+            [pool.refs[b] for b in row.blocks],
+            writes,
+            written,
+            mx.array_equal(back, kv).item(),
+        )
 
-    shared, refs, writes, same = on_own_thread(work)
+    shared, refs, writes, written, same = on_own_thread(work)
     assert shared and refs[:2] == [2, 2] and refs[2:] == [1] * (len(refs) - 2)
-    assert writes == [(6, 4)]
+    assert writes == [written]
     assert same
