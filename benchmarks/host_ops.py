@@ -1,6 +1,6 @@
-"""How many MLX primitives a vision-tower call and a multi-row prompt-piece forward (each row in
-its own cache, and in the block pool as the server runs it) queue, and what they cost the host
-against the device.
+"""How many MLX primitives a vision-tower call, a multi-row prompt-piece forward (each row in
+its own cache, and in the block pool as the server runs it) and a group of prompts joining the
+pool queue, and what they cost the host against the device.
 
 On CUDA these phases are bound by the host's time per primitive (docs/benchmarks.md, "Where
 pass 1's extra time goes"). For each case: primitives in the lazy graph (by kind, the largest
@@ -16,6 +16,7 @@ import collections
 import io
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 
@@ -23,6 +24,7 @@ from chat_requests import prepared_chats  # benchmarks/, the script's directory
 from host_timing import host_and_done_ms
 from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayout
 from vlmserve.engine.runner.block_pool import BlockPool
+from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
 from vlmserve.models.registry import load_model_adapter, model_type_of
 
 BLOCK_SIZE = 32  # the server's default (--block-size)
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", default=["448x448", "1024x768", "224x224,640x480,768x768", ",".join(MIXED)])
     p.add_argument("--rows", type=int, default=8, help="rows of the prompt-piece forward")
     p.add_argument("--piece", type=int, default=256, help="positions each row prefills in it")
+    p.add_argument("--join-rows", type=int, default=32, help="prompts of a group joining the pool")
     args = p.parse_args()
     model = load_model_adapter(args.model, model_type_of(args.model))
     for mix in args.sizes:
@@ -115,6 +118,24 @@ def main() -> None:
     first_pooled_piece()
     mx.eval(pooled(spans[0]))
     _report(f"{label}, in the block pool", lambda: pooled(spans[0]), first_pooled_piece)
+
+    # Whole prompts prefilled together join the pool: their KV copied into their blocks.
+    group = model.embed_prompts(_requests(args.model, ["text"] * args.join_rows, 300))
+    ends = [int(s.embeds.shape[1]) - 1 for s in group]
+    prefilled, _ = model.prefill_batch(group, ends, 1)
+    mx.eval([c.state for c in prefilled])
+    joining = {}
+
+    def fresh_pool():
+        joining["pool"] = BlockPool(layers, kv_shape, dtype, BLOCK_SIZE, blocks=sum(e // BLOCK_SIZE + 2 for e in ends))
+        mx.eval(joining["pool"].arrays())
+
+    def join():
+        batch = PagedDecodeBatch(model, None, joining["pool"], context_length=max(ends) + 1)
+        batch.join([SimpleNamespace(cache_len=n, prefix_hit=None, blocks=[]) for n in ends], prefilled)
+        return joining["pool"].arrays()
+
+    _report(f"join of {args.join_rows} prompts prefilled together", join, fresh_pool)
 
 
 if __name__ == "__main__":
