@@ -144,3 +144,49 @@ def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks
     assert (FinishReason.LENGTH, None) in ends  # at least one fits and runs to its end
     assert all(reason == FinishReason.LENGTH or "KV memory" in error for reason, error in ends)
     assert all(prefilled == 0 for prefilled in alone)  # only first pieces went alone
+
+
+def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(monkeypatch):
+    """A prompt that starts from a cached prefix and whose pieces pass PIECES_MAX_PAIRS goes on
+    alone in its own cache (the fused single path): the prefix's blocks stay shared at its join
+    rather than copied a second time, and it answers as an engine without reuse does."""
+    from vlmserve.engine.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "PIECES_MAX_PAIRS", 100)
+    first = [(7 * i) % 400 + 20 for i in range(60)]
+
+    def work():
+        model, codec = _model("qwen2_vl")
+
+        def engine(prefix_tokens: int) -> EngineCore:
+            budget = KVBudget(400, 4)
+            return EngineCore(
+                model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64,
+                prefix_cache_tokens=prefix_tokens, kv_budget=budget,
+            )  # fmt: skip
+
+        core = engine(4096)
+        request, answer = _request("A", first, 3)
+        core.add(request)
+        _run(core)
+        second = first + _tokens(answer) + [33, 44, 55, 66, 77]
+        cached = [list(kv.blocks) for kv in core.runner.prefix_cache._entries.values()]
+        went_alone = []
+        back = core.runner._back_to_own_cache
+        core.runner._back_to_own_cache = lambda seq: (went_alone.append(seq.prefilled), back(seq))[1]
+        request, events = _request("B", second, 3)
+        core.add(request)
+        joined = []
+        while core.has_work():
+            core.step()
+            joined = joined or [list(s.blocks) for s in core.sched.running]
+        reference = engine(0)
+        request, alone = _request("B", second, 3)
+        reference.add(request)
+        _run(reference)
+        return cached, joined, went_alone, events, alone
+
+    cached, joined, went_alone, events, alone = on_own_thread(work)
+    assert went_alone and events[-1].cached_tokens > 0  # it reused the prefix, then went alone
+    assert set(joined[0]) & {b for blocks in cached for b in blocks}  # and still shares its blocks
+    assert _tokens(events) == _tokens(alone)

@@ -152,8 +152,8 @@ class BlockPool:
             self.write_at(self.positions(blocks, length)[start:], layer_kv)
 
     def write_at(self, where: mx.array, layer_kv: list[tuple[mx.array, mx.array]]) -> None:
-        """Put KV (N, kv_heads, dim) per layer at pool indices `where` (N,): one scatter a layer,
-        whatever rows the positions belong to."""
+        """Put keys and values (N, kv_heads, key / value dim) per layer at pool indices `where`
+        (N,): one scatter a layer, whatever rows the positions belong to."""
         for i, (k, v) in enumerate(layer_kv):
             self.keys[i][where] = k.astype(self.dtype)
             self.values[i][where] = v.astype(self.dtype)

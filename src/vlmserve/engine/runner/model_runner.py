@@ -24,7 +24,7 @@ import numpy as np
 from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayout
 from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
-from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed
+from vlmserve.engine.runner.prefix_cache import PooledKV, PrefixCache, PrefixHit, content_keyed
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -298,21 +298,24 @@ class ModelRunner:
         # A prefix hit may leave nothing before the last token: such a row only joins.
         todo = [(seq, span) for seq, span in zip(seqs, spans) if span[1] > span[0]]
         logits = None  # each row of todo's last logits, from the forward they share
-        if len(todo) == 1 and todo[0][1][0] == 0:  # a lone first piece: mlx_vlm.generate's shapes
+
+        def lone_first_piece() -> bool:  # mlx_vlm.generate's shapes
+            return len(todo) == 1 and todo[0][1][0] == 0 and todo[0][0].prefill_pool is None
+
+        pool = self._pieces_pool([seq for seq, _ in todo]) if todo and not lone_first_piece() else None
+        if pool is not None:  # a row the budget cannot hold that far ends now, as its join would end it
+            todo = [(seq, span) for seq, span in todo if self._count_positions(seq, span[1], pool.dtype)]
+        if todo and lone_first_piece():
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
             # The padded length, given as the multiple to round to: the forward runs exactly it.
             padded = self.sched.padded_length(max(end - start for _, (start, end) in todo))
-            pool = self._pieces_pool([seq for seq, _ in todo])
-            if pool is not None:  # a row the budget cannot hold that far ends now, as its join would end it
-                todo = [(seq, span) for seq, span in todo if self._count_positions(seq, span[1], pool.dtype)]
             moved = [seq for seq, _ in todo if pool is not None and seq.prefill_pool is None]
             try:
-                caches = self._paged_pieces(pool, todo) if pool is not None and todo else None
-                if todo:
-                    logits = self.model.prefill_pieces(
-                        [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
-                    )
+                caches = self._paged_pieces(pool, todo) if pool is not None else None
+                logits = self.model.prefill_pieces(
+                    [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
+                )
             except Exception as exc:  # noqa: BLE001 - nothing was written where a row reads: one at a time
                 log.warning("prefilling %d prompts' pieces together failed; one at a time: %r", len(todo), exc)
                 for seq in moved:  # their own caches still hold their prompts so far
@@ -320,7 +323,7 @@ class ModelRunner:
                 for seq, (start, end) in todo:  # (rows whose KV is in the pool go back to their own caches)
                     self.prefill_alone(seq, end - start)
             else:
-                self.stats.batched_prefills += bool(todo)
+                self.stats.batched_prefills += 1
                 if pool is not None:
                     for seq in moved:  # its KV is in the pool now: its own cache lets go of it
                         for layer in seq.prompt.cache:
@@ -433,10 +436,17 @@ class ModelRunner:
 
     def _back_to_own_cache(self, seq: Sequence) -> None:
         """A row prefilling into the pool goes on in its own (emptied) cache instead: a path that
-        takes only such caches (its pieces' forward failed, or it goes alone)."""
+        takes only such caches (its pieces' forward failed, or it goes alone). Its full blocks
+        stay held as a prefix hit (shared with a cached prefix, maybe), which its join, or its
+        next move into the pool, takes back instead of copying them."""
+        pool, blocks = seq.prefill_pool, seq.prefill_blocks
         if seq.prefilled:
-            seq.prefill_pool.fill(seq.prompt.cache, seq.prefill_blocks, seq.prefilled, seq.num_prompt)
+            pool.fill(seq.prompt.cache, blocks, seq.prefilled, seq.num_prompt)
             mx.async_eval([c.state for c in seq.prompt.cache])
+        full = blocks[: seq.prefilled // pool.block_size]
+        if full:
+            seq.prefix_hit = PrefixHit(seq.prefilled, PooledKV(pool, full, len(full) * pool.block_size))
+            seq.prefill_blocks = blocks[len(full) :]
         self._leave_pool(seq)
 
     @staticmethod

@@ -100,9 +100,10 @@ class _Row:
         self.cache_len, self.blocks = n, []
 
 
-def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
+@pytest.mark.parametrize("rows", [[0, 2], [2, 0]])
+def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill(rows):
     """Rows of a batched prefill join by their place in its cache, also when some of them did not
-    join (the budget could not pay for them): nobody gets a neighbour's KV."""
+    join (the budget could not pay for them) and in another order: nobody gets a neighbour's KV."""
     import mlx.core as mx
 
     from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
@@ -111,13 +112,14 @@ def test_a_batch_joins_each_owner_with_its_own_row_of_the_prefill():
         pool = BlockPool(2, (1, 4, 4), mx.float32, block_size=4, blocks=16)
         batch = PagedDecodeBatch(None, None, pool, context_length=64)
         owners = [_Row(5), _Row(3)]
-        batch.join(owners, [_PrefillLayer(3), _PrefillLayer(3)], rows=[0, 2])  # row 1 of the prefill did not join
+        batch.join(owners, [_PrefillLayer(3), _PrefillLayer(3)], rows=rows)  # row 1 of the prefill did not join
         return [[float(k[0, 0, 0].item()) for k, _ in pool.read(o.blocks, o.cache_len)] for o in owners], [
             o.cache_len for o in owners
         ]
 
     values, lengths = on_own_thread(work)
-    assert values == [[1.0, 1.0], [3.0, 3.0]] and lengths == [5, 3]
+    expected = {0: 1.0, 2: 3.0}  # row r of the prefill holds r + 1
+    assert values == [[expected[r]] * 2 for r in rows] and lengths == [5, 3]
 
 
 @pytest.mark.parametrize("failing", ["allocate", "write_at"])
