@@ -150,9 +150,12 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
     """A prompt that starts from a cached prefix and whose pieces pass PIECES_MAX_PAIRS goes on
     alone in its own cache (the fused single path): the prefix's blocks stay shared at its join
     rather than copied a second time, and it answers as an engine without reuse does."""
-    from vlmserve.engine.runner import model_runner
+    from vlmserve.engine.runner import model_runner, pool_prefill
 
     monkeypatch.setattr(model_runner, "PIECES_MAX_PAIRS", 100)
+    went_alone = []
+    back = pool_prefill.back_to_own_cache
+    monkeypatch.setattr(pool_prefill, "back_to_own_cache", lambda seq: (went_alone.append(seq.prefilled), back(seq))[1])
     first = [(7 * i) % 400 + 20 for i in range(60)]
 
     def work():
@@ -171,9 +174,6 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
         _run(core)
         second = first + _tokens(answer) + [33, 44, 55, 66, 77]
         cached = [list(kv.blocks) for kv in core.runner.prefix_cache._entries.values()]
-        went_alone = []
-        back = core.runner._back_to_own_cache
-        core.runner._back_to_own_cache = lambda seq: (went_alone.append(seq.prefilled), back(seq))[1]
         request, events = _request("B", second, 3)
         core.add(request)
         joined = []

@@ -21,10 +21,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayout
+from vlmserve.engine.runner import pool_prefill
 from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
-from vlmserve.engine.runner.prefix_cache import PooledKV, PrefixCache, PrefixHit, content_keyed
+from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -179,7 +179,7 @@ class ModelRunner:
             pool = self._pieces_pool([seq], create=False) if seq.batchable and self.model.prefills_pieces else None
             found = cache.find(key, least, pool) if pool is not None else None
             if found is not None:  # its pieces go into the pool: the prefix stays there, shared
-                self._hit_into_pool(seq, pool, *found)
+                pool_prefill.hit_in(seq, pool, *found)
             else:
                 seq.prefix_hit = cache.lookup(key, prompt.cache, least)
                 seq.prefilled = seq.prefix_hit.length if seq.prefix_hit else 0
@@ -214,7 +214,7 @@ class ModelRunner:
         A row whose prefill runs its last position too (`last_in_prefill`) takes its first token
         from this forward."""
         if seq.prefill_pool is not None:  # its KV so far is in the pool: back into its own cache
-            self._back_to_own_cache(seq)
+            pool_prefill.back_to_own_cache(seq)
         target = seq.prefill_end
         end = min(target, seq.prefilled + budget)
         logits = None
@@ -312,14 +312,14 @@ class ModelRunner:
             padded = self.sched.padded_length(max(end - start for _, (start, end) in todo))
             moved = [seq for seq, _ in todo if pool is not None and seq.prefill_pool is None]
             try:
-                caches = self._paged_pieces(pool, todo) if pool is not None else None
+                caches = pool_prefill.pieces_caches(pool, todo) if pool is not None else None
                 logits = self.model.prefill_pieces(
                     [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
                 )
             except Exception as exc:  # noqa: BLE001 - nothing was written where a row reads: one at a time
                 log.warning("prefilling %d prompts' pieces together failed; one at a time: %r", len(todo), exc)
                 for seq in moved:  # their own caches still hold their prompts so far
-                    self._leave_pool(seq)
+                    pool_prefill.leave(seq)
                 for seq, (start, end) in todo:  # (rows whose KV is in the pool go back to their own caches)
                     self.prefill_alone(seq, end - start)
             else:
@@ -371,21 +371,6 @@ class ModelRunner:
             return None
         return self.batches.pool(dtype) if create else self.batches.pools.get(dtype)
 
-    def _paged_pieces(self, pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list[PagedPiecesCache]:
-        """The layer caches of a pieces forward whose rows' KV lives in `pool`: each row's blocks
-        (its prompt's KV so far moved in, the first time) then cover its piece."""
-        bs = pool.block_size
-        for seq, (_, end) in todo:
-            if seq.prefill_pool is None:
-                self._move_into_pool(seq, pool)
-            short = -(-end // bs) - len(seq.prefill_blocks)
-            if short > 0:
-                seq.prefill_blocks = seq.prefill_blocks + pool.allocate(short)
-        layout = PiecesLayout(
-            pool, [s.prefill_blocks for s, _ in todo], [a for _, (a, _) in todo], [b - a for _, (a, b) in todo]
-        )
-        return [PagedPiecesCache(layout, layer) for layer in range(pool.num_layers)]
-
     def _count_positions(self, seq: Sequence, positions: int, dtype) -> bool:
         """Before a prefilling row takes blocks of the pool for `positions`: the budget counts
         them, where they pass what admission reserved (from the prompt's ids: a vision merge may
@@ -400,61 +385,6 @@ class ModelRunner:
         self.sched.drop_prefilling(seq)
         self.finish(seq, FinishReason.ERROR, error="its prompt needs more KV memory than the budget holds")
         return False
-
-    def _move_into_pool(self, seq: Sequence, pool: BlockPool) -> None:
-        """A prefilling row's KV so far goes into `pool`: a cached prefix's full blocks shared, the
-        rest copied from its own cache (kept until the forward that continues it is queued)."""
-        hit, seq.prefix_hit = seq.prefix_hit, None
-        blocks = hit.take(pool) if hit is not None else []
-        seq.prefill_pool, seq.prefill_blocks = pool, blocks
-        start, n = len(blocks) * pool.block_size, seq.prefilled
-        if n > start:
-            seq.prefill_blocks = blocks + pool.allocate(-(-n // pool.block_size) - len(blocks))
-            layers = [
-                (c.keys[0, :, start:n, :].swapaxes(0, 1), c.values[0, :, start:n, :].swapaxes(0, 1))
-                for c in seq.prompt.cache
-            ]
-            pool.write(seq.prefill_blocks, layers, n, start)
-
-    @staticmethod
-    def _hit_into_pool(seq: Sequence, pool: BlockPool, kv, length: int) -> None:
-        """A prompt whose pieces will go into `pool` starts from `length` positions of a cached
-        prefix there: the prefix's full blocks become its first ones, shared, and the positions
-        past them are copied into a block of its own (it writes on from `length`)."""
-        bs = pool.block_size
-        full = kv.blocks[: length // bs]
-        start = len(full) * bs
-        # Read before anything is allocated: an allocation may evict the entry and free its blocks.
-        where = pool.positions(kv.blocks, length)[start:] if length > start else None
-        tail = [(k[where], v[where]) for k, v in zip(pool.keys, pool.values)] if where is not None else []
-        pool.retain(full)
-        seq.prefill_pool, seq.prefill_blocks = pool, list(full)
-        seq.prefilled = length
-        if tail:
-            seq.prefill_blocks = seq.prefill_blocks + pool.allocate(1)
-            pool.write(seq.prefill_blocks, tail, length, start)
-
-    def _back_to_own_cache(self, seq: Sequence) -> None:
-        """A row prefilling into the pool goes on in its own (emptied) cache instead: a path that
-        takes only such caches (its pieces' forward failed, or it goes alone). Its full blocks
-        stay held as a prefix hit (shared with a cached prefix, maybe), which its join, or its
-        next move into the pool, takes back instead of copying them."""
-        pool, blocks = seq.prefill_pool, seq.prefill_blocks
-        if seq.prefilled:
-            pool.fill(seq.prompt.cache, blocks, seq.prefilled, seq.num_prompt)
-            mx.async_eval([c.state for c in seq.prompt.cache])
-        full = blocks[: seq.prefilled // pool.block_size]
-        if full:
-            seq.prefix_hit = PrefixHit(seq.prefilled, PooledKV(pool, full, len(full) * pool.block_size))
-            seq.prefill_blocks = blocks[len(full) :]
-        self._leave_pool(seq)
-
-    @staticmethod
-    def _leave_pool(seq: Sequence) -> None:
-        """A prefilling row lets go of its blocks in the pool (it ends, or goes on in its own cache)."""
-        if seq.prefill_pool is not None:
-            seq.prefill_pool.release(seq.prefill_blocks)
-        seq.prefill_pool, seq.prefill_blocks = None, []
 
     def _first_tokens(self, seqs: list[Sequence], logits: mx.array) -> list[Sequence]:
         """Sample each row's first token from the logits of its prompt's last position (a row of
@@ -872,7 +802,7 @@ class ModelRunner:
         prefilling into a pool go on in their own caches)."""
         for seq in self.sched.prefilling:
             if seq.prefill_pool is not None:
-                self._back_to_own_cache(seq)
+                pool_prefill.back_to_own_cache(seq)
             self._let_go_of_prefix(seq)  # its own cache holds the prefix too
         self.batch = None
         for pool in self.batches.pools.values():
@@ -946,7 +876,7 @@ class ModelRunner:
             return
         seq.finished = True
         self._let_go_of_prefix(seq)  # it may end before joining
-        self._leave_pool(seq)
+        pool_prefill.leave(seq)
         event = event or TokenEvent()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             event.text += seq.text.finish()
