@@ -42,13 +42,13 @@ class PagedLayerCache:
         self.write = write  # (S,) the pool index each row's new token goes to
         self.table = table  # (S, W) block ids per row
         self.block_size = block_size
-        self.step = {} if step is None else step  # shared by one step's layers: mask kind, gather index
+        self.step = {} if step is None else step  # shared by one step's layers: masks made, gather index
 
     @property
     def plain_mask(self) -> bool:
         """The step's masks (each made once, from one layer's cache) are `position < length`: no
         layer of this step attends through a sliding window."""
-        return self.step.get("window", 0) == 0
+        return not any(window for _, window in self.step.get("masks", ()))
 
     @property
     def width(self) -> int:
@@ -68,7 +68,6 @@ class PagedLayerCache:
         # A model with sliding-window layers makes a full mask too, in either order, and hands
         # each layer one of them: each mask is kept with its window, so the attention of a layer
         # knows which it was given (kernel_window).
-        self.step["window"] = max(self.step.get("window", 0), window_size or 0)
         pos = mx.arange(self.width)[None, None, None, :]
         end = (self.offset + n)[:, None, None, None]
         mask = pos < end
