@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from vlmserve.engine.ops.paged_prefill_cache import WIDTH_STEP, pieces_mask
+from vlmserve.engine.ops.paged_prefill_cache import pieces_mask, pieces_width
 
 
 class RaggedLayerCache:
@@ -22,15 +22,12 @@ class RaggedLayerCache:
     array), `make_mask` and `update_and_fetch`, over several rows' own caches."""
 
     def __init__(self, rows: list[Any], lengths: list[int]):
-        if any(n < 1 for n in lengths):
-            raise ValueError("every row takes at least one position")
         self.rows = rows  # each row's KVCache, written in place
         self.lengths = lengths  # real positions of each row's piece
         self.starts = [int(c.offset) for c in rows]
         self.offset = mx.array(self.starts, dtype=mx.int32)
         self._offset = 0  # mlx_vlm's cache_position_offset reads this instead of syncing on `offset`
-        ends = max(s + n for s, n in zip(self.starts, lengths))
-        self.width = -(-ends // WIDTH_STEP) * WIDTH_STEP
+        self.width = pieces_width(self.starts, lengths)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
         return pieces_mask(self.offset, n, self.width, window_size)

@@ -24,6 +24,15 @@ import numpy as np
 WIDTH_STEP = 256
 
 
+def pieces_width(starts: list[int], lengths: list[int]) -> int:
+    """The key width of a forward of pieces starting at `starts` (each row's positions so far),
+    `lengths` long: past the furthest end, rounded up to WIDTH_STEP."""
+    if any(n < 1 for n in lengths):
+        raise ValueError("every row takes at least one position")
+    ends = max(s + n for s, n in zip(starts, lengths))
+    return -(-ends // WIDTH_STEP) * WIDTH_STEP
+
+
 def pieces_mask(offset: mx.array, n: int, width: int, window_size: int | None = None) -> mx.array:
     """(rows, 1, n, width) for right-padded pieces starting at `offset` (rows,): query i of row r
     sees keys up to offset[r] + i (and, with a sliding window, the `window_size` last of them)."""
@@ -40,16 +49,13 @@ class PiecesLayout:
     how long it is, and the pool indices made of them (once, at the first layer)."""
 
     def __init__(self, pool: Any, tables: list[list[int]], starts: list[int], lengths: list[int]):
-        if any(n < 1 for n in lengths):
-            raise ValueError("every row takes at least one position")
+        self.width = pieces_width(starts, lengths)
         bs = pool.block_size
         if any(len(t) * bs < s + n for t, s, n in zip(tables, starts, lengths)):
             raise ValueError("a row's blocks do not hold its piece")
         self.pool = pool  # keys and values: lists of (blocks * block_size, kv_heads, dim) per layer
         self.starts, self.lengths = starts, lengths
         self.offset = mx.array(starts, dtype=mx.int32)
-        ends = max(s + n for s, n in zip(starts, lengths))
-        self.width = -(-ends // WIDTH_STEP) * WIDTH_STEP
         # Each row's pool index of positions [0, width): its blocks, then block 0 (masked out).
         slots = np.zeros((len(tables), self.width), np.int32)
         for r, table in enumerate(tables):
