@@ -666,17 +666,12 @@ class ModelRunner:
         others end with an error; the rest are returned."""
         ok = []
         for seq in seqs:
-            cost = self._cost(seq.cache_len + 1, dtype)
-            extra = cost - seq.kv_units
-            if extra > 0 and not self._make_room(extra, keep=seq):
-                self.sched.drop_prefilling(seq)
-                self.finish(seq, FinishReason.ERROR, error="its prompt needs more KV memory than the budget holds")
+            if not self._count_positions(seq, seq.cache_len + 1, dtype):
                 continue
-            if extra < 0:
-                self.budget.give(-extra)
-            else:
-                self.budget.take(extra)
-            seq.kv_units = cost
+            spare = seq.kv_units - self._cost(seq.cache_len + 1, dtype)
+            if spare > 0:  # reserved for more than it holds
+                self.budget.give(spare)
+                seq.kv_units -= spare
             ok.append(seq)
         return ok
 
