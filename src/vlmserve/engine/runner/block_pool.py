@@ -164,6 +164,10 @@ class BlockPool:
         where = self.positions(blocks, length)
         if size is not None and size > length:
             where = mx.concatenate([where, mx.broadcast_to(where[:1], (size - length,))])
+        return self.read_at(where)
+
+    def read_at(self, where: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Keys and values at pool indices `where` (N,), per layer (write_at's counterpart)."""
         return [(k[where], v[where]) for k, v in zip(self.keys, self.values)]
 
     def fill(self, cache: list, blocks: list[int], length: int, room: int) -> None:

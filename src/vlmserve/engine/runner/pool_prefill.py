@@ -60,8 +60,7 @@ def hit_in(seq: Sequence, pool: BlockPool, kv: PooledKV, length: int) -> None:
     full = kv.blocks[: length // bs]
     start = len(full) * bs
     # Read before anything is allocated: an allocation may evict the entry and free its blocks.
-    where = pool.positions(kv.blocks, length)[start:] if length > start else None
-    tail = [(k[where], v[where]) for k, v in zip(pool.keys, pool.values)] if where is not None else []
+    tail = pool.read_at(pool.positions(kv.blocks, length)[start:]) if length > start else []
     pool.retain(full)
     seq.prefill_pool, seq.prefill_blocks = pool, list(full)
     seq.prefilled = length
@@ -79,10 +78,10 @@ def back_to_own_cache(seq: Sequence) -> None:
     if seq.prefilled:
         pool.fill(seq.prompt.cache, blocks, seq.prefilled, seq.num_prompt)
         mx.async_eval([c.state for c in seq.prompt.cache])
-    full = blocks[: seq.prefilled // pool.block_size]
-    if full:
-        seq.prefix_hit = PrefixHit(seq.prefilled, PooledKV(pool, full, len(full) * pool.block_size))
-        seq.prefill_blocks = blocks[len(full) :]
+    hit = PrefixHit.holding(pool, blocks, seq.prefilled)
+    if hit.shared is not None:  # the row's hold on its full blocks passes to the hit
+        seq.prefix_hit = hit
+        seq.prefill_blocks = blocks[len(hit.shared.blocks) :]
     leave(seq)
 
 

@@ -66,6 +66,13 @@ class PrefixHit:
     length: int
     shared: PooledKV | None = field(default=None)
 
+    @classmethod
+    def holding(cls, pool: BlockPool, blocks: list[int], length: int) -> PrefixHit:
+        """The hit of `length` positions in `blocks` of `pool`, holding the full blocks among them
+        (the caller holds them once for it)."""
+        full = blocks[: length // pool.block_size]
+        return cls(length, PooledKV(pool, full, len(full) * pool.block_size) if full else None)
+
     def take(self, pool: BlockPool) -> list[int]:
         """The shared blocks, now the caller's (none if they live in another pool)."""
         shared, self.shared = self.shared, None
@@ -131,9 +138,10 @@ class PrefixCache:
             return None
         kv, best_n = found
         kv.pool.fill(fresh_cache, kv.blocks, best_n, len(tokens))
-        full = kv.blocks[: best_n // kv.pool.block_size]
-        kv.pool.retain(full)
-        return PrefixHit(best_n, PooledKV(kv.pool, full, len(full) * kv.pool.block_size) if full else None)
+        hit = PrefixHit.holding(kv.pool, kv.blocks, best_n)
+        if hit.shared is not None:
+            kv.pool.retain(hit.shared.blocks)
+        return hit
 
     def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int]) -> None:
         """Keep the KV of `tokens`, the first positions of a row's `blocks` in `pool` (the entry
