@@ -15,6 +15,18 @@ MODELS = ROOT / "fixtures" / "models"
 IMAGES = ROOT / "fixtures" / "images"
 
 
+def token_request(request_id: str, prompt: list[int], sampling) -> tuple:
+    """An engine request of these prompt ids (no template, no images), and the list its events go to."""
+    import numpy as np
+
+    from vlmserve.engine.sched.request import EngineRequest
+    from vlmserve.protocol import PreparedRequest
+
+    events: list = []
+    prepared = PreparedRequest(prompt_ids=np.array(prompt, np.int32))
+    return EngineRequest(request_id, prepared, sampling, events.append), events
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

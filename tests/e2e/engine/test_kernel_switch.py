@@ -5,16 +5,14 @@ request through the prefix cache."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from support.helpers import MODELS, on_own_thread
+from support.helpers import MODELS, on_own_thread, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
-from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.models.registry import load_model_adapter, model_type_of
-from vlmserve.protocol import PreparedRequest, SamplingParams
+from vlmserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +30,8 @@ def test_rows_in_flight_at_a_kernel_switch_keep_their_kv_out_of_the_prefix_cache
 
         def serve(name: str, prompt: list[int], switch_at_step: int | None = None) -> int:
             """Serve one greedy request; returns the prefix cache's tokens after it."""
-            events: list = []
-            sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-            core.add(
-                EngineRequest(name, PreparedRequest(prompt_ids=np.array(prompt, np.int32)), sampling, events.append)
-            )
+            request, events = token_request(name, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            core.add(request)
             steps = 0
             while core.has_work():
                 core.step()

@@ -10,16 +10,14 @@ from __future__ import annotations
 import collections
 import random
 
-import numpy as np
 import pytest
 
-from support.helpers import MODELS, on_own_thread
+from support.helpers import MODELS, on_own_thread, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
-from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.models.registry import load_model_adapter, model_type_of
-from vlmserve.protocol import PreparedRequest, SamplingParams
+from vlmserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +36,6 @@ def _engines():
         )
 
     return make
-
-
-def _request(request_id: str, prompt: list[int], sampling: SamplingParams) -> tuple[EngineRequest, list]:
-    events: list = []
-    return EngineRequest(
-        request_id, PreparedRequest(prompt_ids=np.array(prompt, np.int32)), sampling, events.append
-    ), events
 
 
 def _holders(core) -> tuple[dict, dict]:
@@ -115,7 +106,7 @@ def _load(core, seed: int, requests: int = 36):
                 else [rng.randrange(20, 500) for _ in range(rng.randrange(3, 60))]
             )
             sampling = SamplingParams(max_tokens=rng.randrange(1, 25), temperature=0.0, ignore_eos=rng.random() < 0.5)
-            request, events = _request(f"r{made}", prompt, sampling)
+            request, events = token_request(f"r{made}", prompt, sampling)
             sent[request.request_id] = (prompt, sampling, events, request, chat)
             core.add(request)
             made += 1
@@ -151,7 +142,7 @@ def test_shared_blocks_stay_counted_and_answers_equal_those_without_reuse(seed):
             if request.cancelled or events[-1].finish_reason.name not in ("STOP", "LENGTH"):
                 continue
             answered += 1
-            alone, expected = _request("alone", prompt, sampling)
+            alone, expected = token_request("alone", prompt, sampling)
             reference.add(alone)
             while reference.has_work():
                 reference.step()

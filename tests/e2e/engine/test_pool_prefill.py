@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
-from support.helpers import MODELS, on_own_thread
+from support.helpers import MODELS, on_own_thread, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
-from vlmserve.engine.sched.request import EngineRequest
 from vlmserve.models.registry import load_model_adapter, model_type_of
-from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams
+from vlmserve.protocol import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +24,8 @@ def _model(name: str):
     return load_model_adapter(path, model_type_of(path), codec.eos_token_ids), codec
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int) -> tuple[EngineRequest, list]:
-    events: list = []
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return EngineRequest(rid, PreparedRequest(prompt_ids=np.array(prompt, np.int32)), sampling, events.append), events
+def _request(rid: str, prompt: list[int], max_tokens: int) -> tuple:
+    return token_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 def _tokens(events: list) -> list[int]:
