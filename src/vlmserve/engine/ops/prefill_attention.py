@@ -333,6 +333,14 @@ def _template(
     ]
 
 
+def _blocks(queries: int, heads: int, rows: int, layout: tuple[int, int, int]) -> dict:
+    """The launch's grid and block for `queries` per (head, row): blocks of the layout's query
+    warps x key streams, 16 queries a warp (the source's block layout)."""
+    query_warps, key_streams, _ = layout
+    threads = 32 * query_warps * key_streams
+    return {"grid": (-(-queries // (16 * query_warps)) * threads, heads, rows), "threadgroup": (threads, 1, 1)}
+
+
 def attend(
     queries: mx.array,
     keys: mx.array,
@@ -347,12 +355,10 @@ def attend(
     keys firsts[b] <= j <= offsets[b] + i. `layout`: (query warps, key streams, key tile) of a
     block. Returns (B, L, Hq * D)."""
     batch, q_heads, length, dim = queries.shape
-    query_warps, key_streams, _ = layout
     return _kernel(queries.dtype, dim, layout)(
         inputs=[queries, keys, values, offsets, firsts],
         template=_template(queries.dtype, dim, q_heads, keys.shape[1], scale, layout),
-        grid=(-(-length // (16 * query_warps)) * 32 * query_warps * key_streams, q_heads, batch),
-        threadgroup=(32 * query_warps * key_streams, 1, 1),
+        **_blocks(length, q_heads, batch, layout),
         output_shapes=[(batch, length, q_heads * dim)],
         output_dtypes=[queries.dtype],
     )[0]
@@ -414,12 +420,10 @@ def attend_segments(
     if qkv.dtype != qk.dtype or qkv.shape[0] != positions or qkv.shape[2:] != qk.shape[2:]:
         raise ValueError(f"qk {qk.shape} {qk.dtype} and qkv {qkv.shape} {qkv.dtype} do not match")
     segments = bounds.shape[0] - 1
-    query_warps, key_streams, _ = layout
     return _kernel(qk.dtype, dim, layout)(
         inputs=[qk, qk, qkv, bounds, bounds],
         template=_template(qk.dtype, dim, heads, heads, scale, layout, segments=True),
-        grid=(-(-max(longest, 1) // (16 * query_warps)) * 32 * query_warps * key_streams, heads, segments),
-        threadgroup=(32 * query_warps * key_streams, 1, 1),
+        **_blocks(max(longest, 1), heads, segments, layout),
         output_shapes=[(positions, heads * dim)],
         output_dtypes=[qk.dtype],
     )[0]
