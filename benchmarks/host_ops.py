@@ -22,12 +22,13 @@ import mlx.core as mx
 
 from chat_requests import prepared_chats  # benchmarks/, the script's directory
 from host_timing import host_and_done_ms
+from vlmserve.config import ServerConfig
 from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayout
 from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
 from vlmserve.models.registry import load_model_adapter, model_type_of
 
-BLOCK_SIZE = 32  # the server's default (--block-size)
+BLOCK_SIZE = ServerConfig.kv_block_size  # the server's default (--block-size)
 MIXED = ["224x224", "336x336", "448x448", "512x384", "640x480", "384x640", "768x768", "1024x768"]
 
 
