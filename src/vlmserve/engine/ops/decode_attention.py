@@ -29,10 +29,11 @@ _SHARED_BYTES = 48 * 1024  # static shared memory a CUDA block may declare
 _ORIGINAL = base.scaled_dot_product_attention
 
 # One block per (row, KV head, group of HB of its query heads); NW warps per block. A warp takes
-# 32/G positions at a time, G lanes per position (E = D/G elements each, one vector load of the
-# key and of the value), and loads its next positions while it uses these. Each lane keeps an
-# online softmax per query head in float32; the groups of a warp, then the warps of the block,
-# merge theirs in a fixed order, so every call gives the same result.
+# 32/G positions at a time, G lanes per position (E = D/G elements each, in vector loads of the
+# key and of the value), with the keys and values of its next DEPTH positions loading while it
+# uses these. Each lane keeps an online softmax per query head in float32; the groups of a warp,
+# then the warps of the block, merge theirs in a fixed order, so every call of a launch shape
+# gives the same result.
 _SOURCE = """
     constexpr int E = D / G, P = 32 / G, STRIDE = NW * P, GROUPS = NREP / HB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -46,26 +47,33 @@ _SOURCE = """
     const int* blocks = table + (size_t)row * width[0];  // the width is data: one build per model
     // Where position p's key (and value) for this lane's KV head and elements starts in the pool.
     auto at = [&](int p) -> size_t {
-        return ((size_t)blocks[p / BS] * BS + p % BS) * (HKV * D) + (size_t)kvh * D + sub * E;
+        return ((size_t)__ldg(blocks + p / BS) * BS + p % BS) * (HKV * D) + (size_t)kvh * D + sub * E;
     };
-    // E elements of one cached row as floats, in the widest loads their size allows (the
-    // cache rows are whole arrays: D * sizeof(T) bytes apart from an aligned start).
-    auto load_as = [](const T* src, float* dst, auto chunk) {  // in pieces of chunk's type
-        using V = decltype(chunk);
-        constexpr int PER = sizeof(V) / sizeof(T);
+    // A lane's E elements of a cached row stay raw in registers from their load until their use
+    // DEPTH positions later, in the widest pieces their size allows (the cache rows are whole
+    // arrays: D * sizeof(T) bytes apart from an aligned start). A load's latency (its table
+    // entry's, then its row's) thus overlaps the arithmetic of the positions before it; converted
+    // at once, each iteration waited for its next loads.
+    constexpr int BYTES = E * sizeof(T);
+    auto pick = [] {
+        if constexpr (BYTES % 16 == 0) return uint4{};
+        else if constexpr (BYTES % 8 == 0) return uint2{};
+        else if constexpr (BYTES % 4 == 0) return 0u;
+        else return T{};
+    };
+    using V = decltype(pick());
+    constexpr int NV = BYTES / sizeof(V);
+    V kr[DEPTH][NV], vr[DEPTH][NV];
+    auto fetch = [&](int p, V* kd, V* vd) {
+        if (p >= len) return;
+        const size_t o = at(p);
         #pragma unroll
-        for (int i = 0; i < E / PER; ++i) {
-            const V raw = __ldg(reinterpret_cast<const V*>(src) + i);
-            const T* t = reinterpret_cast<const T*>(&raw);
-            #pragma unroll
-            for (int j = 0; j < PER; ++j) dst[i * PER + j] = static_cast<float>(t[j]);
-        }
+        for (int i = 0; i < NV; ++i) { kd[i] = __ldg(reinterpret_cast<const V*>(k + o) + i); vd[i] = __ldg(reinterpret_cast<const V*>(v + o) + i); }
     };
-    auto load = [&](const T* src, float* dst) {
-        constexpr int BYTES = E * sizeof(T);
-        if (BYTES % 16 == 0) load_as(src, dst, uint4{});
-        else if (BYTES % 8 == 0) load_as(src, dst, uint2{});
-        else load_as(src, dst, T{});
+    auto unpack = [](const V* raw, float* dst) {
+        const T* t = reinterpret_cast<const T*>(raw);
+        #pragma unroll
+        for (int e = 0; e < E; ++e) dst[e] = static_cast<float>(t[e]);
     };
     float qr[HB][E], m[HB], l[HB], acc[HB][E];
     #pragma unroll
@@ -74,28 +82,33 @@ _SOURCE = """
         #pragma unroll
         for (int e = 0; e < E; ++e) { qr[h][e] = static_cast<float>(q[q0 + h * D + sub * E + e]); acc[h][e] = 0.f; }
     }
-    float kc[E], vc[E], kn[E], vn[E];
     // A sliding-window layer's row sees its last WINDOW positions only.
-    int p = (WINDOW > 0 ? max(0, len - WINDOW) : 0) + warp * P + grp;
-    if (p < len) { const size_t o = at(p); load(k + o, kc); load(v + o, vc); }
-    for (; p < len; p += STRIDE) {
-        if (p + STRIDE < len) { const size_t o = at(p + STRIDE); load(k + o, kn); load(v + o, vn); }
+    const int first = (WINDOW > 0 ? max(0, len - WINDOW) : 0) + warp * P + grp;
+    #pragma unroll
+    for (int s = 0; s < DEPTH; ++s) fetch(first + s * STRIDE, kr[s], vr[s]);
+    for (int base = first; base < len; base += DEPTH * STRIDE) {
         #pragma unroll
-        for (int h = 0; h < HB; ++h) {
-            float s = 0.f;
+        for (int s = 0; s < DEPTH; ++s) {
+            const int p = base + s * STRIDE;
+            if (p >= len) break;
+            float kc[E], vc[E];
+            unpack(kr[s], kc); unpack(vr[s], vc);
+            fetch(p + DEPTH * STRIDE, kr[s], vr[s]);
             #pragma unroll
-            for (int e = 0; e < E; ++e) s += qr[h][e] * kc[e];
-            #pragma unroll
-            for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(group_mask, s, o, G);
-            s *= sc;
-            const float mn = fmaxf(m[h], s), c = __expf(m[h] - mn), w = __expf(s - mn);
-            l[h] = l[h] * c + w;
-            #pragma unroll
-            for (int e = 0; e < E; ++e) acc[h][e] = acc[h][e] * c + w * vc[e];
-            m[h] = mn;
+            for (int h = 0; h < HB; ++h) {
+                float sc_ = 0.f;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) sc_ += qr[h][e] * kc[e];
+                #pragma unroll
+                for (int o = G / 2; o > 0; o >>= 1) sc_ += __shfl_xor_sync(group_mask, sc_, o, G);
+                sc_ *= sc;
+                const float mn = fmaxf(m[h], sc_), c = __expf(m[h] - mn), w = __expf(sc_ - mn);
+                l[h] = l[h] * c + w;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) acc[h][e] = acc[h][e] * c + w * vc[e];
+                m[h] = mn;
+            }
         }
-        #pragma unroll
-        for (int e = 0; e < E; ++e) { kc[e] = kn[e]; vc[e] = vn[e]; }
     }
     // Merge the warp's position groups (a butterfly: every lane ends with the same sums).
     __syncwarp();
@@ -137,27 +150,45 @@ _SOURCE = """
 """
 
 
-def launch_shape(rep: int, dim: int) -> tuple[int, int, int] | None:
-    """(G lanes per position, HB query heads per block, NW warps per block) for `rep` query heads
-    per KV head of `dim` elements: the first of SHAPES that fits, None if none does."""
-    for g, hb, nw in SHAPES:
-        if rep % hb == 0 and dim % g == 0 and _fits(g, hb, nw, dim):
-            return g, hb, nw
-    return None
+def launch_shape(
+    rep: int, dim: int, itemsize: int = 2, kv_heads: int = 1, rows: int = 0
+) -> tuple[int, int, int, int] | None:
+    """(G lanes per position, HB query heads per block, NW warps per block, DEPTH positions a lane
+    has loading) for `rep` query heads per KV head of `dim` elements of `itemsize` bytes, None if
+    no shape of SHAPES fits. For `rows` rows of `kv_heads` KV heads: the first that launches
+    FULL_GRID blocks, else the one that launches the most (the first of those)."""
+    fitting = [s for s in SHAPES if rep % s[1] == 0 and dim % s[0] == 0 and _fits(*s, dim, itemsize)]
+    if not fitting:
+        return None
+
+    def blocks(shape: tuple[int, int, int, int]) -> int:
+        return rows * kv_heads * (rep // shape[1])
+
+    return next((s for s in fitting if blocks(s) >= FULL_GRID), max(fitting, key=blocks))
 
 
-# Fastest first, one call at a time on an H100 at B=32 and 512 cached positions.
-# More query heads per block read each key and value fewer
-# times; fewer give more blocks to the GPU's 132 SMs.
-SHAPES = ((16, 3, 16), (16, 2, 16), (16, 1, 16), (32, 1, 16), (32, 1, 8))
+# Device time of one call on an H200 (Qwen2-VL-2B's 12 query heads over 2 KV heads of 128),
+# B rows of n positions: the shape before, which read each position's row once its last one
+# was used, and the kernel's first three shapes now:
+#   B=32, n=512: 21.2 µs; (8, 3, 8, 4) 18.2
+#   B=32, n=2048: 64.5; (8, 3, 8, 4) 43.4
+#   B=64, n=512: 34.8; (8, 3, 8, 4) 32.4
+#   B=8, n=4096: 89.0; (8, 3, 8, 4) 66.4, (16, 1, 16, 4) 46.2
+#   B=4, n=1024: 26.1; (8, 3, 8, 4) 20.2, (16, 1, 16, 4) 15.4
+# More query heads per block read each key and value fewer times; fewer give more blocks to
+# the GPU's SMs, which a small batch needs (FULL_GRID: about an H100's or H200's 132).
+SHAPES = ((8, 3, 8, 4), (8, 2, 8, 4), (16, 1, 16, 4), (16, 2, 16, 2), (32, 1, 8, 2))
+FULL_GRID = 128
 
 
-def _fits(g: int, hb: int, nw: int, dim: int) -> bool:
-    """Queries, accumulators and two positions' keys and values in a lane's share of the
-    registers (with ~40 to spare), and the warps' partials in static shared memory."""
+def _fits(g: int, hb: int, nw: int, depth: int, dim: int, itemsize: int) -> bool:
+    """Queries, accumulators, a position's keys and values as floats and `depth` positions' raw
+    ones in a lane's share of the registers (with ~40 to spare), and the warps' partials in
+    static shared memory."""
     e = dim // g
     registers = min(255, 65536 // (32 * nw))
-    return 2 * hb * e + 4 * e + 40 <= registers and nw * hb * (dim + 2) * 4 <= _SHARED_BYTES
+    raw = 2 * depth * -(-e * itemsize // 4)
+    return 2 * hb * e + 2 * e + raw + 40 <= registers and nw * hb * (dim + 2) * 4 <= _SHARED_BYTES
 
 
 def float32_bits(value: float) -> int:
@@ -174,14 +205,15 @@ def serves(queries: mx.array, keys: mx.array) -> bool:
     """One query per row, of the cache's dtype, and heads the kernel takes (`serves_heads`)."""
     if queries.shape[2] != 1 or queries.dtype != keys.dtype:
         return False
-    return serves_heads(queries.shape[1], keys.shape[1], queries.shape[-1])
+    return serves_heads(queries.shape[1], keys.shape[1], queries.shape[-1], keys.dtype.size)
 
 
-def serves_heads(q_heads: int, kv_heads: int, dim: int) -> bool:
-    """A head dim of 32k, whole query heads per KV head, and a launch shape that fits."""
+def serves_heads(q_heads: int, kv_heads: int, dim: int, itemsize: int = 4) -> bool:
+    """A head dim of 32k, whole query heads per KV head, and a launch shape that fits (for
+    elements of `itemsize` bytes; float32's by default, which fit wherever narrower ones do)."""
     if dim % 32 or q_heads % kv_heads:
         return False
-    return launch_shape(q_heads // kv_heads, dim) is not None
+    return launch_shape(q_heads // kv_heads, dim, itemsize) is not None
 
 
 def attend(
@@ -199,7 +231,7 @@ def attend(
     batch, q_heads, _, dim = queries.shape
     kv_heads = cache.keys.shape[1]
     rep = q_heads // kv_heads
-    g, hb, nw = launch_shape(rep, dim)
+    g, hb, nw, depth = launch_shape(rep, dim, queries.dtype.size, kv_heads, batch)
     kernel = cuda_kernels.kernel(
         "vlmserve_paged_decode_attention", ("q", "k", "v", "lengths", "table", "width"), _SOURCE
     )
@@ -222,6 +254,7 @@ def attend(
             ("G", g),
             ("HB", hb),
             ("NW", nw),
+            ("DEPTH", depth),
             ("SCALE_BITS", float32_bits(scale)),
             ("WINDOW", window),
         ],
