@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_vlm.models.mlp import SwiGLUMLP, swiglu
 from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
 
-from vlmserve.engine.ops import cuda_kernels, decode_attention, few_row_linear
+from vlmserve.engine.ops import cuda_kernels, decode_attention, few_row_linear, gated_activation, residual_norm
 from vlmserve.engine.ops.fused_projections import FusedPart
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 
@@ -93,12 +93,24 @@ def qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
 
 
 def mlp(module: nn.Module, x: mx.array, kernels: bool) -> mx.array:
-    """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul."""
+    """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul (whose
+    halves, with the kernels, one launch reads in place)."""
     fused = _fused(module.gate_proj, 2)
     if fused is None or type(module) is not SwiGLUMLP:
         return module(x)
-    gate, up = mx.split(_linear(fused, x, kernels), [module.gate_proj._stop], axis=-1)
+    gate_up, split = _linear(fused, x, kernels), module.gate_proj._stop
+    if kernels and gated_activation.serves(gate_up, split):
+        return _linear(module.down_proj, gated_activation.swiglu_halves(gate_up, split), kernels)
+    gate, up = mx.split(gate_up, [split], axis=-1)
     return _linear(module.down_proj, swiglu(gate, up), kernels)
+
+
+def _add_norm(h: mx.array, delta: mx.array, norm: nn.Module, kernels: bool) -> tuple[mx.array, mx.array]:
+    """(h + delta, norm(h + delta)): one launch with the kernels."""
+    if kernels:
+        return residual_norm.add_rms_norm(h, delta, norm)
+    h = h + delta
+    return h, norm(h)
 
 
 def rope_split(
@@ -148,11 +160,13 @@ def forward(
     cos, sin = model.layers[0].self_attn.rotary_emb(h, position_ids)
     lengths = caches[0].offset + 1  # each row attends to its cache and the new token
     batch = tokens.shape[0]
-    for layer, cache in zip(model.layers, caches):
+    normed = model.layers[0].input_layernorm(h)
+    # Each half of a layer ends with a residual add and the norm of what follows: the MLP's, the
+    # next layer's attention's, or after the last layer, the model's.
+    after = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+    for layer, cache, next_norm in zip(model.layers, caches, after):
         attn = layer.self_attn
-        q, k, v = rope_split(
-            qkv(attn, layer.input_layernorm(h), kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels, kernels
-        )
+        q, k, v = rope_split(qkv(attn, normed, kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels, kernels)
         if kernels:
             cache.write_token(k, v)
             out = decode_attention.attend(
@@ -164,9 +178,9 @@ def forward(
             sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
-        h = h + _linear(attn.o_proj, out, kernels)
-        h = h + mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
-    h = model.norm(h)
+        h, normed = _add_norm(h, _linear(attn.o_proj, out, kernels), layer.post_attention_layernorm, kernels)
+        h, normed = _add_norm(h, mlp(layer.mlp, normed, kernels), next_norm, kernels)
+    h = normed
     if not language_model.args.tie_word_embeddings:
         logits = _linear(language_model.lm_head, h, kernels)
     elif kernels:
