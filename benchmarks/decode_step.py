@@ -68,7 +68,7 @@ def main() -> None:
         print(f"{rows} rows, context {args.context}: {total} primitives ({total / layers:.1f} a layer)\n    {top}")
         compiled = make_decode_step(model.decode, BLOCK_SIZE, compiled=True)
 
-        def step():
+        def step(compiled=compiled, inputs=inputs, pool=pool):
             out = compiled(*inputs, *pool.arrays())
             pool.set_arrays(out[1:])
             return [mx.argmax(out[0], axis=-1), *out[1:]]

@@ -1,4 +1,4 @@
-"""SwiGLU of a fused gate/up projection's output as one CUDA kernel, for a decode step's MLP.
+"""SwiGLU of a fused gate/up projection's output as one CUDA kernel, for a Qwen layer's MLP.
 
 With the gate and up projections fused into one matmul (fused_projections), the MLP splits its
 output in two and calls mlx_vlm's compiled `silu(gate) * up`: two primitives, where one kernel
@@ -14,7 +14,8 @@ from vlmserve.engine.ops import cuda_kernels
 
 _SOURCE = """
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const size_t rows = gate_up_shape[0] * (gate_up_ndim == 3 ? gate_up_shape[1] : 1);
+    size_t rows = 1;  // every position of every row: (..., 2H)
+    for (int d = 0; d < gate_up_ndim - 1; ++d) rows *= gate_up_shape[d];
     if (i >= rows * H) return;
     const size_t row = i / H, j = i % H;
     const float g = static_cast<float>(gate_up[row * 2 * H + j]);
@@ -26,14 +27,13 @@ _SOURCE = """
 
 
 def serves(gate_up: mx.array, split: int) -> bool:
-    """On CUDA, for a gate and an up half of equal width (gate first), in a float dtype, of
-    (rows, 2H) or (rows, 1, 2H)."""
+    """On CUDA, for a gate and an up half of equal width (gate first) along the last axis, in
+    bf16 / fp16 (a float32 model keeps MLX's ops, which its prompt forward matches bit for bit)."""
     return (
         cuda_kernels.enabled()
-        and gate_up.ndim in (2, 3)
-        and (gate_up.ndim == 2 or gate_up.shape[1] == 1)
+        and gate_up.ndim >= 1
         and gate_up.shape[-1] == 2 * split
-        and gate_up.dtype in (mx.bfloat16, mx.float16, mx.float32)
+        and gate_up.dtype in (mx.bfloat16, mx.float16)
     )
 
 

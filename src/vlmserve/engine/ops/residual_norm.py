@@ -1,6 +1,6 @@
-"""A residual add and the RMS norm after it as one CUDA kernel, for a decode step's layers.
+"""A residual add and the RMS norm after it as one CUDA kernel, for a Qwen layer's halves.
 
-A decode step on CUDA is bound by the cost of each primitive it launches, and every layer of
+A decode step or prompt piece on CUDA is bound by the cost of each primitive it launches, and every layer of
 a pre-norm transformer ends both halves the same way: `h = h + delta`, then an RMS norm of h
 for what follows. Here one launch per row gives both: h + delta rounded to the activation
 dtype (as MLX's add rounds it) and the norm as MLX's rms_norm computes it (the mean square
@@ -52,14 +52,15 @@ _SOURCE = """
 
 
 def serves(h: mx.array, norm) -> bool:
-    """On CUDA, for a bf16 / fp16 / float32 activation and an RMS norm with a weight of its dtype
-    and width (`norm` is mlx.nn.RMSNorm or alike: `weight`, `eps`)."""
+    """On CUDA, for a bf16 / fp16 activation and an RMS norm with a weight of its dtype and width
+    (`norm` is mlx.nn.RMSNorm or alike: `weight`, `eps`). A float32 model keeps MLX's ops, which
+    its prompt forward matches bit for bit."""
     weight = getattr(norm, "weight", None)
     return (
         cuda_kernels.enabled()
         and weight is not None
         and hasattr(norm, "eps")
-        and h.dtype in (mx.bfloat16, mx.float16, mx.float32)
+        and h.dtype in (mx.bfloat16, mx.float16)
         and weight.dtype == h.dtype
         and weight.shape == (h.shape[-1],)
     )

@@ -92,20 +92,20 @@ def qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
     return mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
 
 
-def mlp(module: nn.Module, x: mx.array, kernels: bool) -> mx.array:
+def mlp(module: nn.Module, x: mx.array, kernels: bool, in_place: bool | None = None) -> mx.array:
     """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul (whose
-    halves, with the kernels, one launch reads in place)."""
+    halves one launch reads in place, with `in_place`: by default with the few-row kernels)."""
     fused = _fused(module.gate_proj, 2)
     if fused is None or type(module) is not SwiGLUMLP:
         return module(x)
     gate_up, split = _linear(fused, x, kernels), module.gate_proj._stop
-    if kernels and gated_activation.serves(gate_up, split):
+    if (kernels if in_place is None else in_place) and gated_activation.serves(gate_up, split):
         return _linear(module.down_proj, gated_activation.swiglu_halves(gate_up, split), kernels)
     gate, up = mx.split(gate_up, [split], axis=-1)
     return _linear(module.down_proj, swiglu(gate, up), kernels)
 
 
-def _add_norm(h: mx.array, delta: mx.array, norm: nn.Module, kernels: bool) -> tuple[mx.array, mx.array]:
+def add_norm(h: mx.array, delta: mx.array, norm: nn.Module, kernels: bool) -> tuple[mx.array, mx.array]:
     """(h + delta, norm(h + delta)): one launch with the kernels."""
     if kernels:
         return residual_norm.add_rms_norm(h, delta, norm)
@@ -178,8 +178,8 @@ def forward(
             sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
-        h, normed = _add_norm(h, _linear(attn.o_proj, out, kernels), layer.post_attention_layernorm, kernels)
-        h, normed = _add_norm(h, mlp(layer.mlp, normed, kernels), next_norm, kernels)
+        h, normed = add_norm(h, _linear(attn.o_proj, out, kernels), layer.post_attention_layernorm, kernels)
+        h, normed = add_norm(h, mlp(layer.mlp, normed, kernels), next_norm, kernels)
     h = normed
     if not language_model.args.tie_word_embeddings:
         logits = _linear(language_model.lm_head, h, kernels)

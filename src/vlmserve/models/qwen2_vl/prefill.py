@@ -14,7 +14,9 @@ same weights in the same order and takes:
     where the cache is one it knows (a request's own, the ragged view over several, a
     left-padded group); else the composed attention that mlx_vlm's call reaches on CUDA
     (engine/ops/composed_attention), with the mask laid out for grouped heads once per forward;
-  - the model's o_proj, norms and MLP.
+  - the model's o_proj, norms and MLP, each residual add with the norm after it in one kernel
+    and the SwiGLU reading the fused gate/up output in place (engine/ops/residual_norm,
+    gated_activation).
 With the composed attention, bit for bit what mlx_vlm's forward computes; with the kernel, the
 same to bf16 rounding (tests/integration/models/qwen2_vl/test_prefill.py). Off CUDA
 (`kernels=False`) the rotation and attention are mlx_vlm's own calls, for comparison.
@@ -74,9 +76,13 @@ def forward(
         mask = create_attention_mask(h, caches)
         if kernels:
             mask = composed_attention.grouped_mask(mask, attn0.n_heads, attn0.n_kv_heads)
-    for layer, cache in zip(model.layers, caches):
+    normed = model.layers[0].input_layernorm(h)
+    # As in the decode step (decode.py), each residual add and the norm after it are one launch
+    # with the kernels, and the SwiGLU reads the fused gate/up output in place.
+    after = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+    for layer, cache, next_norm in zip(model.layers, caches, after):
         attn = layer.self_attn
-        qkv = qwen_decode.qkv(attn, layer.input_layernorm(h), False)
+        qkv = qwen_decode.qkv(attn, normed, False)
         q, k, v = qwen_decode.rope_split(qkv, cos, sin, attn.n_heads, attn.n_kv_heads, kernels)
         keys, values = cache.update_and_fetch(k, v)
         if rows is not None:  # already laid out as (B, L, Hq * D)
@@ -91,9 +97,9 @@ def forward(
                 sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
                 out = sdpa(q, keys, values, cache, scale=attn.scale, mask=layer_mask)
             out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
-        h = h + attn.o_proj(out)
-        h = h + qwen_decode.mlp(layer.mlp, layer.post_attention_layernorm(h), False)
-    return model.norm(h)
+        h, normed = qwen_decode.add_norm(h, attn.o_proj(out), layer.post_attention_layernorm, kernels)
+        h, normed = qwen_decode.add_norm(h, qwen_decode.mlp(layer.mlp, normed, False, kernels), next_norm, kernels)
+    return normed
 
 
 def logits(language_model: nn.Module, h: mx.array, kernels: bool = True) -> mx.array:
