@@ -32,8 +32,7 @@ _ORIGINAL = base.scaled_dot_product_attention
 # 32/G positions at a time, G lanes per position (E = D/G elements each, in vector loads of the
 # key and of the value), with the keys and values of its next DEPTH positions loading while it
 # uses these. Each lane keeps an online softmax per query head in float32; the groups of a warp,
-# then the warps of the block, merge theirs in a fixed order, so every call of a launch shape
-# gives the same result.
+# then the warps of the block, merge theirs in a fixed order, so every call gives the same result.
 _SOURCE = """
     constexpr int E = D / G, P = 32 / G, STRIDE = NW * P, GROUPS = NREP / HB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -150,35 +149,26 @@ _SOURCE = """
 """
 
 
-def launch_shape(
-    rep: int, dim: int, itemsize: int = 2, kv_heads: int = 1, rows: int = 0
-) -> tuple[int, int, int, int] | None:
+def launch_shape(rep: int, dim: int, itemsize: int = 2) -> tuple[int, int, int, int] | None:
     """(G lanes per position, HB query heads per block, NW warps per block, DEPTH positions a lane
-    has loading) for `rep` query heads per KV head of `dim` elements of `itemsize` bytes, None if
-    no shape of SHAPES fits. For `rows` rows of `kv_heads` KV heads: the first that launches
-    FULL_GRID blocks, else the one that launches the most (the first of those)."""
-    fitting = [s for s in SHAPES if rep % s[1] == 0 and dim % s[0] == 0 and _fits(*s, dim, itemsize)]
-    if not fitting:
-        return None
-
-    def blocks(shape: tuple[int, int, int, int]) -> int:
-        return rows * kv_heads * (rep // shape[1])
-
-    return next((s for s in fitting if blocks(s) >= FULL_GRID), max(fitting, key=blocks))
+    has loading) for `rep` query heads per KV head of `dim` elements of `itemsize` bytes: the
+    first of SHAPES that fits, None if none does. It does not depend on the batch: a row's
+    result is the same whatever it is batched with, and one build serves every row count."""
+    for g, hb, nw, depth in SHAPES:
+        if rep % hb == 0 and dim % g == 0 and _fits(g, hb, nw, depth, dim, itemsize):
+            return g, hb, nw, depth
+    return None
 
 
 # Device time of one call on an H200 (Qwen2-VL-2B's 12 query heads over 2 KV heads of 128),
-# B rows of n positions: the shape before, which read each position's row once its last one
-# was used, and the kernel's first three shapes now:
-#   B=32, n=512: 21.2 µs; (8, 3, 8, 4) 18.2
-#   B=32, n=2048: 64.5; (8, 3, 8, 4) 43.4
-#   B=64, n=512: 34.8; (8, 3, 8, 4) 32.4
-#   B=8, n=4096: 89.0; (8, 3, 8, 4) 66.4, (16, 1, 16, 4) 46.2
-#   B=4, n=1024: 26.1; (8, 3, 8, 4) 20.2, (16, 1, 16, 4) 15.4
+# B rows of n positions: the kernel before, which read each position's row once its last one
+# was used (16, 3, 16), and now (8, 3, 8, 4):
+#   B=32, n=512: 21.2 µs -> 18.2      B=32, n=2048: 64.5 -> 43.4      B=64, n=512: 34.8 -> 32.4
+#   B=8, n=4096: 89.0 -> 66.4         B=4, n=1024: 26.1 -> 20.2
 # More query heads per block read each key and value fewer times; fewer give more blocks to
-# the GPU's SMs, which a small batch needs (FULL_GRID: about an H100's or H200's 132).
+# the GPU's SMs (one head a block, (16, 1, 16, 4), took 46.2 and 15.4 µs in the two small
+# batches, and 30-80 in the others).
 SHAPES = ((8, 3, 8, 4), (8, 2, 8, 4), (16, 1, 16, 4), (16, 2, 16, 2), (32, 1, 8, 2))
-FULL_GRID = 128
 
 
 def _fits(g: int, hb: int, nw: int, depth: int, dim: int, itemsize: int) -> bool:
@@ -231,7 +221,9 @@ def attend(
     batch, q_heads, _, dim = queries.shape
     kv_heads = cache.keys.shape[1]
     rep = q_heads // kv_heads
-    g, hb, nw, depth = launch_shape(rep, dim, queries.dtype.size, kv_heads, batch)
+    if queries.dtype != cache.keys.dtype or cache.values.dtype != cache.keys.dtype:
+        raise ValueError(f"queries of {queries.dtype} over a KV pool of {cache.keys.dtype}: the kernel reads one dtype")
+    g, hb, nw, depth = launch_shape(rep, dim, queries.dtype.size)
     kernel = cuda_kernels.kernel(
         "vlmserve_paged_decode_attention", ("q", "k", "v", "lengths", "table", "width"), _SOURCE
     )

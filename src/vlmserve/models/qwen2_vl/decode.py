@@ -9,9 +9,12 @@ reads the same weights in the same order and takes:
   - one kernel that splits q/k/v into heads and rotates q and k, with each product and the
     sum rounded to the activation dtype as mlx_vlm's eager ops round them;
   - the cache write (engine/ops/paged_layer_cache.py) and the one-query attention kernel
-    (engine/ops/decode_attention.py), whose output is already laid out for o_proj.
-The cos/sin tables come from the model's own rotary module, once per step; norms, MLP and
-logits are the model's modules. Off CUDA, and for any other model, mlx_vlm's forward runs.
+    (engine/ops/decode_attention.py), whose output is already laid out for o_proj;
+  - each residual add with the RMS norm after it in one kernel, and the MLP's SwiGLU reading the
+    fused gate/up output in place (engine/ops/residual_norm.py, gated_activation.py; bf16/fp16).
+The cos/sin tables come from the model's own rotary module, once per step; the norms' weights,
+the MLP's matmuls and the logits are the model's modules. Off CUDA, and for any other model,
+mlx_vlm's forward runs.
 """
 
 from __future__ import annotations

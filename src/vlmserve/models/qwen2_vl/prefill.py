@@ -17,8 +17,9 @@ same weights in the same order and takes:
   - the model's o_proj, norms and MLP, each residual add with the norm after it in one kernel
     and the SwiGLU reading the fused gate/up output in place (engine/ops/residual_norm,
     gated_activation).
-With the composed attention, bit for bit what mlx_vlm's forward computes; with the kernel, the
-same to bf16 rounding (tests/integration/models/qwen2_vl/test_prefill.py). Off CUDA
+With the composed attention in float32 (where the norm and SwiGLU kernels do not serve), bit
+for bit what mlx_vlm's forward computes; with the kernels, the same to bf16 rounding
+(tests/integration/models/qwen2_vl/test_prefill.py). Off CUDA
 (`kernels=False`) the rotation and attention are mlx_vlm's own calls, for comparison.
 """
 
