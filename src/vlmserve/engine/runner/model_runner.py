@@ -560,18 +560,20 @@ class ModelRunner:
             self._resolve(prev)
             self.flush_events()
             prev = None
-        if self.batch is not None and self.budget.bounded and self.sched.running:
-            prev = self._grow_blocks(prev)
-        if self.sched.running:
-            try:
+        try:
+            # Placing the rows' next blocks (a pool that grows, rows preempted to the host) is
+            # part of the step: its failure ends the step's rows, not the engine.
+            if self.batch is not None and self.budget.bounded and self.sched.running:
+                prev = self._grow_blocks(prev)
+            if self.sched.running:
                 self.inflight = self._launch(prev)
-            except Exception as exc:  # a batch-level failure cannot be attributed to one row
-                log.exception("decode step failed")
-                for seq in list(self.sched.running):
-                    self.finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
-                self.sched.remove_running(list(self.sched.running))
-                self._drop_batch()
-                return
+        except Exception as exc:  # a batch-level failure cannot be attributed to one row
+            log.exception("decode step failed")
+            for seq in list(self.sched.running):
+                self.finish(seq, FinishReason.ERROR, error=f"decode failed: {type(exc).__name__}")
+            self.sched.remove_running(list(self.sched.running))
+            self._drop_batch()
+            return
         if prev is not None:
             self._resolve(prev)
 
