@@ -222,10 +222,14 @@ class PagedDecodeBatch:
             owner.blocks = []
 
     def resume(self, owner: Any, host_kv: list) -> None:
-        """A preempted row comes back with the KV `evict` gave out."""
-        owner.blocks = self.pool.allocate(self.blocks_for(owner.cache_len + 1))
-        self.pool.from_host(owner.blocks, host_kv, owner.cache_len)
-        self._place(owner)
+        """A preempted row comes back with the KV `evict` gave out (on a failure, its blocks go back)."""
+        try:
+            owner.blocks = self.pool.allocate(self.blocks_for(owner.cache_len + 1))
+            self.pool.from_host(owner.blocks, host_kv, owner.cache_len)
+            self._place(owner)
+        except BaseException:
+            self._none_join([owner])
+            raise
 
     def evict(self, owner: Any) -> list:
         """Copy a row's KV to the host and take it out of the batch (preemption)."""

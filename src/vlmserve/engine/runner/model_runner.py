@@ -789,7 +789,16 @@ class ModelRunner:
             seq.kv_units = cost
             if self.batch is None:
                 self.batch = self.batches.new()
-            self.batch.resume(seq, seq.host_kv)
+            try:
+                self.batch.resume(seq, seq.host_kv)
+            except Exception as exc:  # its KV could not come back: it ends, the others go on
+                log.exception("resuming request %s failed", seq.req.request_id)
+                self.sched.preempted.remove(seq)
+                seq.host_kv = None
+                self.budget.give(seq.kv_units)
+                seq.kv_units = 0
+                self.finish(seq, FinishReason.ERROR, error=f"resuming failed: {type(exc).__name__}")
+                continue
             seq.host_kv = None
             self.sched.resumed(seq)
             log.info("resumed request %s at %d tokens", seq.req.request_id, seq.cache_len)

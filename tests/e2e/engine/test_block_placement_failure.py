@@ -1,6 +1,7 @@
-"""A decode step whose rows cannot take their next blocks (the KV pool fails to grow) ends
-that step's rows with an error, as a failed forward does, instead of stopping the engine; the
-budget gets back what they held, and the engine goes on serving new requests."""
+"""Rows whose KV blocks cannot be placed end with an error instead of stopping the engine: a
+decode step whose rows cannot take their next blocks (the pool fails to grow) ends that step's
+rows, as a failed forward does; a preempted row whose KV cannot come back ends alone. The
+budget gets back what they held, and the engine goes on serving the others and new requests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from support.helpers import MODELS, on_own_thread, token_request
 from vlmserve.engine.core import EngineCore
+from vlmserve.engine.runner.decode_batch import DtypeGroupedBatch
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.models.registry import load_model_adapter, model_type_of
@@ -18,8 +20,12 @@ pytestmark = pytest.mark.slow
 PATH = MODELS / "qwen2_vl"
 
 
-def _request(rid: str, prompt: list[int]):
-    return token_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+def _request(rid: str, prompt: list[int], max_tokens: int = 12):
+    return token_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def _tokens(events: list) -> list[int]:
+    return [t for e in events for t in e.token_ids]
 
 
 def _run(core: EngineCore) -> None:
@@ -80,5 +86,51 @@ def test_a_failed_block_growth_ends_the_steps_rows_and_the_engine_goes_on():
         assert reason == FinishReason.ERROR and "MemoryError" in error, rid
     assert held == 0  # the failed rows gave back what the budget counted for them
     assert after[-1].finish_reason == FinishReason.LENGTH
-    assert [t for e in after for t in e.token_ids] == [t for e in expected for t in e.token_ids]
+    assert _tokens(after) == _tokens(expected)
+    assert idle_used == 0
+
+
+def test_a_preempted_row_whose_kv_cannot_come_back_ends_alone():
+    prompts = {rid: [(3 * i + ord(rid)) % 400 + 20 for i in range(9)] for rid in "AB"}
+
+    def work():
+        codec = TextCodec(PATH)
+        model = load_model_adapter(PATH, model_type_of(PATH), codec.eos_token_ids)
+
+        def engine(blocks: int) -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=4, prefix_cache_tokens=0, kv_budget=KVBudget(blocks, 4))
+
+        alone = {}
+        for rid, prompt in prompts.items():
+            core = engine(200)
+            request, alone[rid] = _request(rid, prompt, 40)
+            core.add(request)
+            _run(core)
+
+        # 20 blocks of 4 positions: both rows start, and B (the later) steps aside as they grow.
+        core = engine(20)
+        assert core.runner.batches.paged
+        events = {}
+        for rid in "AB":
+            request, events[rid] = _request(rid, prompts[rid], 40)
+            core.add(request)
+        resume, resumes = DtypeGroupedBatch.resume, []
+
+        def fails_once(self, owner, host_kv):
+            DtypeGroupedBatch.resume = resume
+            resumes.append(owner.req.request_id)
+            raise MemoryError("the KV pool could not take the row back")
+
+        DtypeGroupedBatch.resume = fails_once
+        try:
+            _run(core)
+        finally:
+            DtypeGroupedBatch.resume = resume
+        return alone, events, resumes, core.sched.kv_budget.preemptions, core.sched.kv_budget.used
+
+    alone, events, resumes, preemptions, idle_used = on_own_thread(work)
+    assert preemptions >= 1 and resumes == ["B"]
+    assert events["B"][-1].finish_reason == FinishReason.ERROR and "MemoryError" in events["B"][-1].error
+    assert events["A"][-1].finish_reason == FinishReason.LENGTH
+    assert _tokens(events["A"]) == _tokens(alone["A"])
     assert idle_used == 0
