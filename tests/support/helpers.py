@@ -27,6 +27,15 @@ def token_request(request_id: str, prompt: list[int], sampling) -> tuple:
     return EngineRequest(request_id, prepared, sampling, events.append), events
 
 
+def run_until_idle(core, steps: int = 500) -> None:
+    """Step an EngineCore until it has no work left (on the calling thread); fails past `steps`."""
+    for _ in range(steps):
+        if not core.has_work():
+            return
+        core.step()
+    raise AssertionError("the engine did not finish its work")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.helpers import MODELS, on_own_thread, token_request
+from support.helpers import MODELS, on_own_thread, run_until_idle, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.decode_batch import DtypeGroupedBatch
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -28,14 +28,6 @@ def _tokens(events: list) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-def _run(core: EngineCore) -> None:
-    for _ in range(300):
-        if not core.has_work():
-            return
-        core.step()
-    raise AssertionError("the engine did not finish its work")
-
-
 def test_a_failed_block_growth_ends_the_steps_rows_and_the_engine_goes_on():
     prompts = {rid: [(5 * i + ord(rid)) % 400 + 20 for i in range(9)] for rid in "ABC"}
 
@@ -50,7 +42,7 @@ def test_a_failed_block_growth_ends_the_steps_rows_and_the_engine_goes_on():
         alone = engine()
         request, expected = _request("C", prompts["C"])
         alone.add(request)
-        _run(alone)
+        run_until_idle(alone)
 
         core = engine()
         events = {}
@@ -78,7 +70,7 @@ def test_a_failed_block_growth_ends_the_steps_rows_and_the_engine_goes_on():
         held = core.sched.kv_budget.used
         request, events["C"] = _request("C", prompts["C"])
         core.add(request)
-        _run(core)
+        run_until_idle(core)
         return ended, held, expected, events["C"], core.sched.kv_budget.used
 
     ended, held, expected, after, idle_used = on_own_thread(work)
@@ -105,7 +97,7 @@ def test_a_preempted_row_whose_kv_cannot_come_back_ends_alone():
             core = engine(200)
             request, alone[rid] = _request(rid, prompt, 40)
             core.add(request)
-            _run(core)
+            run_until_idle(core)
 
         # 20 blocks of 4 positions: both rows start, and B (the later) steps aside as they grow.
         core = engine(20)
@@ -123,7 +115,7 @@ def test_a_preempted_row_whose_kv_cannot_come_back_ends_alone():
 
         DtypeGroupedBatch.resume = fails_once
         try:
-            _run(core)
+            run_until_idle(core)
         finally:
             DtypeGroupedBatch.resume = resume
         return alone, events, resumes, core.sched.kv_budget.preemptions, core.sched.kv_budget.used

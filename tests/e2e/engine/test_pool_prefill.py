@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from support.helpers import MODELS, on_own_thread, token_request
+from support.helpers import MODELS, on_own_thread, run_until_idle, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
@@ -32,14 +32,6 @@ def _tokens(events: list) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-def _run(core: EngineCore, steps: int = 500) -> None:
-    for _ in range(steps):
-        if not core.has_work():
-            return
-        core.step()
-    raise AssertionError("the engine did not finish its work")
-
-
 def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
     prompts = {rid: [(7 * i + ord(rid)) % 400 + 20 for i in range(100)] for rid in "BCD"}
 
@@ -54,7 +46,7 @@ def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
             core = engine()
             request, events = _request(rid, prompt, 5)
             core.add(request)
-            _run(core)
+            run_until_idle(core)
             alone[rid] = _tokens(events)
 
         core = engine()
@@ -82,7 +74,7 @@ def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
             type(batch).forward_pieces = forward
         request, events["D"] = _request("D", prompts["D"], 5)
         core.add(request)
-        _run(core)
+        run_until_idle(core)
         return alone, in_pool, a_events[-1].finish_reason, events
 
     alone, in_pool, a_reason, events = on_own_thread(work)
@@ -167,7 +159,7 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
         core = engine(4096)
         request, answer = _request("A", first, 3)
         core.add(request)
-        _run(core)
+        run_until_idle(core)
         second = first + _tokens(answer) + [33, 44, 55, 66, 77]
         cached = [list(kv.blocks) for kv in core.runner.prefix_cache._entries.values()]
         request, events = _request("B", second, 3)
@@ -179,7 +171,7 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
         reference = engine(0)
         request, alone = _request("B", second, 3)
         reference.add(request)
-        _run(reference)
+        run_until_idle(reference)
         return cached, joined, went_alone, events, alone
 
     cached, joined, went_alone, events, alone = on_own_thread(work)
