@@ -27,6 +27,11 @@ def token_request(request_id: str, prompt: list[int], sampling) -> tuple:
     return EngineRequest(request_id, prepared, sampling, events.append), events
 
 
+def event_tokens(events: list) -> list[int]:
+    """The token ids a request's engine events carried, in order."""
+    return [t for e in events for t in e.token_ids]
+
+
 def run_until_idle(core, steps: int = 500) -> None:
     """Step an EngineCore until it has no work left (on the calling thread); fails past `steps`."""
     for _ in range(steps):

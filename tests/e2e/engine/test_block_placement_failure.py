@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.helpers import MODELS, on_own_thread, run_until_idle, token_request
+from support.helpers import MODELS, event_tokens, on_own_thread, run_until_idle, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.decode_batch import DtypeGroupedBatch
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -22,10 +22,6 @@ PATH = MODELS / "qwen2_vl"
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 12):
     return token_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-
-
-def _tokens(events: list) -> list[int]:
-    return [t for e in events for t in e.token_ids]
 
 
 def test_a_failed_block_growth_ends_the_steps_rows_and_the_engine_goes_on():
@@ -78,7 +74,7 @@ def test_a_failed_block_growth_ends_the_steps_rows_and_the_engine_goes_on():
         assert reason == FinishReason.ERROR and "MemoryError" in error, rid
     assert held == 0  # the failed rows gave back what the budget counted for them
     assert after[-1].finish_reason == FinishReason.LENGTH
-    assert _tokens(after) == _tokens(expected)
+    assert event_tokens(after) == event_tokens(expected)
     assert idle_used == 0
 
 
@@ -124,5 +120,5 @@ def test_a_preempted_row_whose_kv_cannot_come_back_ends_alone():
     assert preemptions >= 1 and resumes == ["B"]
     assert events["B"][-1].finish_reason == FinishReason.ERROR and "MemoryError" in events["B"][-1].error
     assert events["A"][-1].finish_reason == FinishReason.LENGTH
-    assert _tokens(events["A"]) == _tokens(alone["A"])
+    assert event_tokens(events["A"]) == event_tokens(alone["A"])
     assert idle_used == 0

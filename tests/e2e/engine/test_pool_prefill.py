@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from support.helpers import MODELS, on_own_thread, run_until_idle, token_request
+from support.helpers import MODELS, event_tokens, on_own_thread, run_until_idle, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
@@ -28,10 +28,6 @@ def _request(rid: str, prompt: list[int], max_tokens: int) -> tuple:
     return token_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def _tokens(events: list) -> list[int]:
-    return [t for e in events for t in e.token_ids]
-
-
 def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
     prompts = {rid: [(7 * i + ord(rid)) % 400 + 20 for i in range(100)] for rid in "BCD"}
 
@@ -47,7 +43,7 @@ def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
             request, events = _request(rid, prompt, 5)
             core.add(request)
             run_until_idle(core)
-            alone[rid] = _tokens(events)
+            alone[rid] = event_tokens(events)
 
         core = engine()
         a, a_events = _request("A", list(range(20, 30)), 40)
@@ -82,7 +78,7 @@ def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
     assert a_reason == FinishReason.ERROR  # the decoding row ends with its step
     for rid, got in events.items():
         assert got[-1].finish_reason == FinishReason.LENGTH, (rid, got[-1].error)
-        assert _tokens(got) == alone[rid], rid
+        assert event_tokens(got) == alone[rid], rid
 
 
 def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks():
@@ -160,7 +156,7 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
         request, answer = _request("A", first, 3)
         core.add(request)
         run_until_idle(core)
-        second = first + _tokens(answer) + [33, 44, 55, 66, 77]
+        second = first + event_tokens(answer) + [33, 44, 55, 66, 77]
         cached = [list(kv.blocks) for kv in core.runner.prefix_cache._entries.values()]
         request, events = _request("B", second, 3)
         core.add(request)
@@ -177,4 +173,4 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
     cached, joined, went_alone, events, alone = on_own_thread(work)
     assert went_alone and events[-1].cached_tokens > 0  # it reused the prefix, then went alone
     assert set(joined[0]) & {b for blocks in cached for b in blocks}  # and still shares its blocks
-    assert _tokens(events) == _tokens(alone)
+    assert event_tokens(events) == event_tokens(alone)
