@@ -66,9 +66,9 @@ def serves(h: mx.array, norm) -> bool:
     )
 
 
-def add_rms_norm(h: mx.array, delta: mx.array, norm) -> tuple[mx.array, mx.array]:
-    """(h + delta, norm(h + delta)) in one launch where `serves`; else MLX's two ops."""
-    if not serves(h, norm) or delta.shape != h.shape or delta.dtype != h.dtype:
+def add_rms_norm(h: mx.array, delta: mx.array, norm, kernel: bool = True) -> tuple[mx.array, mx.array]:
+    """(h + delta, norm(h + delta)): in one launch with `kernel` where `serves`; else MLX's two ops."""
+    if not kernel or not serves(h, norm) or delta.shape != h.shape or delta.dtype != h.dtype:
         h = h + delta
         return h, norm(h)
     dim = h.shape[-1]

@@ -95,25 +95,25 @@ def qkv(attn: nn.Module, x: mx.array, kernels: bool) -> mx.array:
     return mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
 
 
-def mlp(module: nn.Module, x: mx.array, kernels: bool, in_place: bool | None = None) -> mx.array:
-    """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul (whose
-    halves one launch reads in place, with `in_place`: by default with the few-row kernels)."""
+def mlp(module: nn.Module, x: mx.array, kernels: bool, in_place: bool) -> mx.array:
+    """The model's SwiGLU MLP: down(swiglu(gate(x), up(x))), its gate/up as one matmul (its
+    matmuls the few-row kernels with `kernels`; the halves read in place by one launch with
+    `in_place`)."""
     fused = _fused(module.gate_proj, 2)
     if fused is None or type(module) is not SwiGLUMLP:
         return module(x)
     gate_up, split = _linear(fused, x, kernels), module.gate_proj._stop
-    if (kernels if in_place is None else in_place) and gated_activation.serves(gate_up, split):
+    if in_place and gated_activation.serves(gate_up, split):
         return _linear(module.down_proj, gated_activation.swiglu_halves(gate_up, split), kernels)
     gate, up = mx.split(gate_up, [split], axis=-1)
     return _linear(module.down_proj, swiglu(gate, up), kernels)
 
 
-def add_norm(h: mx.array, delta: mx.array, norm: nn.Module, kernels: bool) -> tuple[mx.array, mx.array]:
-    """(h + delta, norm(h + delta)): one launch with the kernels."""
-    if kernels:
-        return residual_norm.add_rms_norm(h, delta, norm)
-    h = h + delta
-    return h, norm(h)
+def norms_after(model: nn.Module) -> list[nn.Module]:
+    """The norm after each layer's MLP: the next layer's input norm, the model's after the last.
+    Each half of a layer ends with a residual add and the norm of what follows, one launch with
+    the kernels (residual_norm.add_rms_norm)."""
+    return [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
 
 
 def rope_split(
@@ -164,10 +164,7 @@ def forward(
     lengths = caches[0].offset + 1  # each row attends to its cache and the new token
     batch = tokens.shape[0]
     normed = model.layers[0].input_layernorm(h)
-    # Each half of a layer ends with a residual add and the norm of what follows: the MLP's, the
-    # next layer's attention's, or after the last layer, the model's.
-    after = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
-    for layer, cache, next_norm in zip(model.layers, caches, after):
+    for layer, cache, next_norm in zip(model.layers, caches, norms_after(model)):
         attn = layer.self_attn
         q, k, v = rope_split(qkv(attn, normed, kernels), cos, sin, attn.n_heads, attn.n_kv_heads, kernels, kernels)
         if kernels:
@@ -181,8 +178,9 @@ def forward(
             sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
             out = sdpa(q, keys, values, cache, scale=attn.scale, mask=cache.make_mask(1))
             out = out.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
-        h, normed = add_norm(h, _linear(attn.o_proj, out, kernels), layer.post_attention_layernorm, kernels)
-        h, normed = add_norm(h, mlp(layer.mlp, normed, kernels), next_norm, kernels)
+        out = _linear(attn.o_proj, out, kernels)
+        h, normed = residual_norm.add_rms_norm(h, out, layer.post_attention_layernorm, kernels)
+        h, normed = residual_norm.add_rms_norm(h, mlp(layer.mlp, normed, kernels, kernels), next_norm, kernels)
     h = normed
     if not language_model.args.tie_word_embeddings:
         logits = _linear(language_model.lm_head, h, kernels)

@@ -33,7 +33,14 @@ import mlx.nn as nn
 from mlx_vlm.models import cache as vlm_cache
 from mlx_vlm.models.base import create_attention_mask
 
-from vlmserve.engine.ops import composed_attention, cuda_kernels, few_row_linear, few_row_matmul, prefill_attention
+from vlmserve.engine.ops import (
+    composed_attention,
+    cuda_kernels,
+    few_row_linear,
+    few_row_matmul,
+    prefill_attention,
+    residual_norm,
+)
 from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache
 from vlmserve.models.qwen2_vl import decode as qwen_decode
 from vlmserve.models.ragged_cache import RaggedLayerCache
@@ -78,10 +85,7 @@ def forward(
         if kernels:
             mask = composed_attention.grouped_mask(mask, attn0.n_heads, attn0.n_kv_heads)
     normed = model.layers[0].input_layernorm(h)
-    # As in the decode step (decode.py), each residual add and the norm after it are one launch
-    # with the kernels, and the SwiGLU reads the fused gate/up output in place.
-    after = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
-    for layer, cache, next_norm in zip(model.layers, caches, after):
+    for layer, cache, next_norm in zip(model.layers, caches, qwen_decode.norms_after(model)):
         attn = layer.self_attn
         qkv = qwen_decode.qkv(attn, normed, False)
         q, k, v = qwen_decode.rope_split(qkv, cos, sin, attn.n_heads, attn.n_kv_heads, kernels)
@@ -98,8 +102,10 @@ def forward(
                 sdpa = sys.modules[type(attn).__module__].scaled_dot_product_attention
                 out = sdpa(q, keys, values, cache, scale=attn.scale, mask=layer_mask)
             out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
-        h, normed = qwen_decode.add_norm(h, attn.o_proj(out), layer.post_attention_layernorm, kernels)
-        h, normed = qwen_decode.add_norm(h, qwen_decode.mlp(layer.mlp, normed, False, kernels), next_norm, kernels)
+        # Its many rows take MLX's matmuls; the residual norms and the SwiGLU the kernels.
+        h, normed = residual_norm.add_rms_norm(h, attn.o_proj(out), layer.post_attention_layernorm, kernels)
+        mlp_out = qwen_decode.mlp(layer.mlp, normed, False, kernels)
+        h, normed = residual_norm.add_rms_norm(h, mlp_out, next_norm, kernels)
     return normed
 
 
