@@ -769,8 +769,7 @@ class ModelRunner:
         for seq in list(self.sched.preempted):
             cost = self._cost(seq.cache_len + 1, seq.kv_dtype)
             if cost > self.budget.total:  # the budget shrank under it: it ends where it is
-                self.sched.preempted.remove(seq)
-                seq.host_kv = None
+                self.sched.drop_preempted(seq)
                 self.finish(seq, FinishReason.LENGTH)
                 continue
             # Room for the running rows' next blocks too: else the row that just came back, the
@@ -793,10 +792,7 @@ class ModelRunner:
                 self.batch.resume(seq, seq.host_kv)
             except Exception as exc:  # its KV could not come back: it ends, the others go on
                 log.exception("resuming request %s failed", seq.req.request_id)
-                self.sched.preempted.remove(seq)
-                seq.host_kv = None
-                self.budget.give(seq.kv_units)
-                seq.kv_units = 0
+                self.sched.drop_preempted(seq)  # and what the budget took for it
                 self.finish(seq, FinishReason.ERROR, error=f"resuming failed: {type(exc).__name__}")
                 continue
             seq.host_kv = None

@@ -269,6 +269,13 @@ class Scheduler:
             self.prefilling.remove(seq)
             self._release(seq)
 
+    def drop_preempted(self, seq: Sequence) -> None:
+        """A preempted row ends where it is (its KV on the host let go of)."""
+        if seq in self.preempted:
+            self.preempted.remove(seq)
+            self._release(seq)
+            seq.host_kv = None
+
     def remove_running(self, gone: list[Sequence]) -> None:
         for seq in gone:
             if seq in self.running:
