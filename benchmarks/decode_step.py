@@ -28,9 +28,13 @@ from vlmserve.models.registry import load_model_adapter, model_type_of
 BLOCK_SIZE = ServerConfig.kv_block_size  # the server's default (--block-size)
 
 
-def _inputs(model, pool: BlockPool, rows: int, context: int):
+def _blocks_per_row(context: int) -> int:
+    return -(-(context + 1) // BLOCK_SIZE)
+
+
+def _inputs(model, rows: int, context: int):
     """A step's inputs for `rows` rows, each `context` positions in: its own blocks of the pool."""
-    per_row = -(-(context + 1) // BLOCK_SIZE)
+    per_row = _blocks_per_row(context)
     table = np.arange(1, rows * per_row + 1, dtype=np.int32).reshape(rows, per_row)
     write = table[:, context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE
     positions = np.full(rows, context, np.int32)
@@ -56,9 +60,8 @@ def main() -> None:
         check()
     layers, kv_shape, dtype = model.kv_layout()
     for rows in args.rows:
-        blocks = rows * -(-(args.context + 1) // BLOCK_SIZE) + 1
-        pool = BlockPool(layers, kv_shape, dtype, BLOCK_SIZE, blocks)
-        inputs = _inputs(model, pool, rows, args.context)
+        pool = BlockPool(layers, kv_shape, dtype, BLOCK_SIZE, rows * _blocks_per_row(args.context) + 1)
+        inputs = _inputs(model, rows, args.context)
         eager = make_decode_step(model.decode, BLOCK_SIZE, compiled=False)
         out = io.StringIO()
         mx.export_to_dot(out, *eager(*inputs, *pool.arrays()))
