@@ -79,6 +79,10 @@ class BlockPool:
             self.refs[b] = 1
         return blocks
 
+    def cover(self, blocks: list[int], positions: int) -> list[int]:
+        """A row's `blocks` and as many new ones (held once) as its first `positions` need beyond them."""
+        return blocks + self.allocate(max(0, -(-positions // self.block_size) - len(blocks)))
+
     def retain(self, blocks: list[int]) -> None:
         """One more holder of each of these (held) blocks."""
         for b in blocks:

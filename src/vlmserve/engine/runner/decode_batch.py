@@ -182,7 +182,7 @@ class PagedDecodeBatch:
                 # Full blocks of positions < n, the owner's now (released with its others on a failure).
                 owner.blocks = hit.take(self.pool) if hit is not None else []
                 start = len(owner.blocks) * self.pool.block_size
-                owner.blocks = owner.blocks + self.pool.allocate(self.blocks_for(n + 1) - len(owner.blocks))
+                owner.blocks = self.pool.cover(owner.blocks, n + 1)
                 if n > start:
                     batch_rows.append(np.full(n - start, i, np.int32))
                     cache_positions.append(np.arange(end - n + start, end, dtype=np.int32))
@@ -205,9 +205,7 @@ class PagedDecodeBatch:
         try:
             for owner in owners:
                 owner.blocks, owner.prefill_blocks, owner.prefill_pool = owner.prefill_blocks, [], None
-                owner.blocks = owner.blocks + self.pool.allocate(
-                    max(0, self.blocks_for(owner.cache_len + 1) - len(owner.blocks))
-                )
+                owner.blocks = self.pool.cover(owner.blocks, owner.cache_len + 1)
                 self._place(owner)
         except BaseException:
             self._none_join(owners)

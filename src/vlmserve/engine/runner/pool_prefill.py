@@ -23,13 +23,10 @@ from vlmserve.engine.sched.request import Sequence
 def pieces_caches(pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list[PagedPiecesCache]:
     """The layer caches of a pieces forward whose rows' KV lives in `pool`: each row's blocks
     (its prompt's KV so far moved in, the first time) then cover its piece."""
-    bs = pool.block_size
     for seq, (_, end) in todo:
         if seq.prefill_pool is None:
             move_in(seq, pool)
-        short = -(-end // bs) - len(seq.prefill_blocks)
-        if short > 0:
-            seq.prefill_blocks = seq.prefill_blocks + pool.allocate(short)
+        seq.prefill_blocks = pool.cover(seq.prefill_blocks, end)
     layout = PiecesLayout(
         pool, [s.prefill_blocks for s, _ in todo], [a for _, (a, _) in todo], [b - a for _, (a, b) in todo]
     )
@@ -44,7 +41,7 @@ def move_in(seq: Sequence, pool: BlockPool) -> None:
     seq.prefill_pool, seq.prefill_blocks = pool, blocks
     start, n = len(blocks) * pool.block_size, seq.prefilled
     if n > start:
-        seq.prefill_blocks = blocks + pool.allocate(-(-n // pool.block_size) - len(blocks))
+        seq.prefill_blocks = pool.cover(blocks, n)
         layers = [
             (c.keys[0, :, start:n, :].swapaxes(0, 1), c.values[0, :, start:n, :].swapaxes(0, 1))
             for c in seq.prompt.cache
