@@ -36,6 +36,7 @@ from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, Sampli
 log = logging.getLogger(__name__)
 
 WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
+SIDE_BUILD_WAIT_S = 20.0  # warm-up waits at most this long for the kernels side processes build
 
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
@@ -458,6 +459,7 @@ class EngineCore:
         when they come)."""
         self.warm_up_due = False
         self.note_decode_builds()
+        self._await_side_builds()
         jobs = [(f"warmup-{i}", p) for i, p in enumerate(prompts)]
         bucket = self.sched.prefill_bucket
         if bucket > 0 and prompts:
@@ -537,6 +539,20 @@ class EngineCore:
             # (_warm_decode traces again).
             self.runner.batches.retrace()
         filer.hurry()
+
+    def _await_side_builds(self) -> None:
+        """On a start that builds vlmserve's kernels (an empty kernel cache), wait for those the
+        first warm-up generation uses: side processes build them side by side, where that
+        generation's first launches would compile them on this thread one after another (~1 s
+        each on an H100 host). Bounded: past SIDE_BUILD_WAIT_S, this thread compiles what is left."""
+        filer = kernel_disk_cache.filer()
+        if filer is None:
+            return
+        t0 = time.perf_counter()
+        awaited = filer.await_soon(SIDE_BUILD_WAIT_S)
+        if awaited:
+            took = time.perf_counter() - t0
+            log.info("waited %.1f s for %d of vlmserve's CUDA kernels built side by side", took, awaited)
 
     def _warm_decode(self, rows: int, later_rows: int = 0) -> None:
         """Build and check the decode step's kernels, then trace the compiled step at every row

@@ -33,6 +33,7 @@ import mlx.core as mx
 from vlmserve.engine.kernel_staging import SIDE_PROCESSES
 
 PROGRESS_S = 5.0  # a filing that has taken this long says how far it got
+AWAIT_POLL_S = 0.02  # how often await_soon looks for the builds it waits for
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ class _Filer:
         self._thread: threading.Thread | None = None
         self._options: list[str] | None = None
         self._hurry = False
+        self._soon: list[Path] = []  # noted builds not `later`, until seen on disk (await_soon)
 
     @property
     def queued(self) -> int:
@@ -249,10 +251,31 @@ class _Filer:
                 return
             self._queued.add(job["path"])
             self._jobs.append(job)
+            if not later:
+                self._soon.append(path)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="vlmserve-kernel-filer", daemon=True)
                 self._thread.start()
         self._wake.set()
+
+    def await_soon(self, timeout: float) -> int:
+        """Wait until every build noted so far but `later` is on disk, the filing that builds
+        them is over (some failed) or `timeout` passed; returns how many builds it waited for.
+
+        Side processes build those side by side, where the first use of each on the MLX thread
+        would compile them one after another: on a first start warm-up waits here instead."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._soon = [path for path in self._soon if not path.exists()]
+            awaited = len(self._soon)
+        while awaited:
+            with self._lock:
+                self._soon = [path for path in self._soon if not path.exists()]
+                missing = bool(self._soon)
+            if not missing or not self.busy() or time.monotonic() >= deadline:
+                break
+            time.sleep(AWAIT_POLL_S)
+        return awaited
 
     def hurry(self) -> None:
         """Start filing what is queued now, without waiting for more to gather (nothing queued:
@@ -278,9 +301,11 @@ class _Filer:
 
     def flush(self) -> None:
         """File what is pending now, on this thread, and wait for a filing under way."""
-        with self._lock:
-            jobs, self._jobs = self._jobs, []
-        self._file(jobs)
+        with self._filing:  # taken first: the filer is never seen idle between the queue and its filing
+            with self._lock:
+                jobs, self._jobs = self._jobs, []
+            if jobs:
+                self._build(jobs)
 
     def _file(self, jobs: list[dict]) -> None:
         with self._filing:

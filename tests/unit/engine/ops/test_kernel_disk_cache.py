@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -482,3 +483,55 @@ def test_hurry_starts_a_filing_without_waiting_for_more(tmp_path, monkeypatch):
             break
         time.sleep(0.01)
     assert not filer._hurry  # spent on that filing
+
+
+def test_await_soon_waits_for_the_builds_needed_soon_not_the_later_ones(tmp_path, monkeypatch):
+    """Warm-up's wait on a first start: it returns once the builds not noted `later` are on disk,
+    while the later ones are still being built."""
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    later_may_finish = threading.Event()
+
+    def build(jobs):  # the soon ones land one by one, then the later ones wait for the test
+        for job in jobs:
+            if job.get("later"):
+                later_may_finish.wait(10)
+            time.sleep(0.05)
+            Path(job["path"]).write_bytes(b"cubin")
+
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
+    monkeypatch.setattr(filer, "_build", build)
+    monkeypatch.setattr(kdc, "module_path", lambda cache, name: tmp_path / f"{name}.ptx")
+    filer._options = ["--stand-in"]
+    assert filer.await_soon(5) == 0  # nothing noted: nothing to wait for
+    for name in ("prompt", "decode"):
+        filer.note(name, "k", "src")
+    filer.note("check", "k", "src", later=True)
+    filer.hurry()
+    awaited = filer.await_soon(10)
+    landed = sorted(p.name for p in tmp_path.glob("*.ptx"))
+    later_may_finish.set()
+    assert awaited == 2 and landed == ["decode.ptx", "prompt.ptx"]
+    assert filer.await_soon(5) == 0  # they are on disk now
+
+
+def test_await_soon_stops_when_the_filing_ends_without_them_or_at_its_timeout(tmp_path, monkeypatch):
+    from vlmserve.engine.ops import kernel_disk_cache as kdc
+
+    release = threading.Event()
+    filer = kdc._Filer(tmp_path, tmp_path / "libnvrtc.so.13")
+    monkeypatch.setattr(filer, "_build", lambda jobs: release.wait(10))  # files nothing (failed builds)
+    monkeypatch.setattr(kdc, "module_path", lambda cache, name: tmp_path / f"{name}.ptx")
+    filer._options = ["--stand-in"]
+    filer.note("prompt", "k", "src")
+    filer.hurry()
+    t0 = time.monotonic()
+    assert filer.await_soon(0.3) == 1  # the filing goes on: the timeout ends the wait
+    assert 0.3 <= time.monotonic() - t0 < 5
+    release.set()
+    for _ in range(200):
+        if not filer.busy():
+            break
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    assert filer.await_soon(10) == 1 and time.monotonic() - t0 < 1  # over, the build missing: no wait
