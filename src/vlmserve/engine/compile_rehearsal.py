@@ -247,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(prompts_file, "rb") as f:
         prompts = pickle.load(f)
     # Warm-up runs every graph the engine compiles before ready (what it leaves for idle time
-    # builds plans and runs more shapes of the same graphs, none of MLX's fused kernels).
+    # builds plans and runs more shapes of the same graphs, none of MLX's fused kernels), but for
+    # the decode step on another KV dtype's pool, a graph of its own: traced here too.
     core.warm_up(prompts)
+    core.warm_wider_shapes()
     mx.synchronize()
     return 0
 

@@ -108,8 +108,10 @@ class EngineCore:
         self.kernel_builds = None  # MLX kernels built by side processes, taken when done (kernel_prebuild.Background)
         self.indexing_builds = None  # MLX's indexing kernels building in side processes (indexing_prebuild)
         self.rehearsal = None  # MLX's fused kernels compiling in a side process; uncompiled until it ends
-        self._shapes_to_warm: list[tuple[int, int]] = []  # decode shapes to compile (warm-up's end)
-        self._warm_shapes: list[tuple[int, int]] = []  # all of them, traced again when kernels change
+        # Decode shapes to compile (warm-up's end): (rows, table width) on the model dtype's pool,
+        # (rows, width, dtype) on another KV dtype's (prompts that embed wider than the model).
+        self._shapes_to_warm: list[tuple] = []
+        self._warm_shapes: list[tuple] = []  # all of them, traced again when kernels change
         self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
         self._decode_builds_noted = False  # note_decode_builds ran
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
@@ -586,6 +588,29 @@ class EngineCore:
             self._warm_shapes += later
             self._shapes_to_warm = later
             log.info("%d decode shapes of more than %d rows to compile while idle", len(later), rows)
+        self._warm_wider_rows(later_rows)
+
+    def _warm_wider_rows(self, rows: int) -> None:
+        """Queue for idle time the decode shapes, up to `rows` rows, of every other KV dtype warm-up
+        met: rows whose prompts embed wider than the model (float32 image embeddings in a bfloat16
+        model) decode on a pool of their own, whose shapes would otherwise trace on their second
+        step while every stream waits."""
+        batches = self.runner.batches
+        for dtype in batches.other_kv_dtypes():
+            wider = [(n, width, dtype) for n, width in batches.shapes_to_warm(rows, self._warm_capacity(), dtype)]
+            self._warm_shapes += wider
+            self._shapes_to_warm += wider
+            if wider:
+                log.info("%d decode shapes of %s KV rows to compile while idle", len(wider), dtype)
+
+    def warm_wider_shapes(self) -> int:
+        """Trace now the decode shapes queued for other KV dtypes (`_warm_wider_rows`; the compile
+        rehearsal, where MLX files their fused kernels); returns how many traced."""
+        self._shapes_to_warm.sort(key=lambda shape: len(shape) < 3)  # theirs first, in order
+        traced = 0
+        while self._shapes_to_warm and len(self._shapes_to_warm[0]) == 3:
+            traced += self._warm_next_shape()
+        return traced
 
     def _warm_capacity(self) -> int:
         """The longest row the warm decode shapes hold: two prefill chunks."""
@@ -646,10 +671,10 @@ class EngineCore:
 
     def _warm_next_shape(self) -> bool:
         """Trace the compiled decode step at the next shape to warm; returns whether it traced."""
-        rows, width = self._shapes_to_warm[0]  # taken off once compiled: warmup_pending counts it meanwhile
+        rows, width, *dtype = self._shapes_to_warm[0]  # taken off once compiled: warmup_pending counts it meanwhile
         t0 = time.perf_counter()
         try:
-            traced = self.runner.batches.warm_shape(rows, width)
+            traced = self.runner.batches.warm_shape(rows, width, *dtype)
         except Exception:  # e.g. out of memory: those shapes are traced when traffic brings them
             log.warning("compiling decode shapes failed; they compile when first used", exc_info=True)
             self._shapes_to_warm.clear()

@@ -42,7 +42,9 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         _lengths_to_warm=list(lengths),
         _filler_token=7,
         runner=SimpleNamespace(
-            batches=SimpleNamespace(warm_shape=warm_shape, retrace=lambda: log.append("retrace")),
+            batches=SimpleNamespace(
+                warm_shape=warm_shape, retrace=lambda: log.append("retrace"), other_kv_dtypes=lambda: []
+            ),
             grammars_pending=lambda: False,
             warm_piece_length=warm_length or (lambda length, filler: log.append(("piece", length, filler))),
         ),
@@ -67,6 +69,8 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._warm_piece_length = lambda: EngineCore._warm_piece_length(core)
     core._build_attention_plan = lambda: EngineCore._build_attention_plan(core)
     core._queue_decode_builds = lambda rows: EngineCore._queue_decode_builds(core, rows)
+    core._warm_wider_rows = lambda rows: EngineCore._warm_wider_rows(core, rows)
+    core._await_side_builds = lambda: EngineCore._await_side_builds(core)
     core._warm_capacity = lambda: EngineCore._warm_capacity(core)
     core._grammars_due = lambda: EngineCore._grammars_due(core)
     core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
@@ -265,7 +269,9 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
     core.model.prefills_pieces = False
     core.note_decode_builds = lambda: engine_core.note_decode_builds(core)
     core._decode_builds_noted = False
-    filer = SimpleNamespace(found=0, queued=0, hurry=lambda: log.append("file now"))
+    filer = SimpleNamespace(
+        found=0, queued=0, hurry=lambda: log.append("file now"), await_soon=lambda timeout: log.append("await") or 0
+    )
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: filer)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
     # Warm-up traces up to WARM_SLOTS rows before ready; idle time, the rows up to --max-num-seqs.
@@ -275,13 +281,14 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
         ("note", 4),
         "retrace",
         "file now",
+        "await",  # the builds side processes compile, before the first generation would compile them here
         ("generate", "warmup-0"),
         ("warm decode", 32, 40),
     ]
 
     log.clear()  # queued at load already (the engine does it as its load ends): not again
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
-    assert log == [("generate", "warmup-0"), ("warm decode", 32, 40)]
+    assert log == ["await", ("generate", "warmup-0"), ("warm decode", 32, 40)]
 
     log.clear()  # where builds are not filed, nothing is traced ahead
     core._decode_builds_noted = False
@@ -371,3 +378,35 @@ def test_idle_work_waits_for_the_warm_up_on_its_way():
     assert not engine_core.has_idle_work(core)
     core.warm_up_due = False
     assert engine_core.has_idle_work(core)
+
+
+def test_decode_shapes_of_another_kv_dtype_warm_up_met_are_compiled_while_idle(monkeypatch):
+    """Rows whose prompts embed wider than the model (float32 image embeddings in a bfloat16
+    model) decode on a pool of their own: its shapes, up to --max-num-seqs rows, are left to idle
+    time (the compile rehearsal traces them at once) and queued again after a kernel swap."""
+    from vlmserve.engine.ops import kernel_disk_cache
+
+    log = []
+    core, engine_core = _core(lambda rows, width, *dtype: log.append(("compile", rows, *dtype)) or True, [], log)
+    core._shapes_to_warm = []
+    widths = {None: 32, "f32": 16}
+    core.runner.batches.shapes_to_warm = lambda rows, capacity, dtype=None: [
+        (n, widths[dtype]) for n in (1, 2, 4) if n <= rows
+    ]
+    core.runner.batches.other_kv_dtypes = lambda: ["f32"]
+    core.runner.batches.note_builds = lambda rows, width: None
+    core.info = SimpleNamespace(context_length=4096)
+    core.sched = SimpleNamespace(prefill_chunk=512, prefilling=[], running=[], preempted=[])
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
+    engine_core._warm_decode(core, 2, later_rows=4)
+    assert log == [("compile", 1), ("compile", 2)]  # before ready: the model dtype's warm rows only
+    assert core._shapes_to_warm == [(4, 32), (1, 16, "f32"), (2, 16, "f32"), (4, 16, "f32")]
+    while engine_core.has_idle_work(core):
+        engine_core.idle_work(core)
+    assert log[2:] == [("compile", 4), ("compile", 1, "f32"), ("compile", 2, "f32"), ("compile", 4, "f32")]
+    engine_core._kernels_replaced(core)
+    assert len(core._shapes_to_warm) == 6
+    log.clear()
+    assert engine_core.warm_wider_shapes(core) == 3  # the rehearsal: the other dtype's at once, first
+    assert log == [("compile", 1, "f32"), ("compile", 2, "f32"), ("compile", 4, "f32")]
+    assert core._shapes_to_warm == [(1, 32), (2, 32), (4, 32)]

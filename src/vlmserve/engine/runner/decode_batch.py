@@ -478,8 +478,11 @@ class DecodeBatches:
         self.reclaim = reclaim  # frees blocks cached prefixes hold in a pool (BlockPool.reclaim)
         self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
+        self.kv_dtypes: list = []  # every KV dtype a pool was made for since start, in order
 
     def pool(self, dtype) -> BlockPool:
+        if dtype not in self.kv_dtypes:
+            self.kv_dtypes.append(dtype)
         if dtype not in self.pools:
             layers, kv_shape, _ = self.model.kv_layout()
             blocks = min(self.initial_blocks, self.most_blocks(dtype))
@@ -513,13 +516,18 @@ class DecodeBatches:
     def pool_bytes(self) -> int:
         return sum(sum(a.nbytes for a in pool.arrays()) for pool in self.pools.values())
 
-    def shapes_to_warm(self, max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    def other_kv_dtypes(self) -> list:
+        """The KV dtypes besides the model's that rows have decoded in (pools made since start)."""
+        model_dtype = self.model.kv_layout()[2]
+        return [dtype for dtype in self.kv_dtypes if dtype != model_dtype]
+
+    def shapes_to_warm(self, max_rows: int, max_tokens: int, dtype=None) -> list[tuple[int, int]]:
         """(rows, table width) of the compiled step at every row bucket up to `max_rows` (and
-        where attention gathers, every width up to `max_tokens`) on the model dtype's pool;
-        other shapes are traced when they come (DecodeSteps)."""
+        where attention gathers, every width up to `max_tokens`) on the pool of `dtype` (the model
+        dtype's by default); other shapes are traced when they come (DecodeSteps)."""
         if not self.compiled:
             return []
-        dtype = self.model.kv_layout()[2]
+        dtype = dtype or self.model.kv_layout()[2]
         most = -(-self.context_length // self.block_size)
         widths = sorted(
             {
@@ -538,9 +546,10 @@ class DecodeBatches:
         """See DecodeSteps.note_builds (on the model dtype's pool)."""
         self.step.note_builds(self._model_pool(), rows, width)
 
-    def warm_shape(self, rows: int, width: int) -> bool:
-        """Trace the compiled step at this shape on the model dtype's pool, unless it already is."""
-        return self.step.trace(self._model_pool(), rows, width)
+    def warm_shape(self, rows: int, width: int, dtype=None) -> bool:
+        """Trace the compiled step at this shape on the pool of `dtype` (the model dtype's by
+        default), unless it already is."""
+        return self.step.trace(self.pool(dtype) if dtype is not None else self._model_pool(), rows, width)
 
     def _model_pool(self) -> BlockPool:
         return self.pool(self.model.kv_layout()[2])
