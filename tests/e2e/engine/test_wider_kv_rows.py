@@ -1,7 +1,9 @@
 """Rows whose prompts embed wider than the model (a 4-bit PaliGemma's float32 image embeddings in
-its bfloat16 language model) decode on a KV pool of their own. Warm-up meets that pool with its
-image prompt; idle time then compiles its decode shapes as it does the model dtype's, so image
-requests batched after start trace nothing while every stream waits."""
+its bfloat16 language model) decode on a KV pool of their own, and cost twice the blocks
+admission reserved from their ids. Warm-up meets that pool with its image prompt; idle time then
+compiles its decode shapes as it does the model dtype's, so image requests batched after start
+trace nothing while every stream waits. Under a tight KV budget such a row that cannot be paid
+for at its join steps aside and joins later, as a preempted row does, instead of failing."""
 
 from __future__ import annotations
 
@@ -18,11 +20,20 @@ from support.server import start_server
 pytestmark = pytest.mark.slow
 
 
-def test_the_decode_shapes_of_float32_rows_are_compiled_before_traffic_brings_them(tmp_path_factory):
+def _paligemma_4bit(tmp_path_factory) -> str:
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
+    return str(checkpoint("paligemma", "4bit", cache_dir))
+
+
+async def _answers(server, body: dict, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+        return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(n)))
+
+
+def test_the_decode_shapes_of_float32_rows_are_compiled_before_traffic_brings_them(tmp_path_factory):
     server = start_server(
-        str(checkpoint("paligemma", "4bit", cache_dir)),
+        _paligemma_4bit(tmp_path_factory),
         max_num_seqs=2,
         prefill_chunk=32,
         compile_decode="on",
@@ -37,14 +48,32 @@ def test_the_decode_shapes_of_float32_rows_are_compiled_before_traffic_brings_th
         }
         image = [data_uri(images()[0])]
         body = chat_body(server.model_id, "What is in this image?", image, max_tokens=6, temperature=0)
-
-        async def both():
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
-                return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(2)))
-
-        answers = asyncio.run(both())
+        answers = asyncio.run(_answers(server, body, 2))
         assert all(r.status_code == 200 for r in answers)
         assert len({r.json()["choices"][0]["message"]["content"] for r in answers}) == 1
         assert set(step.traced) == traced  # the two image rows decoded together on compiled shapes
+    finally:
+        server.stop()
+
+
+def test_rows_the_budget_cannot_pay_for_at_their_join_step_aside_and_give_what_they_give_alone(tmp_path_factory):
+    """Eight image requests at once under a budget of six blocks, where each float32 row takes
+    four: they join a few at a time, each with the tokens it gives alone, none failed."""
+    model = _paligemma_4bit(tmp_path_factory)
+    server = start_server(
+        model, max_num_seqs=8, warmup_image_sizes=(), prefill_chunk=64, kv_cache_memory_gb=6 * 8192 / 2**30
+    )
+    try:
+        budget = server.state.engine.core.sched.kv_budget
+        assert budget.total == 6 and budget.block_size == 32  # the fixture's KV: 8 KiB a block
+        image = [data_uri(images()[0])]
+        body = chat_body(
+            server.model_id, "Describe it in a few words.", image, max_tokens=24, temperature=0, ignore_eos=True
+        )
+        alone = asyncio.run(_answers(server, body, 1))[0].json()["choices"][0]["message"]["content"]
+        answers = asyncio.run(_answers(server, body, 8))
+        assert [r.status_code for r in answers] == [200] * 8, answers[0].text
+        assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [alone] * 8
+        assert budget.preemptions > 0 and budget.used == 0
     finally:
         server.stop()

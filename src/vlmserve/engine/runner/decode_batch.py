@@ -121,19 +121,24 @@ class PaddedDecodeBatch:
 
     def evict(self, owner: Any) -> list:
         """Copy a row's caches to the host and take it out of the batch (preemption)."""
-        i = self.rows.index(owner)
-        states, metas = [], []
-        for layer in self.cache:
-            if type(layer) is vlm_cache.ArraysCache:  # its extract fails on the state's empty slots
-                states.append([None if a is None else a[i : i + 1] for a in layer.state])
-                metas.append("")
-            else:
-                row = layer.extract(i)
-                states.append(list(row.state))
-                metas.append(row.meta_state)
-        host = list(zip(host_arrays.to_host(states), metas))
+        host = self.host_row(self.cache, self.rows.index(owner))
         self.remove([owner])
         return host
+
+    @staticmethod
+    def host_row(rows_cache: list[Any], row: int, length: int = 0) -> list:
+        """Row `row` of batch caches (the batch's, or a prefill's) copied to the host as `evict`
+        gives a row out (each cache keeps its own length: `length` is not needed)."""
+        states, metas = [], []
+        for layer in rows_cache:
+            if type(layer) is vlm_cache.ArraysCache:  # its extract fails on the state's empty slots
+                states.append([None if a is None else a[row : row + 1] for a in layer.state])
+                metas.append("")
+            else:
+                one = layer.extract(row)
+                states.append(list(one.state))
+                metas.append(one.meta_state)
+        return list(zip(host_arrays.to_host(states), metas))
 
     def resume(self, owner: Any, host: list) -> None:
         """A preempted row comes back with the caches `evict` gave out, joining as a new row does."""
@@ -235,6 +240,16 @@ class PagedDecodeBatch:
         self.remove([owner])
         return host_kv
 
+    @staticmethod
+    def host_row(rows_cache: list[Any], row: int, length: int) -> list:
+        """The last `length` positions of row `row` of a prefill's batch cache (rows left-padded,
+        ending together, as `join` takes them) copied to the host as `evict` gives a row's KV out:
+        a prefilled row that steps aside before its join."""
+        span = slice(rows_cache[0]._idx - length, rows_cache[0]._idx)
+        return host_arrays.to_host(
+            [[c.keys[row, :, span].swapaxes(0, 1), c.values[row, :, span].swapaxes(0, 1)] for c in rows_cache]
+        )
+
     def grow(self) -> None:
         """Give each row the block its next position needs (the runner counted them in its budget)."""
         for row in self.rows:
@@ -332,6 +347,8 @@ class DtypeGroupedBatch:
 
     def resume(self, owner: Any, host_kv: list) -> None:
         self._group(owner.kv_dtype).resume(owner, host_kv)
+
+    host_row = staticmethod(PagedDecodeBatch.host_row)
 
     def pool_of(self, owner: Any) -> BlockPool:
         """The pool a running row's blocks are in."""

@@ -373,18 +373,28 @@ class ModelRunner:
 
     def _count_positions(self, seq: Sequence, positions: int, dtype) -> bool:
         """Before a prefilling row takes blocks of the pool for `positions`: the budget counts
-        them, where they pass what admission reserved (from the prompt's ids: a vision merge may
-        embed it longer), making room as its join would. A row it cannot hold ends here, as its
-        join would end it (False)."""
+        them (`_take_positions`). A row it cannot hold ends here (False)."""
+        if self._take_positions(seq, positions, dtype):
+            return True
+        self._too_long(seq)
+        return False
+
+    def _take_positions(self, seq: Sequence, positions: int, dtype) -> bool:
+        """The budget counts a prefilling row's `positions` of `dtype` KV where they pass what
+        admission reserved (from the prompt's ids, in the model's dtype: a vision merge may embed it
+        longer, or wider), making room by preempting rows that arrived after it; False (nothing
+        taken) if that would not free enough."""
         extra = self._cost(positions, dtype) - seq.kv_units if self.budget.bounded else 0
         if extra <= 0:
             return True
         if self._make_room(extra, keep=seq) and self.budget.take(extra):
             seq.kv_units += extra
             return True
+        return False
+
+    def _too_long(self, seq: Sequence) -> None:
         self.sched.drop_prefilling(seq)
         self.finish(seq, FinishReason.ERROR, error="its prompt needs more KV memory than the budget holds")
-        return False
 
     def _first_tokens(self, seqs: list[Sequence], logits: mx.array) -> list[Sequence]:
         """Sample each row's first token from the logits of its prompt's last position (a row of
@@ -504,7 +514,7 @@ class ModelRunner:
         if self.budget.bounded:  # a padded batch's rows join one at a time (their caches are not batchable)
             index = {id(s): i for i, s in enumerate(seqs)}
             dtype = kv_dtype(rows_cache) if rows_cache is not None else seqs[0].prefill_pool.dtype
-            seqs = self._pay_for_prompts(seqs, dtype)
+            seqs = self._pay_for_prompts(seqs, dtype, rows_cache, index)
             if not seqs:
                 return
             rows = [index[id(s)] for s in seqs]  # each row's place in rows_cache
@@ -662,13 +672,20 @@ class ModelRunner:
         """Budget blocks that a row of `tokens` positions of `dtype` KV costs (with its fixed state)."""
         return self._weight(dtype) * self.budget.blocks_for(tokens) + self.budget.row_blocks
 
-    def _pay_for_prompts(self, seqs: list[Sequence], dtype) -> list[Sequence]:
+    def _pay_for_prompts(
+        self, seqs: list[Sequence], dtype, rows_cache: list[Any] | None, index: dict[int, int]
+    ) -> list[Sequence]:
         """Settle what joining rows' blocks cost against what was reserved at admission (the
-        embedded length, the KV dtype). Rows the budget cannot hold even after preempting
-        others end with an error; the rest are returned."""
+        embedded length, the KV dtype). A row the budget cannot hold now, even after preempting
+        rows that arrived after it, steps aside as a preempted row does and joins when blocks
+        free up (`_set_aside`); one it could never hold ends with an error. Returns the rest."""
         ok = []
         for seq in seqs:
-            if not self._count_positions(seq, seq.cache_len + 1, dtype):
+            if not self._take_positions(seq, seq.cache_len + 1, dtype):
+                if self._cost(seq.cache_len + 1, dtype) > self.budget.total:
+                    self._too_long(seq)
+                else:
+                    self._set_aside(seq, dtype, rows_cache, index[id(seq)])
                 continue
             spare = seq.kv_units - self._cost(seq.cache_len + 1, dtype)
             if spare > 0:  # reserved for more than it holds
@@ -676,6 +693,27 @@ class ModelRunner:
                 seq.kv_units -= spare
             ok.append(seq)
         return ok
+
+    def _set_aside(self, seq: Sequence, dtype, rows_cache: list[Any] | None, row: int) -> None:
+        """A prefilled row steps aside before its join: its KV (row `row` of `rows_cache`, or its
+        blocks of the pool it prefilled into) goes to host memory, as a preempted row's does, and
+        `resume_preempted` brings it into the batch once the budget holds it."""
+        if rows_cache is not None:
+            seq.host_kv = self.batch.host_row(rows_cache, row, seq.cache_len)
+        else:
+            seq.host_kv = seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len)
+            pool_prefill.leave(seq)
+        seq.kv_dtype = dtype
+        self._let_go_of_prefix(seq)
+        seq.prompt.cache = None
+        seq.prompt.embeds = None
+        seq.prompt.extra = {}
+        self.sched.preempt(seq)
+        log.info(
+            "request %s steps aside before joining (%d tokens of KV to host memory): KV blocks ran out",
+            seq.req.request_id,
+            seq.cache_len,
+        )
 
     def _make_room(self, blocks: int, keep: Sequence) -> bool:
         """Free `blocks` for `keep` by preempting running rows that arrived after it, latest first;

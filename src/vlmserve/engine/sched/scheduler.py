@@ -283,8 +283,12 @@ class Scheduler:
         self.running = [s for s in self.running if s not in gone]
 
     def preempt(self, seq: Sequence) -> None:
-        """A running row steps aside (its KV copied out, its blocks given back by the runner)."""
-        self.running.remove(seq)
+        """A running row, or a prefilled one before its join, steps aside (its KV copied out, its
+        blocks given back by the runner); it comes back as the budget allows (`resumed`)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.prefilling.remove(seq)
         self._release(seq)
         self.preempted.append(seq)
         self.preempted.sort(key=lambda s: s.req.arrival)
