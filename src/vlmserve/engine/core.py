@@ -551,10 +551,12 @@ class EngineCore:
         if filer is None:
             return
         t0 = time.perf_counter()
-        awaited = filer.await_soon(SIDE_BUILD_WAIT_S)
+        awaited, landed = filer.await_soon(SIDE_BUILD_WAIT_S)
         if awaited:
             took = time.perf_counter() - t0
-            log.info("waited %.1f s for %d of vlmserve's CUDA kernels built side by side", took, awaited)
+            log.info(
+                "waited %.1f s for %d of vlmserve's CUDA kernels built side by side (%d landed)", took, awaited, landed
+            )
 
     def _warm_decode(self, rows: int, later_rows: int = 0) -> None:
         """Build and check the decode step's kernels, then trace the compiled step at every row
@@ -603,12 +605,16 @@ class EngineCore:
             if wider:
                 log.info("%d decode shapes of %s KV rows to compile while idle", len(wider), dtype)
 
-    def warm_wider_shapes(self) -> int:
-        """Trace now the decode shapes queued for other KV dtypes (`_warm_wider_rows`; the compile
-        rehearsal, where MLX files their fused kernels); returns how many traced."""
-        self._shapes_to_warm.sort(key=lambda shape: len(shape) < 3)  # theirs first, in order
+    def warm_wider_shapes(self, rows: int = WARM_SLOTS) -> int:
+        """Trace now the decode shapes of up to `rows` rows queued for other KV dtypes
+        (`_warm_wider_rows`; the compile rehearsal, where MLX files their fused kernels, as it
+        does the model dtype's warm rows); returns how many traced."""
+        now = [shape for shape in self._shapes_to_warm if len(shape) == 3 and shape[0] <= rows]
+        self._shapes_to_warm = now + [shape for shape in self._shapes_to_warm if shape not in now]
         traced = 0
-        while self._shapes_to_warm and len(self._shapes_to_warm[0]) == 3:
+        for _ in now:
+            if not self._shapes_to_warm:  # a failed trace drops the queue
+                break
             traced += self._warm_next_shape()
         return traced
 
@@ -668,6 +674,8 @@ class EngineCore:
             self._warm_piece_length()
         else:
             self.runner.prepare_grammars()
+        if not self.has_work():  # what it made (a pool it traced on) is handed back after the next idle spell
+            self._idle_since = time.monotonic()
 
     def _warm_next_shape(self) -> bool:
         """Trace the compiled decode step at the next shape to warm; returns whether it traced."""
@@ -682,9 +690,10 @@ class EngineCore:
         self._shapes_to_warm.pop(0)
         if traced:
             log.info(
-                "compiled the decode step for %d rows x %d blocks in %.2f s (%d to go)",
+                "compiled the decode step for %d rows x %d blocks%s in %.2f s (%d to go)",
                 rows,
                 width,
+                f" of {dtype[0]} KV" if dtype else "",
                 time.perf_counter() - t0,
                 len(self._shapes_to_warm),
             )

@@ -59,6 +59,8 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         _warmed=True,
     )
     core._note_peak = core.noted.append
+    core.has_work = lambda: False
+    core._idle_since = None
     core.forget_prefixes = lambda: log.append("prefixes forgotten")
     core.sched = SimpleNamespace(prefilling=[], running=[], preempted=[])
     core._kernels_replaced = lambda: EngineCore._kernels_replaced(core)
@@ -270,7 +272,10 @@ def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then
     core.note_decode_builds = lambda: engine_core.note_decode_builds(core)
     core._decode_builds_noted = False
     filer = SimpleNamespace(
-        found=0, queued=0, hurry=lambda: log.append("file now"), await_soon=lambda timeout: log.append("await") or 0
+        found=0,
+        queued=0,
+        hurry=lambda: log.append("file now"),
+        await_soon=lambda timeout: log.append("await") or (0, 0),
     )
     monkeypatch.setattr(kernel_disk_cache, "filer", lambda: filer)
     engine_core.warm_up(core, [PreparedRequest(prompt_ids=np.arange(5, dtype=np.int32))])
@@ -407,6 +412,18 @@ def test_decode_shapes_of_another_kv_dtype_warm_up_met_are_compiled_while_idle(m
     engine_core._kernels_replaced(core)
     assert len(core._shapes_to_warm) == 6
     log.clear()
-    assert engine_core.warm_wider_shapes(core) == 3  # the rehearsal: the other dtype's at once, first
-    assert log == [("compile", 1, "f32"), ("compile", 2, "f32"), ("compile", 4, "f32")]
-    assert core._shapes_to_warm == [(1, 32), (2, 32), (4, 32)]
+    assert engine_core.warm_wider_shapes(core, 2) == 2  # the rehearsal: the other dtype's warm rows at once
+    assert log == [("compile", 1, "f32"), ("compile", 2, "f32")]
+    assert core._shapes_to_warm == [(1, 32), (2, 32), (4, 32), (4, 16, "f32")]
+
+
+def test_idle_work_hands_what_it_made_back_after_the_next_idle_spell():
+    """A trace at idle may make a pool again after the idle release handed them back: the release
+    is due again `idle_release_s` after the last idle work, not only after the next step."""
+    core, engine_core = _core(lambda rows, width: True)
+    assert core._idle_since is None  # released, or never idle
+    engine_core.idle_work(core)
+    assert core._idle_since is not None
+    core._idle_since, core.has_work = None, lambda: True
+    engine_core.idle_work(core)
+    assert core._idle_since is None  # work came: the step that runs it sets the clock

@@ -258,9 +258,10 @@ class _Filer:
                 self._thread.start()
         self._wake.set()
 
-    def await_soon(self, timeout: float) -> int:
+    def await_soon(self, timeout: float) -> tuple[int, int]:
         """Wait until every build noted so far but `later` is on disk, the filing that builds
-        them is over (some failed) or `timeout` passed; returns how many builds it waited for.
+        them is over (some failed) or `timeout` passed; returns how many builds it waited for and
+        how many of those landed.
 
         Side processes build those side by side, where the first use of each on the MLX thread
         would compile them one after another: on a first start warm-up waits here instead."""
@@ -268,14 +269,15 @@ class _Filer:
         with self._lock:
             self._soon = [path for path in self._soon if not path.exists()]
             awaited = len(self._soon)
-        while awaited:
-            with self._lock:
-                self._soon = [path for path in self._soon if not path.exists()]
-                missing = bool(self._soon)
-            if not missing or not self.busy() or time.monotonic() >= deadline:
+        missing = awaited
+        while missing:
+            if not self.busy() or time.monotonic() >= deadline:
                 break
             time.sleep(AWAIT_POLL_S)
-        return awaited
+            with self._lock:
+                self._soon = [path for path in self._soon if not path.exists()]
+                missing = len(self._soon)
+        return awaited, awaited - missing
 
     def hurry(self) -> None:
         """Start filing what is queued now, without waiting for more to gather (nothing queued:
@@ -301,14 +303,15 @@ class _Filer:
 
     def flush(self) -> None:
         """File what is pending now, on this thread, and wait for a filing under way."""
-        with self._filing:  # taken first: the filer is never seen idle between the queue and its filing
-            with self._lock:
-                jobs, self._jobs = self._jobs, []
-            if jobs:
-                self._build(jobs)
+        self._file(None)
 
-    def _file(self, jobs: list[dict]) -> None:
+    def _file(self, jobs: list[dict] | None) -> None:
+        """File `jobs` (None: what is queued, taken once the filing is ours, so the filer is never
+        seen idle between its queue and its filing)."""
         with self._filing:
+            if jobs is None:
+                with self._lock:
+                    jobs, self._jobs = self._jobs, []
             if jobs:
                 self._build(jobs)
 

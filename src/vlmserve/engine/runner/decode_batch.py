@@ -544,7 +544,7 @@ class DecodeBatches:
         dtype's by default); other shapes are traced when they come (DecodeSteps)."""
         if not self.compiled:
             return []
-        dtype = dtype or self.model.kv_layout()[2]
+        dtype = dtype if dtype is not None else self.model.kv_layout()[2]
         most = -(-self.context_length // self.block_size)
         widths = sorted(
             {

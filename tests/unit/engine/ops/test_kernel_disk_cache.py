@@ -503,16 +503,19 @@ def test_await_soon_waits_for_the_builds_needed_soon_not_the_later_ones(tmp_path
     monkeypatch.setattr(filer, "_build", build)
     monkeypatch.setattr(kdc, "module_path", lambda cache, name: tmp_path / f"{name}.ptx")
     filer._options = ["--stand-in"]
-    assert filer.await_soon(5) == 0  # nothing noted: nothing to wait for
+    assert filer.await_soon(5) == (0, 0)  # nothing noted: nothing to wait for
     for name in ("prompt", "decode"):
         filer.note(name, "k", "src")
     filer.note("check", "k", "src", later=True)
     filer.hurry()
+    t0 = time.monotonic()
     awaited = filer.await_soon(10)
+    took = time.monotonic() - t0
     landed = sorted(p.name for p in tmp_path.glob("*.ptx"))
     later_may_finish.set()
-    assert awaited == 2 and landed == ["decode.ptx", "prompt.ptx"]
-    assert filer.await_soon(5) == 0  # they are on disk now
+    assert awaited == (2, 2) and landed == ["decode.ptx", "prompt.ptx"]
+    assert took < 5  # as they landed, not at the end of the filing or the timeout
+    assert filer.await_soon(5) == (0, 0)  # they are on disk now
 
 
 def test_await_soon_stops_when_the_filing_ends_without_them_or_at_its_timeout(tmp_path, monkeypatch):
@@ -526,7 +529,7 @@ def test_await_soon_stops_when_the_filing_ends_without_them_or_at_its_timeout(tm
     filer.note("prompt", "k", "src")
     filer.hurry()
     t0 = time.monotonic()
-    assert filer.await_soon(0.3) == 1  # the filing goes on: the timeout ends the wait
+    assert filer.await_soon(0.3) == (1, 0)  # the filing goes on: the timeout ends the wait
     assert 0.3 <= time.monotonic() - t0 < 5
     release.set()
     for _ in range(200):
@@ -534,4 +537,4 @@ def test_await_soon_stops_when_the_filing_ends_without_them_or_at_its_timeout(tm
             break
         time.sleep(0.02)
     t0 = time.monotonic()
-    assert filer.await_soon(10) == 1 and time.monotonic() - t0 < 1  # over, the build missing: no wait
+    assert filer.await_soon(10) == (1, 0) and time.monotonic() - t0 < 1  # over, the build missing: no wait

@@ -224,3 +224,35 @@ def test_a_row_reusing_a_cached_prefix_shares_its_full_blocks_and_writes_the_res
     assert shared and refs[:2] == [2, 2] and refs[2:] == [1] * (len(refs) - 2)
     assert writes == [written]
     assert same
+
+
+def test_the_batches_remember_each_kv_dtype_a_pool_was_made_for_and_size_its_warm_shapes():
+    """A pool of another KV dtype (float32 rows of a bfloat16 model) is remembered after its pool
+    is released, so warm-up can queue its decode shapes; their widths follow that dtype."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.decode_batch import DecodeBatches
+
+    def work():
+        model = SimpleNamespace(
+            language_model=SimpleNamespace(layers=[None, None]),
+            kv_layout=lambda: (2, (1, 4, 4), mx.bfloat16),
+            decode=lambda tokens, caches, positions: None,
+        )
+        batches = DecodeBatches(model, True, block_size=4, context_length=1024, initial_blocks=8)
+        seen = [batches.other_kv_dtypes()]
+        batches.pool(mx.bfloat16)
+        batches.pool(mx.float32)
+        batches.release()  # idle: both pools go, nothing holds their blocks
+        seen.append((list(batches.pools), batches.other_kv_dtypes()))
+        batches.step.reads_pool[mx.float32] = True  # its steps read the whole pool: one width
+        wide = batches.shapes_to_warm(2, 512, mx.float32)
+        narrow = batches.shapes_to_warm(2, 512)
+        return seen, wide, narrow
+
+    seen, wide, narrow = on_own_thread(work)
+    assert seen == [[], ([], [mx.float32])]
+    assert wide == [(1, 256), (2, 256)]  # its rows read the whole context: 1,024 positions, 256 blocks
+    assert narrow == [(1, 64), (1, 128), (2, 64), (2, 128)]  # the model dtype's gather up to 512 positions
