@@ -303,8 +303,9 @@ class ModelRunner:
             return len(todo) == 1 and todo[0][1][0] == 0 and todo[0][0].prefill_pool is None
 
         pool = self._pieces_pool([seq for seq, _ in todo]) if todo and not lone_first_piece() else None
-        if pool is not None:  # a row the budget cannot hold that far ends now, as its join would end it
-            todo = [(seq, span) for seq, span in todo if self._count_positions(seq, span[1], pool.dtype)]
+        unpaid = []  # rows the budget cannot hold that far now: on in their own caches, their join settles
+        if pool is not None:
+            todo, unpaid = self._pay_for_pieces(todo, pool.dtype)
         if todo and lone_first_piece():
             self.prefill_alone(todo[0][0], todo[0][1][1])
         elif todo:
@@ -334,6 +335,8 @@ class ModelRunner:
                     mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
                 if self.hooks:
                     self.hooks.on_prefill(time.perf_counter() - t0)
+        for seq, (start, end) in unpaid:
+            self.prefill_alone(seq, end - start)
         done = []
         for seq, (_, end) in zip(seqs, spans):
             if seq.finished or seq not in self.sched.prefilling:  # prefill_alone took it
@@ -371,13 +374,20 @@ class ModelRunner:
             return None
         return self.batches.pool(dtype) if create else self.batches.pools.get(dtype)
 
-    def _count_positions(self, seq: Sequence, positions: int, dtype) -> bool:
-        """Before a prefilling row takes blocks of the pool for `positions`: the budget counts
-        them (`_take_positions`). A row it cannot hold ends here (False)."""
-        if self._take_positions(seq, positions, dtype):
-            return True
-        self._too_long(seq)
-        return False
+    def _pay_for_pieces(self, todo: list, dtype) -> tuple[list, list]:
+        """Before prefilling rows' pieces take blocks of the pool: the budget counts each row's
+        positions up to its piece's end (`_take_positions`). Returns the rows it holds and those it
+        cannot hold now, which go on in caches of their own (their join settles, and may set them
+        aside until blocks free up); a row the whole budget could never hold ends here."""
+        paid, unpaid = [], []
+        for seq, span in todo:
+            if self._take_positions(seq, span[1], dtype):
+                paid.append((seq, span))
+            elif self._cost(seq.prefill_end + 1, dtype) > self.budget.total:
+                self._too_long(seq)
+            else:
+                unpaid.append((seq, span))
+        return paid, unpaid
 
     def _take_positions(self, seq: Sequence, positions: int, dtype) -> bool:
         """The budget counts a prefilling row's `positions` of `dtype` KV where they pass what
