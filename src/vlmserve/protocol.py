@@ -166,6 +166,9 @@ class TokenEvent:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # An OpenAI error code when the request itself is at fault (answered 400), e.g.
+    # context_length_exceeded; None: the server's fault.
+    error_code: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -27,7 +27,7 @@ from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest, Sequence
-from vlmserve.engine.sched.scheduler import PrefillPlan, Scheduler
+from vlmserve.engine.sched.scheduler import TOO_LONG, PrefillPlan, PromptTooLong, Scheduler
 from vlmserve.engine.step_trace import StepTrace
 from vlmserve.models.feature_cache import FeatureCache
 from vlmserve.models.registry import load_model_adapter
@@ -356,6 +356,10 @@ class EngineCore:
     def _admit(self) -> None:
         admitted, failed = self.sched.admit(self.runner.new_row)
         for req, exc in failed:
+            if isinstance(exc, PromptTooLong):  # the request's own fault: no traceback
+                log.info("request %s refused at admission: %s", req.request_id, exc)
+                req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=str(exc), error_code=TOO_LONG))
+                continue
             log.error("request %s failed at admission: %r", req.request_id, exc, exc_info=exc)
             req.emit(TokenEvent(finish_reason=FinishReason.ERROR, error=f"admission failed: {type(exc).__name__}"))
         if self.hooks:

@@ -77,3 +77,36 @@ def test_rows_the_budget_cannot_pay_for_at_their_join_step_aside_and_give_what_t
         assert budget.preemptions > 0 and budget.used == 0
     finally:
         server.stop()
+
+
+def test_a_prompt_whose_wider_kv_the_whole_budget_cannot_hold_is_refused_before_any_token(tmp_path_factory):
+    """Its ids fit the budget (so the request is admitted), its float32 KV would not: a 400
+    (context_length_exceeded) once it is embedded, before a token is sampled or streamed; a
+    request that fits is served beside it."""
+    model = _paligemma_4bit(tmp_path_factory)
+    server = start_server(model, max_num_seqs=4, warmup_image_sizes=(), kv_cache_memory_gb=12 * 8192 / 2**30)
+    try:
+        assert server.state.engine.core.sched.kv_budget.total == 12  # 384 positions of bf16 KV, 192 of float32
+        image = [data_uri(images()[0])]
+        long_text = "Describe it. " + " ".join(f"word{i}" for i in range(45))
+        too_wide = chat_body(server.model_id, long_text, image, max_tokens=8, temperature=0)
+        fits = chat_body(server.model_id, "What is it?", image, max_tokens=8, temperature=0)
+        refused, served = asyncio.run(_both(server, [too_wide, fits]))
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        assert "KV blocks" in refused.json()["error"]["message"]
+        assert served.status_code == 200
+        with (
+            server.client() as client,
+            client.stream("POST", "/v1/chat/completions", json={**too_wide, "stream": True}) as r,
+        ):
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert not any('"content":"' in e and '"content":""' not in e for e in events)  # no token streamed
+        assert any("context_length_exceeded" in e for e in events)
+    finally:
+        server.stop()
+
+
+async def _both(server, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+        return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))

@@ -29,7 +29,7 @@ from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batc
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest, Sequence
-from vlmserve.engine.sched.scheduler import Scheduler
+from vlmserve.engine.sched.scheduler import TOO_LONG, PromptTooLong, Scheduler
 from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
@@ -142,11 +142,21 @@ class ModelRunner:
 
     # ---- embedding -------------------------------------------------------------------
     def embed(self, seq: Sequence) -> None:
-        """Vision encoder + embeddings (once per request), and the prefix cache for text-only prompts."""
+        """Vision encoder + embeddings (once per request), and the prefix cache for text-only
+        prompts. Raises PromptTooLong for a prompt that embeds longer or wider than the whole KV
+        budget holds (admission counted its ids in the model's dtype): it ends before any token."""
         if seq.prompt is None:
             t0 = time.perf_counter()
             prompt = self.model.embed_prompts([seq.req.prepared], [seq.req.staged_inputs])[0]
             self._embedded(seq, prompt, time.perf_counter() - t0)
+        if self.budget.bounded and seq.prompt.embeds is not None:
+            dtype = seq.prompt.embeds.dtype  # a wider embedding prefills (and decodes) in its own dtype
+            need = self._cost(seq.prefill_end + 1, dtype)
+            if need > self.budget.total:
+                raise PromptTooLong(
+                    f"the prompt embeds to {seq.prefill_end + 1} positions of {dtype} KV: {need} KV blocks; "
+                    f"the budget holds {self.budget.total}"
+                )
 
     def embed_together(self, seqs: list[Sequence]) -> None:
         """Embed several new requests in one call, so their images go through the vision tower
@@ -402,9 +412,9 @@ class ModelRunner:
             return True
         return False
 
-    def _too_long(self, seq: Sequence) -> None:
+    def _too_long(self, seq: Sequence, error: str = "its prompt needs more KV memory than the budget holds") -> None:
         self.sched.drop_prefilling(seq)
-        self.finish(seq, FinishReason.ERROR, error="its prompt needs more KV memory than the budget holds")
+        self.finish(seq, FinishReason.ERROR, error=error, error_code=TOO_LONG)
 
     def _first_tokens(self, seqs: list[Sequence], logits: mx.array) -> list[Sequence]:
         """Sample each row's first token from the logits of its prompt's last position (a row of
@@ -548,6 +558,10 @@ class ModelRunner:
             seq.prompt.extra = {}
 
     def fail_prefill(self, seq: Sequence, exc: Exception) -> None:
+        if isinstance(exc, PromptTooLong):  # the request's own fault: no traceback
+            log.info("request %s refused: %s", seq.req.request_id, exc)
+            self._too_long(seq, str(exc))
+            return
         log.error("request %s failed in prefill: %r", seq.req.request_id, exc, exc_info=exc)
         self.sched.drop_prefilling(seq)
         self.finish(seq, FinishReason.ERROR, error=f"prefill failed: {type(exc).__name__}")
@@ -920,7 +934,13 @@ class ModelRunner:
         return TokenLogprob(token, self.tokenizer.token_text(token), float(logprobs[token].item()), top)
 
     def finish(
-        self, seq: Sequence, reason: FinishReason, *, event: TokenEvent | None = None, error: str | None = None
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        *,
+        event: TokenEvent | None = None,
+        error: str | None = None,
+        error_code: str | None = None,
     ) -> None:
         if seq.finished:
             return
@@ -933,6 +953,7 @@ class ModelRunner:
             self._store_sequence(seq)
         event.finish_reason = reason
         event.error = error
+        event.error_code = error_code
         event.prompt_tokens = seq.num_prompt
         event.cached_tokens = seq.cached_tokens
         event.completion_tokens = seq.generated

@@ -48,6 +48,9 @@ class PromptTooLong(ValueError):
     """A prompt needs more KV blocks than the whole budget holds."""
 
 
+TOO_LONG = "context_length_exceeded"  # the OpenAI error code a PromptTooLong is answered with (400)
+
+
 class Scheduler:
     def __init__(
         self,

@@ -139,6 +139,8 @@ def failure(event: TokenEvent) -> _ChoiceFailed:
         return _ChoiceFailed("the request was aborted", 503, "aborted")
     if event.finish_reason == FinishReason.UNAVAILABLE:
         return _ChoiceFailed(event.error or "the server could not finish the request", 503, "worker_unavailable")
+    if event.error_code is not None:  # the request cannot be served as sent
+        return _ChoiceFailed(event.error or "invalid request", 400, event.error_code)
     return _ChoiceFailed(event.error or "generation failed")
 
 
