@@ -117,7 +117,6 @@ class EngineCore:
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
         self._filler_token = 0
         self._warmed = False  # warm_up ran: idle work may then build what only requests use (grammars)
-        self._kv_set_aside = 0  # KV budget blocks lent to the compile rehearsal's copy of the model
         # Warm-up is on its way (the engine's config asks for one): idle work waits for it, since
         # it starts by waiting for the kernel builds queued at load, and warm-up need not.
         self.warm_up_due = False
@@ -391,7 +390,8 @@ class EngineCore:
                 self.runner.prefill_group(plan.group, self.sched.prefill_bucket)
             except Exception as exc:  # the batched forward failed: those requests end, others go on
                 for seq in plan.group:
-                    self.runner.fail_prefill(seq, exc)
+                    if seq in self.sched.prefilling:  # not one its join set aside, nor one that ended
+                        self.runner.fail_prefill(seq, exc)
         if self._trace is not None:
             self._trace.mark("prefill")
         return todo, plan, spans
@@ -801,7 +801,7 @@ class EngineCore:
         room = budget.total - budget.blocks_for(self.info.context_length) - 1
         blocks = max(0, min(budget.total // 2, room, -(-(weights + pool + working) // block)))
         budget.resize(budget.total - blocks)
-        self._kv_set_aside += blocks
+        budget.lent += blocks
         log.info("KV budget: %.2f GB set aside while the compile rehearsal runs", blocks * block / 1e9)
 
     def _rehearsal_ended(self) -> bool:
@@ -812,10 +812,10 @@ class EngineCore:
         compiled filed, compile from the next graph on, which loads those kernels."""
         rehearsal, self.rehearsal = self.rehearsal, None
         ok = rehearsal.finish()
-        if self._kv_set_aside:
-            budget = self.sched.kv_budget
-            budget.resize(budget.total + self._kv_set_aside)
-            self._kv_set_aside = 0
+        budget = self.sched.kv_budget
+        if budget is not None and budget.lent:
+            budget.resize(budget.total + budget.lent)
+            budget.lent = 0
         if rehearsal.interrupted:  # a shutdown's signal reached it first
             log.info("the side process compiling MLX's fused kernels was stopped; the next start compiles them again")
             return

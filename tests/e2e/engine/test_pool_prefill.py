@@ -85,8 +85,7 @@ def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks
     """A merge that makes the prompt 4x its ids (as LLaVA-NeXT's image features can): the pool
     never grows past the budget and what the budget counts is what the rows hold. A row the
     budget cannot hold for its next piece goes on in a cache of its own and settles at its join
-    (each prompt fits the budget alone: none fails), while the others' pieces still share a
-    forward in the pool."""
+    (each prompt fits the budget alone: none fails)."""
 
     def work():
         import mlx.core as mx
@@ -121,12 +120,11 @@ def test_a_prompt_embedded_longer_than_its_ids_is_counted_before_it_takes_blocks
             held = sum(s.kv_units for s in core.sched.running + core.sched.prefilling)
             seen += [(p.num_blocks, p.most, held, budget.used) for p in core.runner.batches.pools.values()]
         ends = [(events[-1].finish_reason, events[-1].error) for events in reasons]
-        return seen, ends, core.runner.stats.batched_prefills, budget.used
+        return seen, ends, budget.used
 
-    seen, ends, together, used = on_own_thread(work)
+    seen, ends, used = on_own_thread(work)
     assert seen and all(blocks <= most and held == used for blocks, most, held, used in seen)
     assert ends == [(FinishReason.LENGTH, None)] * 4 and used == 0
-    assert together > 0
 
 
 def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(monkeypatch):

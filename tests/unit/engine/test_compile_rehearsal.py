@@ -229,7 +229,6 @@ def _core(rehearsal, monkeypatch):
         ),
         _warm_shapes=[(1, 32), (2, 32)],
         _shapes_to_warm=[],
-        _kv_set_aside=0,
     )
     core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
     core.forget_prefixes = lambda: log.append("prefixes forgotten")
@@ -249,8 +248,9 @@ def test_the_kv_budget_lends_the_rehearsal_what_its_copy_holds_until_it_ends(mon
     # 16 blocks) and its working memory (20 KiB): 136 blocks.
     core.set_aside_for_rehearsal(100 << 10, 20 << 10)
     assert core.sched.kv_budget.total == 1000 - 136  # the pools grow no further (BlockPool.most reads it)
+    assert core.sched.kv_budget.lent == 136 and core.sched.kv_budget.full == 1000  # what a prompt is measured against
     core._end_rehearsal()
-    assert core.sched.kv_budget.total == 1000 and core._kv_set_aside == 0
+    assert core.sched.kv_budget.total == 1000 and core.sched.kv_budget.lent == 0
     core.set_aside_for_rehearsal(10 << 20, 0)  # never more than half of it
     assert core.sched.kv_budget.total == 500
     core.rehearsal = _Rehearsal(ok=True)

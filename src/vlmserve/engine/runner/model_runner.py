@@ -104,6 +104,7 @@ class ModelRunner:
         # Host time, in ms, spent launching decode steps (graphs built and queued) and handing out
         # their tokens once read back, since `take_host_ms`: the step trace reports them.
         self.host_ms = {"launch": 0.0, "resolve": 0.0}
+        self._kv_dtype_of: dict[Any, Any] = {}  # a prompt's embedding dtype -> the KV dtype its joins had
         self.flush_events = lambda: None  # hands emitted events over now (set by the engine)
         self._weights: dict = {}  # KV dtype -> budget blocks a block costs (_weight)
         self._grammar_factory = None
@@ -150,12 +151,14 @@ class ModelRunner:
             prompt = self.model.embed_prompts([seq.req.prepared], [seq.req.staged_inputs])[0]
             self._embedded(seq, prompt, time.perf_counter() - t0)
         if self.budget.bounded and seq.prompt.embeds is not None:
-            dtype = seq.prompt.embeds.dtype  # a wider embedding prefills (and decodes) in its own dtype
+            # The KV dtype its prefill will make: what an earlier join saw for this embedding dtype
+            # (some models cast a wider embedding to their own dtype, others keep it), else the model's.
+            dtype = self._kv_dtype_of.get(seq.prompt.embeds.dtype, self.model.kv_layout()[2])
             need = self._cost(seq.prefill_end + 1, dtype)
-            if need > self.budget.total:
+            if need > self.budget.full:
                 raise PromptTooLong(
                     f"the prompt embeds to {seq.prefill_end + 1} positions of {dtype} KV: {need} KV blocks; "
-                    f"the budget holds {self.budget.total}"
+                    f"the budget holds {self.budget.full}"
                 )
 
     def embed_together(self, seqs: list[Sequence]) -> None:
@@ -393,7 +396,7 @@ class ModelRunner:
         for seq, span in todo:
             if self._take_positions(seq, span[1], dtype):
                 paid.append((seq, span))
-            elif self._cost(seq.prefill_end + 1, dtype) > self.budget.total:
+            elif self._cost(seq.prefill_end + 1, dtype) > self.budget.full:
                 self._too_long(seq)
             else:
                 unpaid.append((seq, span))
@@ -531,9 +534,11 @@ class ModelRunner:
         if self.batch is None:
             self.batch = self.batches.new()
         rows = None
+        dtype = kv_dtype(rows_cache) if rows_cache is not None else seqs[0].prefill_pool.dtype
+        if dtype is not None:
+            self._kv_dtype_of.update((s.prompt.embeds.dtype, dtype) for s in seqs if s.prompt.embeds is not None)
         if self.budget.bounded:  # a padded batch's rows join one at a time (their caches are not batchable)
             index = {id(s): i for i, s in enumerate(seqs)}
-            dtype = kv_dtype(rows_cache) if rows_cache is not None else seqs[0].prefill_pool.dtype
             seqs = self._pay_for_prompts(seqs, dtype, rows_cache, index)
             if not seqs:
                 return
@@ -706,7 +711,7 @@ class ModelRunner:
         ok = []
         for seq in seqs:
             if not self._take_positions(seq, seq.cache_len + 1, dtype):
-                if self._cost(seq.cache_len + 1, dtype) > self.budget.total:
+                if self._cost(seq.cache_len + 1, dtype) > self.budget.full:
                     self._too_long(seq)
                 else:
                     self._set_aside(seq, dtype, rows_cache, index[id(seq)])
@@ -727,7 +732,7 @@ class ModelRunner:
         else:
             seq.host_kv = seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len)
             pool_prefill.leave(seq)
-        seq.kv_dtype = dtype
+        seq.kv_dtype = dtype if dtype is not None else self.model.kv_layout()[2]
         self._let_go_of_prefix(seq)
         seq.prompt.cache = None
         seq.prompt.embeds = None
@@ -830,10 +835,12 @@ class ModelRunner:
         """Preempted rows come back, oldest first, as their blocks fit in the budget."""
         for seq in list(self.sched.preempted):
             cost = self._cost(seq.cache_len + 1, seq.kv_dtype)
-            if cost > self.budget.total:  # the budget shrank under it: it ends where it is
+            if cost > self.budget.full:  # the budget shrank under it: it ends where it is
                 self.sched.drop_preempted(seq)
                 self.finish(seq, FinishReason.LENGTH)
                 continue
+            if cost > self.budget.total:  # it fits once what is lent comes back: it waits for that
+                return
             # Room for the running rows' next blocks too: else the row that just came back, the
             # latest arrival, is the first put aside again at the next step's growth. In a padded
             # batch that is its padding to the longest row, and theirs to it.

@@ -20,6 +20,7 @@ class KVBudget:
         # Blocks every row holds besides its positions' (a recurrent or convolution state).
         self.row_blocks = row_blocks
         self.bounded = bounded  # False: `unbounded`
+        self.lent = 0  # blocks out of `total` for a while (the compile rehearsal's copy of the model)
         self.used = 0
         self.preemptions = 0
 
@@ -35,6 +36,11 @@ class KVBudget:
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold `tokens` positions."""
         return max(0, math.ceil(tokens / self.block_size))
+
+    @property
+    def full(self) -> int:
+        """The total once what is lent comes back: what a prompt that could never fit is measured against."""
+        return self.total + self.lent
 
     @property
     def max_tokens(self) -> int:
