@@ -157,7 +157,9 @@ def test_exit_when_warm_exits_zero_once_no_warm_up_is_left(engine):
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = proc.stderr
     ready, tokenizer = log.index("ready: qwen2_vl"), log.index("structured outputs: tokenizer built")
-    assert ready < tokenizer < log.index("exiting (--exit-when-warm)") < log.index("Application shutdown complete")
+    # The idle warm-up (the tokenizer last) may finish on the worker before the server logs ready,
+    # on a busy machine: only the exit is bound to come after both.
+    assert max(ready, tokenizer) < log.index("exiting (--exit-when-warm)") < log.index("Application shutdown complete")
 
 
 def test_exit_when_warm_needs_the_warm_up():

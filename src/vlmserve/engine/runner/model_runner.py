@@ -152,13 +152,13 @@ class ModelRunner:
             self._embedded(seq, prompt, time.perf_counter() - t0)
         if self.budget.bounded and seq.prompt.embeds is not None:
             # The KV dtype its prefill will make: what an earlier join saw for this embedding dtype
-            # (some models cast a wider embedding to their own dtype, others keep it), else the model's.
-            dtype = self._kv_dtype_of.get(seq.prompt.embeds.dtype, self.model.kv_layout()[2])
+            # (some models cast a wider embedding to their own dtype, others keep it); None: the model's.
+            dtype = self._kv_dtype_of.get(seq.prompt.embeds.dtype)
             need = self._cost(seq.prefill_end + 1, dtype)
             if need > self.budget.full:
                 raise PromptTooLong(
-                    f"the prompt embeds to {seq.prefill_end + 1} positions of {dtype} KV: {need} KV blocks; "
-                    f"the budget holds {self.budget.full}"
+                    f"the prompt embeds to {seq.prefill_end + 1} positions of {dtype or 'the model dtype'} KV: "
+                    f"{need} KV blocks; the budget holds {self.budget.full}"
                 )
 
     def embed_together(self, seqs: list[Sequence]) -> None:
@@ -732,7 +732,7 @@ class ModelRunner:
         else:
             seq.host_kv = seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len)
             pool_prefill.leave(seq)
-        seq.kv_dtype = dtype if dtype is not None else self.model.kv_layout()[2]
+        seq.kv_dtype = dtype if dtype is not None or not self.batches.paged else self.model.kv_layout()[2]
         self._let_go_of_prefix(seq)
         seq.prompt.cache = None
         seq.prompt.embeds = None
