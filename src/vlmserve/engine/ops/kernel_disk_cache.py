@@ -266,18 +266,17 @@ class _Filer:
         Side processes build those side by side, where the first use of each on the MLX thread
         would compile them one after another: on a first start warm-up waits here instead."""
         deadline = time.monotonic() + timeout
+        awaited = missing = self._missing_soon()
+        while missing and self.busy() and time.monotonic() < deadline:
+            time.sleep(AWAIT_POLL_S)
+            missing = self._missing_soon()
+        return awaited, awaited - missing
+
+    def _missing_soon(self) -> int:
+        """How many builds noted for soon use are not on disk yet (those that are, forgotten)."""
         with self._lock:
             self._soon = [path for path in self._soon if not path.exists()]
-            awaited = len(self._soon)
-        missing = awaited
-        while missing:
-            if not self.busy() or time.monotonic() >= deadline:
-                break
-            time.sleep(AWAIT_POLL_S)
-            with self._lock:
-                self._soon = [path for path in self._soon if not path.exists()]
-                missing = len(self._soon)
-        return awaited, awaited - missing
+            return len(self._soon)
 
     def hurry(self) -> None:
         """Start filing what is queued now, without waiting for more to gather (nothing queued:

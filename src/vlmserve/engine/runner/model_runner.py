@@ -154,8 +154,8 @@ class ModelRunner:
             # The KV dtype its prefill will make: what an earlier join saw for this embedding dtype
             # (some models cast a wider embedding to their own dtype, others keep it); None: the model's.
             dtype = self._kv_dtype_of.get(seq.prompt.embeds.dtype)
-            need = self._cost(seq.prefill_end + 1, dtype)
-            if need > self.budget.full:
+            if self._never_fits(seq, dtype):
+                need = self._cost(seq.prefill_end + 1, dtype)
                 raise PromptTooLong(
                     f"the prompt embeds to {seq.prefill_end + 1} positions of {dtype or 'the model dtype'} KV: "
                     f"{need} KV blocks; the budget holds {self.budget.full}"
@@ -396,7 +396,7 @@ class ModelRunner:
         for seq, span in todo:
             if self._take_positions(seq, span[1], dtype):
                 paid.append((seq, span))
-            elif self._cost(seq.prefill_end + 1, dtype) > self.budget.full:
+            elif self._never_fits(seq, dtype):
                 self._too_long(seq)
             else:
                 unpaid.append((seq, span))
@@ -414,6 +414,11 @@ class ModelRunner:
             seq.kv_units += extra
             return True
         return False
+
+    def _never_fits(self, seq: Sequence, dtype) -> bool:
+        """Whether a prompt's KV of `dtype`, with its first token's position, passes the whole
+        budget (what is lent to the compile rehearsal included): it could never run."""
+        return self._cost(seq.prefill_end + 1, dtype) > self.budget.full
 
     def _too_long(self, seq: Sequence, error: str = "its prompt needs more KV memory than the budget holds") -> None:
         self.sched.drop_prefilling(seq)
@@ -558,9 +563,14 @@ class ModelRunner:
             for seq in seqs:
                 self._store_prompt(seq)
         for seq in seqs:
-            seq.prompt.cache = None  # the batch owns the KV now
-            seq.prompt.embeds = None
-            seq.prompt.extra = {}
+            self._release_prompt(seq)  # the batch owns the KV now
+
+    @staticmethod
+    def _release_prompt(seq: Sequence) -> None:
+        """A row's prompt lets go of its device state (its cache, embeddings and extra inputs)."""
+        seq.prompt.cache = None
+        seq.prompt.embeds = None
+        seq.prompt.extra = {}
 
     def fail_prefill(self, seq: Sequence, exc: Exception) -> None:
         if isinstance(exc, PromptTooLong):  # the request's own fault: no traceback
@@ -711,7 +721,7 @@ class ModelRunner:
         ok = []
         for seq in seqs:
             if not self._take_positions(seq, seq.cache_len + 1, dtype):
-                if self._cost(seq.cache_len + 1, dtype) > self.budget.full:
+                if self._never_fits(seq, dtype):
                     self._too_long(seq)
                 else:
                     self._set_aside(seq, dtype, rows_cache, index[id(seq)])
@@ -734,9 +744,7 @@ class ModelRunner:
             pool_prefill.leave(seq)
         seq.kv_dtype = dtype if dtype is not None or not self.batches.paged else self.model.kv_layout()[2]
         self._let_go_of_prefix(seq)
-        seq.prompt.cache = None
-        seq.prompt.embeds = None
-        seq.prompt.extra = {}
+        self._release_prompt(seq)  # the host copy holds the KV now
         self.sched.preempt(seq)
         log.info(
             "request %s steps aside before joining (%d tokens of KV to host memory): KV blocks ran out",
