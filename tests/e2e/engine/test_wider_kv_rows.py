@@ -17,6 +17,8 @@ import pytest
 from support.families import checkpoint
 from support.helpers import chat_body, data_uri, images
 from support.server import start_server
+from vlmserve.engine.runner.block_pool import BlockPool
+from vlmserve.engine.runner.decode_batch import DecodeBatches
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +115,61 @@ def test_a_prompt_whose_wider_kv_the_whole_budget_cannot_hold_is_refused_before_
 async def _both(server, bodies: list[dict]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
         return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+
+
+def test_the_pools_of_both_kv_dtypes_stay_within_one_budget(tmp_path_factory, monkeypatch):
+    """Text rows (bfloat16 KV) and image rows (float32) at once under 40 blocks. Each dtype's
+    pool used to grow to the whole budget on its own (2.1x the budget at the peak); now a pool
+    grows into what the other gives back (its free tail, its cached prefixes, the free blocks
+    between its rows' after renumbering them), and every answer is still the one given alone."""
+    server = start_server(
+        _paligemma_4bit(tmp_path_factory),
+        max_num_seqs=8,
+        warmup_image_sizes=(),
+        prefill_chunk=64,
+        kv_cache_memory_gb=40 * 8192 / 2**30,
+    )
+    try:
+        batches = server.state.engine.core.runner.batches
+        budget = server.state.engine.core.sched.kv_budget
+        assert budget.total == 40
+        peaks, shrinks = [], []
+        grow, compact = BlockPool._grow, DecodeBatches._compact_running
+
+        def tracked_grow(pool, blocks):
+            grow(pool, blocks)
+            peaks.append(sum((p.num_blocks - 1) * batches.weight(d) for d, p in batches.pools.items()))
+
+        def tracked_compact(self, pool, size):
+            shrinks.append(compact(self, pool, size))
+            return shrinks[-1]
+
+        monkeypatch.setattr(BlockPool, "_grow", tracked_grow)
+        monkeypatch.setattr(DecodeBatches, "_compact_running", tracked_compact)
+        image = images()
+        greedy = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        bodies = [chat_body(server.model_id, f"Story {i}: " + "the sea " * 6 * i, **greedy) for i in range(12)] + [
+            chat_body(
+                server.model_id,
+                f"Describe picture {i}.",
+                [data_uri(image[i % len(image)])],
+                **greedy,
+            )
+            for i in range(12)
+        ]
+
+        async def run(together: bool) -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+                if together:
+                    return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+                return [await client.post("/v1/chat/completions", json=b) for b in bodies]
+
+        answers = asyncio.run(run(True))  # first: no cached prefix makes a row's KV smaller
+        assert [r.status_code for r in answers] == [200] * len(bodies), answers[0].text
+        assert True in shrinks  # a pool gave blocks back while its rows ran
+        assert max(peaks) <= budget.total + budget.total // 10, peaks
+        alone = [r.json()["choices"][0]["message"]["content"] for r in asyncio.run(run(False))]
+        assert [r.json()["choices"][0]["message"]["content"] for r in answers] == alone
+        assert budget.used == 0
+    finally:
+        server.stop()

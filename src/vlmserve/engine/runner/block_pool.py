@@ -12,8 +12,10 @@ cached prefixes before the pool grows.
 
 The pool starts with room for every row at a moderate length and doubles when rows need more
 blocks than it has (a copy, a few times over a server's life), up to the size of the
-scheduler's KVBudget, which bounds how many blocks rows hold. Idle, the pool shrinks to the
-smallest size it has had that holds the blocks cached prefixes hold (`compact`).
+scheduler's KVBudget, which bounds how many blocks rows hold; where pools of two KV dtypes share
+that budget (runner/decode_batch.py), the other one shrinks first (`trim`, `compact` while rows
+run). Idle, the pool shrinks to the smallest size it has had that holds the blocks cached
+prefixes hold (`compact`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class BlockPool:
         self.refs = [0] * self.num_blocks  # holders of each block: rows and cached prefixes
         # Frees at least n blocks if it can (evicting cached prefixes): asked before the pool grows.
         self.reclaim: Callable[[BlockPool, int], None] = lambda pool, n: None
+        # Makes the budget hold a pool of n blocks if it can (other pools shrink): asked before
+        # this one grows past `most`.
+        self.make_room: Callable[[BlockPool, int], None] = lambda pool, n: None
 
     @property
     def used(self) -> int:
@@ -95,12 +100,15 @@ class BlockPool:
             if self.refs[b] == 0:
                 self.free.append(b)
 
-    def compact(self) -> dict[int, int]:
-        """Shrink to the smallest size the pool has had (so the decode step meets shapes it has
-        run) that holds the blocks still held, renumbered from 1: what an idle pool keeps for its
-        cached prefixes. Returns old id -> new id."""
+    def compact(self, size: int | None = None) -> dict[int, int]:
+        """Shrink to `size` blocks, by default to the smallest size the pool has had (so the
+        decode step meets shapes it has run), at least what holds the blocks still held,
+        renumbered from 1: what an idle pool keeps for its cached prefixes. Returns old id -> new id."""
         held = [b for b in range(1, self.num_blocks) if self.refs[b]]
-        size = min(s for s in self.sizes if s >= len(held) + 1)
+        if size is None:
+            size = min(s for s in self.sizes if s >= len(held) + 1)
+        size = min(self.num_blocks, max(size, len(held) + 1))
+        self.sizes.add(size)
         if size == self.num_blocks and held == list(range(1, len(held) + 1)):
             return {b: b for b in held}
         bs = self.block_size
@@ -119,12 +127,32 @@ class BlockPool:
         self.num_blocks = size
         return {old: new for new, old in enumerate(held, start=1)}
 
+    def trim(self) -> int:
+        """Shrink to the smallest size the pool has had that keeps every held block where it is
+        (the free blocks past the last held one go): room for another pool while rows run here,
+        with no block renumbered. Returns the blocks given up."""
+        last = max((b for b in range(1, self.num_blocks) if self.refs[b]), default=0)
+        size = min(s for s in self.sizes if s > last)
+        if size >= self.num_blocks:
+            return 0
+        keep = mx.arange(size * self.block_size)  # a gather, not a slice: the old buffers go
+        self.keys = [k[keep] for k in self.keys]
+        self.values = [v[keep] for v in self.values]
+        mx.eval(self.arrays())
+        given = self.num_blocks - size
+        self.free = [b for b in self.free if b < size]
+        self.refs = self.refs[:size]
+        self.num_blocks = size
+        return given
+
     @property
     def most(self) -> int:
         """The blocks the pool never grows past."""
         return max(2, self._most())
 
     def _grow(self, blocks: int) -> None:
+        if blocks > self.most:
+            self.make_room(self, blocks)
         size = self.num_blocks
         while size < blocks:
             size *= 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -299,6 +300,10 @@ class PagedDecodeBatch:
         return out[0]
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def kv_dtype(rows_cache: list[Any]):
     """The dtype of the KV a prefill produced (None for an empty one)."""
     keys = getattr(rows_cache[0], "keys", None) if rows_cache else None
@@ -482,8 +487,11 @@ class DecodeBatches:
         block_size: int,
         context_length: int,
         initial_blocks: int,
-        most_blocks: Callable[[Any], int] = lambda dtype: 1 << 40,
+        budget_blocks: Callable[[], int] = lambda: 1 << 40,
+        weight: Callable[[Any], int] = lambda dtype: 1,
         reclaim: Callable[[BlockPool, int], None] | None = None,
+        cached: Callable[[BlockPool], Counter] = lambda pool: Counter(),
+        renumber: Callable[[BlockPool, dict[int, int]], None] = lambda pool, mapping: None,
     ):
         self.model = model
         self.paged = uses_plain_kv_cache(model)
@@ -491,8 +499,12 @@ class DecodeBatches:
         self.block_size = block_size
         self.context_length = context_length
         self.initial_blocks = initial_blocks
-        self.most_blocks = most_blocks  # KV dtype -> the most blocks its pool may hold (the budget)
+        self.budget_blocks = budget_blocks  # the KV budget, in blocks of the model's dtype
+        self.weight = weight  # KV dtype -> budget blocks one of its blocks costs
         self.reclaim = reclaim  # frees blocks cached prefixes hold in a pool (BlockPool.reclaim)
+        self.cached = cached  # block -> cached prefixes holding it, in a pool
+        self.renumber = renumber  # a pool was compacted: cached prefixes take its new block ids
+        self.batch: DtypeGroupedBatch | None = None  # the last batch `new` made
         self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
         self.kv_dtypes: list = []  # every KV dtype a pool was made for since start, in order
@@ -503,12 +515,58 @@ class DecodeBatches:
         if dtype not in self.pools:
             layers, kv_shape, _ = self.model.kv_layout()
             blocks = min(self.initial_blocks, self.most_blocks(dtype))
-            self.pools[dtype] = BlockPool(
-                layers, kv_shape, dtype, self.block_size, blocks, most=lambda: self.most_blocks(dtype)
-            )
+            pool = BlockPool(layers, kv_shape, dtype, self.block_size, blocks, most=lambda: self.most_blocks(dtype))
+            pool.make_room = self._make_room
             if self.reclaim is not None:
-                self.pools[dtype].reclaim = self.reclaim
+                pool.reclaim = self.reclaim
+            self.pools[dtype] = pool
         return self.pools[dtype]
+
+    def most_blocks(self, dtype) -> int:
+        """The most blocks the pool of `dtype` may hold (block 0 included): the budget less what
+        the other dtypes' pools take, so that all pools together stay within one budget."""
+        others = sum((p.num_blocks - 1) * self.weight(d) for d, p in self.pools.items() if d != dtype)
+        return max(0, self.budget_blocks() - others) // self.weight(dtype) + 1
+
+    def _make_room(self, pool: BlockPool, blocks: int) -> None:
+        """`pool` needs `blocks` blocks, past its share: the other pools give up their free tail
+        blocks, then the blocks their cached prefixes hold (a pool nothing holds any more goes),
+        then the free blocks between their rows' (`_compact_running`)."""
+        for evict in (False, True):
+            for dtype, other in list(self.pools.items()):
+                if pool.most >= blocks:
+                    return
+                if other is pool:
+                    continue
+                if evict and self.reclaim is not None:
+                    self.reclaim(other, other.num_blocks)
+                if other.used == 0:
+                    del self.pools[dtype]
+                    continue
+                size = other.num_blocks
+                short = -(-(blocks - pool.most) * self.weight(pool.dtype) // self.weight(dtype))
+                if other.trim() or (evict and self._compact_running(other, size - short)):
+                    log.info("KV pool (%s) shrank from %d to %d blocks", _dtype_name(dtype), size, other.num_blocks)
+
+    def _compact_running(self, pool: BlockPool, size: int) -> bool:
+        """Shrink `pool` towards `size` blocks while rows run in it (BlockPool.compact), keeping a
+        free block per row (its next one) and renumbering their block tables and the cached
+        prefixes' blocks. A size it has had (a traced decode shape) is taken where one fits;
+        not done where another holder has blocks there (a prompt being prefilled into it, a
+        prefix hit not joined yet), whose ids could not follow."""
+        group = self.batch.groups.get(pool.dtype) if self.batch is not None else None
+        rows = [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
+        known = self.cached(pool) + Counter(b for r in rows for b in r.blocks)
+        if any(pool.refs[b] != known[b] for b in range(1, pool.num_blocks)):
+            return False
+        least = pool.used + 1 + len(rows)
+        had = [s for s in pool.sizes if least <= s <= size]
+        before = pool.num_blocks
+        mapping = pool.compact(max(had) if had else max(size, least))
+        for row in rows:
+            row.blocks = [mapping[b] for b in row.blocks]
+        self.renumber(pool, mapping)
+        return pool.num_blocks < before
 
     def new(self):
         if not self.paged:
@@ -517,7 +575,8 @@ class DecodeBatches:
         def make(dtype):
             return PagedDecodeBatch(self.model, self.step, self.pool(dtype), self.context_length)
 
-        return DtypeGroupedBatch(make, self.model.kv_layout()[2])
+        self.batch = DtypeGroupedBatch(make, self.model.kv_layout()[2])
+        return self.batch
 
     def release(self) -> list[tuple[BlockPool, dict[int, int]]]:
         """Idle (no row runs): drop the pools nothing holds blocks of, and shrink the others to

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,11 @@ class ModelRunner:
             block_size=self.budget.block_size,
             context_length=self.context_length,
             initial_blocks=min(self.budget.total, self.budget.blocks_for(initial_pool_tokens)) + 1,
-            most_blocks=lambda dtype: self.budget.total // self._weight(dtype) + 1,  # + block 0
+            budget_blocks=lambda: self.budget.total,
+            weight=self._weight,
             reclaim=self._evict_cached,
+            cached=self._cached_holds,
+            renumber=self._renumber_cached,
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -523,6 +527,13 @@ class ModelRunner:
         """The prefix caches in use (the image one first)."""
         return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]
 
+    def _cached_holds(self, pool: BlockPool) -> Counter:
+        return sum((cache.holds(pool) for cache in self.prefix_caches()), Counter())
+
+    def _renumber_cached(self, pool: BlockPool, mapping: dict[int, int]) -> None:
+        for cache in self.prefix_caches():
+            cache.renumber(pool, mapping)
+
     def _evict_cached(self, pool, blocks: int) -> None:
         """Rows need `blocks` free in `pool`: cached prefixes there give way, image ones first."""
         for cache in self.prefix_caches():
@@ -912,8 +923,7 @@ class ModelRunner:
         if self.batch is None or not self.batch.layout():
             self.batch = None
             for pool, mapping in self.batches.release():
-                for cache in self.prefix_caches():
-                    cache.renumber(pool, mapping)
+                self._renumber_cached(pool, mapping)
 
     # ---- per-token bookkeeping ---------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:

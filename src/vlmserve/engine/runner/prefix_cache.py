@@ -185,6 +185,10 @@ class PrefixCache:
             if self._held[(id(kv.pool), b)] <= 0:
                 del self._held[(id(kv.pool), b)]
 
+    def holds(self, pool: BlockPool) -> Counter:
+        """Block id -> entries holding it, in `pool`."""
+        return Counter({b: n for (p, b), n in self._held.items() if p == id(pool)})
+
     def reclaim(self, pool: BlockPool, blocks: int) -> None:
         """Evict the oldest entries in `pool` that free blocks until it has `blocks` free, or none
         is left. An entry whose blocks others hold too frees none and stays, unless evicting

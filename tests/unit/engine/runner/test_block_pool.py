@@ -256,3 +256,81 @@ def test_the_batches_remember_each_kv_dtype_a_pool_was_made_for_and_size_its_war
     assert seen == [[], ([], [mx.float32])]
     assert wide == [(1, 256), (2, 256)]  # its rows read the whole context: 1,024 positions, 256 blocks
     assert narrow == [(1, 64), (1, 128), (2, 64), (2, 128)]  # the model dtype's gather up to 512 positions
+
+
+def test_trim_gives_up_the_free_tail_and_compact_renumbers_to_a_size():
+    """`trim` keeps every held block where it is; `compact(size)` moves the held ones to the
+    front of a pool of `size` blocks (at least what they need), their KV with them."""
+    import mlx.core as mx
+
+    def work():
+        pool = BlockPool(1, (1, 2, 2), mx.float32, block_size=2, blocks=4)
+        pool.allocate(7)  # grows to 8: blocks 1-7
+        pool.release([3, 4, 5, 6])
+        kv = [(mx.arange(12, dtype=mx.float32).reshape(6, 1, 2), mx.ones((6, 1, 2)))]
+        pool.write([1, 2, 7], kv, 6)
+        untouched = pool.trim()  # block 7 is held: the tail cannot go
+        pool.release([7])
+        trimmed = pool.trim()  # now the smallest size it has had that keeps blocks 1-2: 4
+        after_trim = (untouched, trimmed, pool.num_blocks, pool.keys[0].shape[0], sorted(pool.free))
+        kept = mx.array_equal(pool.read([1, 2], 4)[0][0], kv[0][0][:4]).item()
+        more = pool.allocate(4)  # grows to 8 again
+        pool.write(more, kv, 6)
+        pool.release([1, 2])
+        mapping = pool.compact(3)  # the 4 held blocks need 5
+        moved = mx.array_equal(pool.read([mapping[b] for b in more], 6)[0][0], kv[0][0]).item()
+        return after_trim, kept, sorted(mapping.values()), pool.num_blocks, moved
+
+    after_trim, kept, new_ids, blocks, moved = on_own_thread(work)
+    assert after_trim == (0, 4, 4, 8, [3]) and kept
+    assert new_ids == [1, 2, 3, 4] and blocks == 5 and moved
+
+
+def test_pools_of_two_kv_dtypes_share_one_budget():
+    """A float32 pool (2 budget blocks a block) in a bfloat16 model grows only into what the
+    bfloat16 pool does not take; past that, the bfloat16 pool gives back its free tail, then
+    the blocks its cached prefixes held, then the free blocks between its rows' (renumbered)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.decode_batch import DecodeBatches
+
+    def work():
+        model = SimpleNamespace(
+            language_model=SimpleNamespace(layers=[None]),
+            kv_layout=lambda: (1, (1, 2, 2), mx.bfloat16),
+            decode=lambda tokens, caches, positions: None,
+        )
+        cached: Counter = Counter()
+        renumbered = []
+        batches = DecodeBatches(
+            model,
+            False,
+            block_size=2,
+            context_length=64,
+            initial_blocks=4,
+            budget_blocks=lambda: 20,
+            weight=lambda dtype: 2 if dtype == mx.float32 else 1,
+            cached=lambda pool: Counter(cached) if pool.dtype == mx.bfloat16 else Counter(),
+            renumber=lambda pool, mapping: renumbered.append(mapping),
+        )
+        batch = batches.new()
+        text = batch._group(mx.bfloat16)
+        rows = [SimpleNamespace(blocks=text.pool.allocate(4)) for _ in range(4)]  # 16 blocks: grows to 17
+        text.rows = list(rows)
+        for row in rows[:3]:  # three rows finish; the last one's blocks are the highest ids
+            text.pool.release(row.blocks)
+        text.rows = [None, None, None, rows[3]]
+        shares = [batches.most_blocks(mx.bfloat16), batches.most_blocks(mx.float32)]
+        wide = batches.pool(mx.float32)  # 20 - 16 blocks of bfloat16 left: 2 float32 blocks
+        shares.append(wide.num_blocks)
+        held = wide.allocate(6)  # needs 7 blocks: the bfloat16 pool compacts its row to the front
+        return shares, text.pool.num_blocks, sorted(rows[3].blocks), renumbered, len(held), wide.num_blocks
+
+    shares, text_blocks, row_blocks, renumbered, held, wide_blocks = on_own_thread(work)
+    assert shares == [21, 1, 2]  # all 20 alone (+ block 0); none left beside the bfloat16 pool (of 2 at least)
+    assert row_blocks == [1, 2, 3, 4] and len(renumbered) == 1  # its row moved to the front, renumbered
+    assert text_blocks == 8  # a size it has had: its row's 4 blocks, block 0 and room to go on
+    assert held == 6 and (text_blocks - 1) + 2 * (wide_blocks - 1) <= 20  # within the one budget
