@@ -119,7 +119,7 @@ async def _both(server, bodies: list[dict]) -> list[httpx.Response]:
 
 def test_the_pools_of_both_kv_dtypes_stay_within_one_budget(tmp_path_factory, monkeypatch):
     """Text rows (bfloat16 KV) and image rows (float32) at once under 40 blocks. Each dtype's
-    pool used to grow to the whole budget on its own (2.1x the budget at the peak); now a pool
+    pool used to grow to the whole budget on its own (2x the budget at the peak); now a pool
     grows into what the other gives back (its free tail, its cached prefixes, the free blocks
     between its rows' after renumbering them), and every answer is still the one given alone."""
     server = start_server(
@@ -134,17 +134,26 @@ def test_the_pools_of_both_kv_dtypes_stay_within_one_budget(tmp_path_factory, mo
         budget = server.state.engine.core.sched.kv_budget
         assert budget.total == 40
         peaks, shrinks = [], []
-        grow, compact = BlockPool._grow, DecodeBatches._compact_running
+        grow, make, compact = BlockPool._grow, DecodeBatches.pool, DecodeBatches._compact_running
+
+        def held():  # the pools' blocks, in budget blocks (float32 ones count twice)
+            peaks.append(sum((p.num_blocks - 1) * batches.weight(d) for d, p in batches.pools.items()))
 
         def tracked_grow(pool, blocks):
             grow(pool, blocks)
-            peaks.append(sum((p.num_blocks - 1) * batches.weight(d) for d, p in batches.pools.items()))
+            held()
+
+        def tracked_pool(self, dtype):
+            made = make(self, dtype)
+            held()
+            return made
 
         def tracked_compact(self, pool, size):
             shrinks.append(compact(self, pool, size))
             return shrinks[-1]
 
         monkeypatch.setattr(BlockPool, "_grow", tracked_grow)
+        monkeypatch.setattr(DecodeBatches, "pool", tracked_pool)
         monkeypatch.setattr(DecodeBatches, "_compact_running", tracked_compact)
         image = images()
         greedy = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -167,7 +176,9 @@ def test_the_pools_of_both_kv_dtypes_stay_within_one_budget(tmp_path_factory, mo
         answers = asyncio.run(run(True))  # first: no cached prefix makes a row's KV smaller
         assert [r.status_code for r in answers] == [200] * len(bodies), answers[0].text
         assert True in shrinks  # a pool gave blocks back while its rows ran
-        assert max(peaks) <= budget.total + budget.total // 10, peaks
+        # 80 before (each pool at the whole budget); 41-44 now (a block of room per running row
+        # where a pool compacts, and holes a prompt being prefilled into a pool keeps there)
+        assert max(peaks) <= budget.total * 5 // 4, peaks
         alone = [r.json()["choices"][0]["message"]["content"] for r in asyncio.run(run(False))]
         assert [r.json()["choices"][0]["message"]["content"] for r in answers] == alone
         assert budget.used == 0
