@@ -59,6 +59,8 @@ class BlockPool:
         # Makes the budget hold a pool of n blocks if it can (other pools shrink): asked before
         # this one grows past `most`.
         self.make_room: Callable[[BlockPool, int], None] = lambda pool, n: None
+        # Blocks between two sizes where the budget caps a growth (few sizes: few decode shapes).
+        self.size_step: Callable[[], int] = lambda: 1
 
     @property
     def used(self) -> int:
@@ -156,7 +158,12 @@ class BlockPool:
         size = self.num_blocks
         while size < blocks:
             size *= 2
-        size = max(blocks, min(size, self.most))
+        most = self.most
+        if size > most:  # capped: the largest step of the budget's that fits, else the least past `blocks`
+            step = self.size_step()
+            size = most // step * step
+            if size < blocks:
+                size = blocks if blocks in self.sizes else -(-blocks // step) * step
         extra = (size - self.num_blocks) * self.block_size
         self.keys = [mx.concatenate([k, mx.zeros((extra, *k.shape[1:]), k.dtype)]) for k in self.keys]
         self.values = [mx.concatenate([v, mx.zeros((extra, *v.shape[1:]), v.dtype)]) for v in self.values]

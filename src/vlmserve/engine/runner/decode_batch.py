@@ -34,6 +34,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 # Where attention gathers each row's KV densely (no kernel reads the pool: CPU, Metal), the
 # gather's width is a shape: bucketed, so few shapes are traced.
 WIDTH_BUCKETS = (256, 512, 1024, 2048, 4096)
+# Where pools of two KV dtypes share the budget, the sizes a pool takes below its share are
+# multiples of this fraction of the budget (DecodeBatches.size_step).
+SIZE_STEPS = 16
 
 
 def round_up(n: int, buckets: tuple[int, ...]) -> int:
@@ -351,7 +354,10 @@ class DtypeGroupedBatch:
             self._drop_empty()
 
     def resume(self, owner: Any, host_kv: list) -> None:
-        self._group(owner.kv_dtype).resume(owner, host_kv)
+        try:
+            self._group(owner.kv_dtype).resume(owner, host_kv)
+        finally:
+            self._drop_empty()  # a resume that failed may leave its new group empty
 
     host_row = staticmethod(PagedDecodeBatch.host_row)
 
@@ -492,6 +498,7 @@ class DecodeBatches:
         reclaim: Callable[[BlockPool, int], None] | None = None,
         cached: Callable[[BlockPool], Counter] = lambda pool: Counter(),
         renumber: Callable[[BlockPool, dict[int, int]], None] = lambda pool, mapping: None,
+        running: Callable[[BlockPool], list] = lambda pool: [],
     ):
         self.model = model
         self.paged = uses_plain_kv_cache(model)
@@ -504,7 +511,7 @@ class DecodeBatches:
         self.reclaim = reclaim  # frees blocks cached prefixes hold in a pool (BlockPool.reclaim)
         self.cached = cached  # block -> cached prefixes holding it, in a pool
         self.renumber = renumber  # a pool was compacted: cached prefixes take its new block ids
-        self.batch: DtypeGroupedBatch | None = None  # the last batch `new` made
+        self.running = running  # the running rows whose blocks are in a pool
         self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
         self.kv_dtypes: list = []  # every KV dtype a pool was made for since start, in order
@@ -517,6 +524,7 @@ class DecodeBatches:
             blocks = min(self.initial_blocks, self.most_blocks(dtype))
             pool = BlockPool(layers, kv_shape, dtype, self.block_size, blocks, most=lambda: self.most_blocks(dtype))
             pool.make_room = self._make_room
+            pool.size_step = lambda: self.size_step(dtype)
             if self.reclaim is not None:
                 pool.reclaim = self.reclaim
             self.pools[dtype] = pool
@@ -528,6 +536,12 @@ class DecodeBatches:
         others = sum((p.num_blocks - 1) * self.weight(d) for d, p in self.pools.items() if d != dtype)
         return max(0, self.budget_blocks() - others) // self.weight(dtype) + 1
 
+    def size_step(self, dtype) -> int:
+        """Blocks between two sizes a pool of `dtype` takes where the budget caps it (growing into
+        what another pool left, or shrinking for one): a sixteenth of what the budget holds of
+        that dtype, so that few pool sizes (each a shape of the compiled decode step) come of it."""
+        return max(1, self.budget_blocks() // self.weight(dtype) // SIZE_STEPS)
+
     def _make_room(self, pool: BlockPool, blocks: int) -> None:
         """`pool` needs `blocks` blocks, past its share: the other pools give up their free tail
         blocks, then the blocks their cached prefixes hold (a pool nothing holds any more goes),
@@ -538,31 +552,33 @@ class DecodeBatches:
                     return
                 if other is pool:
                     continue
-                if evict and self.reclaim is not None:
-                    self.reclaim(other, other.num_blocks)
+                # Its blocks `pool` lacks (its share unclamped: `most` is 2 at least).
+                short = -(-(blocks - self.most_blocks(pool.dtype)) * self.weight(pool.dtype) // self.weight(dtype))
+                rows = self.running(other)
+                if evict and self.reclaim is not None:  # enough free blocks to compact away `short`
+                    self.reclaim(other, short + len(rows))
                 if other.used == 0:
                     del self.pools[dtype]
                     continue
                 size = other.num_blocks
-                short = -(-(blocks - pool.most) * self.weight(pool.dtype) // self.weight(dtype))
-                if other.trim() or (evict and self._compact_running(other, size - short)):
+                if other.trim() or (evict and self._compact_running(other, rows, size - short)):
                     log.info("KV pool (%s) shrank from %d to %d blocks", _dtype_name(dtype), size, other.num_blocks)
 
-    def _compact_running(self, pool: BlockPool, size: int) -> bool:
-        """Shrink `pool` towards `size` blocks while rows run in it (BlockPool.compact), keeping a
-        free block per row (its next one) and renumbering their block tables and the cached
-        prefixes' blocks. A size it has had (a traced decode shape) is taken where one fits;
-        not done where another holder has blocks there (a prompt being prefilled into it, a
-        prefix hit not joined yet), whose ids could not follow."""
-        group = self.batch.groups.get(pool.dtype) if self.batch is not None else None
-        rows = [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
+    def _compact_running(self, pool: BlockPool, rows: list, size: int) -> bool:
+        """Shrink `pool` towards `size` blocks while `rows` run in it (BlockPool.compact), keeping
+        a free block per row (its next one) and renumbering their block tables and the cached
+        prefixes' blocks. A size it has had (a traced decode shape) is taken where one fits, else
+        one of its size steps; not done where another holder has blocks there (a prompt being
+        prefilled into it, a prefix hit not joined yet), whose ids could not follow."""
         known = self.cached(pool) + Counter(b for r in rows for b in r.blocks)
         if any(pool.refs[b] != known[b] for b in range(1, pool.num_blocks)):
             return False
         least = pool.used + 1 + len(rows)
         had = [s for s in pool.sizes if least <= s <= size]
+        step = pool.size_step()
+        target = max(had) if had else max(size // step * step, -(-least // step) * step)
         before = pool.num_blocks
-        mapping = pool.compact(max(had) if had else max(size, least))
+        mapping = pool.compact(target)
         for row in rows:
             row.blocks = [mapping[b] for b in row.blocks]
         self.renumber(pool, mapping)
@@ -575,8 +591,7 @@ class DecodeBatches:
         def make(dtype):
             return PagedDecodeBatch(self.model, self.step, self.pool(dtype), self.context_length)
 
-        self.batch = DtypeGroupedBatch(make, self.model.kv_layout()[2])
-        return self.batch
+        return DtypeGroupedBatch(make, self.model.kv_layout()[2])
 
     def release(self) -> list[tuple[BlockPool, dict[int, int]]]:
         """Idle (no row runs): drop the pools nothing holds blocks of, and shrink the others to

@@ -102,6 +102,7 @@ class ModelRunner:
             reclaim=self._evict_cached,
             cached=self._cached_holds,
             renumber=self._renumber_cached,
+            running=self._running_in,
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -526,6 +527,11 @@ class ModelRunner:
     def prefix_caches(self) -> list[PrefixCache]:
         """The prefix caches in use (the image one first)."""
         return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]
+
+    def _running_in(self, pool: BlockPool) -> list[Sequence]:
+        """The running rows whose blocks are in `pool`."""
+        group = getattr(self.batch, "groups", {}).get(pool.dtype)
+        return [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
 
     def _cached_holds(self, pool: BlockPool) -> Counter:
         return sum((cache.holds(pool) for cache in self.prefix_caches()), Counter())

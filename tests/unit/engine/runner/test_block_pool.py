@@ -286,16 +286,19 @@ def test_trim_gives_up_the_free_tail_and_compact_renumbers_to_a_size():
     assert new_ids == [1, 2, 3, 4] and blocks == 5 and moved
 
 
-def test_pools_of_two_kv_dtypes_share_one_budget():
+@pytest.mark.parametrize("foreign", [False, True])
+def test_pools_of_two_kv_dtypes_share_one_budget(foreign):
     """A float32 pool (2 budget blocks a block) in a bfloat16 model grows only into what the
-    bfloat16 pool does not take; past that, the bfloat16 pool gives back its free tail, then
-    the blocks its cached prefixes held, then the free blocks between its rows' (renumbered)."""
-    from collections import Counter
+    bfloat16 pool does not take; past that, the bfloat16 pool gives back the blocks its cached
+    prefixes held, then the free blocks between its rows' (renumbered). With a holder it cannot
+    renumber (`foreign`: a prompt prefilling into it), its blocks stay and the float32 pool
+    grows past its share."""
     from types import SimpleNamespace
 
     import mlx.core as mx
 
     from vlmserve.engine.runner.decode_batch import DecodeBatches
+    from vlmserve.engine.runner.prefix_cache import PrefixCache
 
     def work():
         model = SimpleNamespace(
@@ -303,8 +306,8 @@ def test_pools_of_two_kv_dtypes_share_one_budget():
             kv_layout=lambda: (1, (1, 2, 2), mx.bfloat16),
             decode=lambda tokens, caches, positions: None,
         )
-        cached: Counter = Counter()
-        renumbered = []
+        cache = PrefixCache(1000)
+        running: list = []
         batches = DecodeBatches(
             model,
             False,
@@ -313,24 +316,29 @@ def test_pools_of_two_kv_dtypes_share_one_budget():
             initial_blocks=4,
             budget_blocks=lambda: 20,
             weight=lambda dtype: 2 if dtype == mx.float32 else 1,
-            cached=lambda pool: Counter(cached) if pool.dtype == mx.bfloat16 else Counter(),
-            renumber=lambda pool, mapping: renumbered.append(mapping),
+            reclaim=cache.reclaim,
+            cached=cache.holds,
+            renumber=cache.renumber,
+            running=lambda pool: running if pool.dtype == mx.bfloat16 else [],
         )
-        batch = batches.new()
-        text = batch._group(mx.bfloat16)
-        rows = [SimpleNamespace(blocks=text.pool.allocate(4)) for _ in range(4)]  # 16 blocks: grows to 17
-        text.rows = list(rows)
-        for row in rows[:3]:  # three rows finish; the last one's blocks are the highest ids
-            text.pool.release(row.blocks)
-        text.rows = [None, None, None, rows[3]]
-        shares = [batches.most_blocks(mx.bfloat16), batches.most_blocks(mx.float32)]
-        wide = batches.pool(mx.float32)  # 20 - 16 blocks of bfloat16 left: 2 float32 blocks
-        shares.append(wide.num_blocks)
-        held = wide.allocate(6)  # needs 7 blocks: the bfloat16 pool compacts its row to the front
-        return shares, text.pool.num_blocks, sorted(rows[3].blocks), renumbered, len(held), wide.num_blocks
+        text = batches.pool(mx.bfloat16)
+        rows = [SimpleNamespace(blocks=text.allocate(4)) for _ in range(4)]  # 16 blocks: grows to 21 (the budget)
+        cache.store(np.arange(8), text, rows[0].blocks)  # a finished row's prompt stays cached
+        for row in rows[:3]:
+            text.release(row.blocks)
+        running.append(rows[3])  # the last row runs on, in the highest blocks
+        if foreign:
+            text.retain(rows[3].blocks[:1])
+        shares = [text.num_blocks, batches.most_blocks(mx.float32)]
+        wide = batches.pool(mx.float32)
+        held = wide.allocate(6)  # 7 blocks of 2 budget blocks each
+        return shares, text.num_blocks, rows[3].blocks, len(held), wide.num_blocks, cache.blocks_held()
 
-    shares, text_blocks, row_blocks, renumbered, held, wide_blocks = on_own_thread(work)
-    assert shares == [21, 1, 2]  # all 20 alone (+ block 0); none left beside the bfloat16 pool (of 2 at least)
-    assert row_blocks == [1, 2, 3, 4] and len(renumbered) == 1  # its row moved to the front, renumbered
-    assert text_blocks == 8  # a size it has had: its row's 4 blocks, block 0 and room to go on
-    assert held == 6 and (text_blocks - 1) + 2 * (wide_blocks - 1) <= 20  # within the one budget
+    shares, text_blocks, row_blocks, held, wide_blocks, cached = on_own_thread(work)
+    assert shares == [21, 1]  # the bfloat16 pool took the whole budget: none left beside it
+    assert held == 6 and cached == 0  # the cached prefix gave its blocks back
+    if foreign:  # nothing moved: the float32 pool went past its share
+        assert row_blocks == [13, 14, 15, 16] and text_blocks == 21 and wide_blocks == 7
+    else:  # the row moved to the front, to a size the pool has had; both within the one budget
+        assert row_blocks == [1, 2, 3, 4] and text_blocks == 8
+        assert (text_blocks - 1) + 2 * (wide_blocks - 1) <= 20
