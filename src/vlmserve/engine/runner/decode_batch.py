@@ -498,7 +498,7 @@ class DecodeBatches:
         reclaim: Callable[[BlockPool, int], None] | None = None,
         cached: Callable[[BlockPool], Counter] = lambda pool: Counter(),
         renumber: Callable[[BlockPool, dict[int, int]], None] = lambda pool, mapping: None,
-        running: Callable[[BlockPool], list] = lambda pool: [],
+        holders: Callable[[BlockPool], list[tuple[Any, str]]] = lambda pool: [],
     ):
         self.model = model
         self.paged = uses_plain_kv_cache(model)
@@ -511,7 +511,9 @@ class DecodeBatches:
         self.reclaim = reclaim  # frees blocks cached prefixes hold in a pool (BlockPool.reclaim)
         self.cached = cached  # block -> cached prefixes holding it, in a pool
         self.renumber = renumber  # a pool was compacted: cached prefixes take its new block ids
-        self.running = running  # the running rows whose blocks are in a pool
+        # (object, attribute) of every block list in a pool besides cached prefixes' (running
+        # rows, prompts prefilling into it, prefix hits not joined yet): what a compaction renumbers
+        self.holders = holders
         self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
         self.kv_dtypes: list = []  # every KV dtype a pool was made for since start, in order
@@ -554,33 +556,33 @@ class DecodeBatches:
                     continue
                 # Its blocks `pool` lacks (its share unclamped: `most` is 2 at least).
                 short = -(-(blocks - self.most_blocks(pool.dtype)) * self.weight(pool.dtype) // self.weight(dtype))
-                rows = self.running(other)
+                holders = self.holders(other)
                 if evict and self.reclaim is not None:  # enough free blocks to compact away `short`
-                    self.reclaim(other, short + len(rows))
+                    self.reclaim(other, short + len(holders))
                 if other.used == 0:
                     del self.pools[dtype]
                     continue
                 size = other.num_blocks
-                if other.trim() or (evict and self._compact_running(other, rows, size - short)):
+                if other.trim() or (evict and self._compact_running(other, holders, size - short)):
                     log.info("KV pool (%s) shrank from %d to %d blocks", _dtype_name(dtype), size, other.num_blocks)
 
-    def _compact_running(self, pool: BlockPool, rows: list, size: int) -> bool:
-        """Shrink `pool` towards `size` blocks while `rows` run in it (BlockPool.compact), keeping
-        a free block per row (its next one) and renumbering their block tables and the cached
-        prefixes' blocks. A size it has had (a traced decode shape) is taken where one fits, else
-        one of its size steps; not done where another holder has blocks there (a prompt being
-        prefilled into it, a prefix hit not joined yet), whose ids could not follow."""
-        known = self.cached(pool) + Counter(b for r in rows for b in r.blocks)
+    def _compact_running(self, pool: BlockPool, holders: list[tuple[Any, str]], size: int) -> bool:
+        """Shrink `pool` towards `size` blocks while rows use it (BlockPool.compact), keeping a
+        free block per holder (a row's next one) and renumbering the holders' block lists and
+        the cached prefixes' blocks. A size it has had (a traced decode shape) is taken where
+        one fits, else one of its size steps. Not done where the holds on a block do not add up
+        to what the holders and cached prefixes hold: a holder it was not told of keeps its ids."""
+        known = self.cached(pool) + Counter(b for obj, attr in holders for b in getattr(obj, attr))
         if any(pool.refs[b] != known[b] for b in range(1, pool.num_blocks)):
             return False
-        least = pool.used + 1 + len(rows)
+        least = pool.used + 1 + len(holders)
         had = [s for s in pool.sizes if least <= s <= size]
         step = pool.size_step()
         target = max(had) if had else max(size // step * step, -(-least // step) * step)
         before = pool.num_blocks
         mapping = pool.compact(target)
-        for row in rows:
-            row.blocks = [mapping[b] for b in row.blocks]
+        for obj, attr in holders:
+            setattr(obj, attr, [mapping[b] for b in getattr(obj, attr)])
         self.renumber(pool, mapping)
         return pool.num_blocks < before
 

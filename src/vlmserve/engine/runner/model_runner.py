@@ -102,7 +102,7 @@ class ModelRunner:
             reclaim=self._evict_cached,
             cached=self._cached_holds,
             renumber=self._renumber_cached,
-            running=self._running_in,
+            holders=self._holders_in,
         )
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
@@ -528,10 +528,19 @@ class ModelRunner:
         """The prefix caches in use (the image one first)."""
         return [c for c in (self.mm_prefix_cache, self.prefix_cache) if c is not None]
 
-    def _running_in(self, pool: BlockPool) -> list[Sequence]:
-        """The running rows whose blocks are in `pool`."""
+    def _holders_in(self, pool: BlockPool) -> list[tuple[Any, str]]:
+        """Every block list in `pool` but the cached prefixes': the running rows' block tables,
+        the blocks of prompts prefilling into it and of their prefix hits not joined yet."""
         group = getattr(self.batch, "groups", {}).get(pool.dtype)
-        return [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
+        rows = [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
+        holders = [(row, "blocks") for row in rows]
+        for seq in self.sched.prefilling:
+            if seq.prefill_pool is pool:
+                holders.append((seq, "prefill_blocks"))
+            hit = seq.prefix_hit.shared if seq.prefix_hit is not None else None
+            if hit is not None and hit.pool is pool:
+                holders.append((hit, "blocks"))
+        return holders
 
     def _cached_holds(self, pool: BlockPool) -> Counter:
         return sum((cache.holds(pool) for cache in self.prefix_caches()), Counter())

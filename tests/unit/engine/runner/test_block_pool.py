@@ -319,7 +319,7 @@ def test_pools_of_two_kv_dtypes_share_one_budget(foreign):
             reclaim=cache.reclaim,
             cached=cache.holds,
             renumber=cache.renumber,
-            running=lambda pool: running if pool.dtype == mx.bfloat16 else [],
+            holders=lambda pool: [(row, "blocks") for row in running] if pool.dtype == mx.bfloat16 else [],
         )
         text = batches.pool(mx.bfloat16)
         rows = [SimpleNamespace(blocks=text.allocate(4)) for _ in range(4)]  # 16 blocks: grows to 21 (the budget)
