@@ -177,8 +177,8 @@ def test_the_pools_of_both_kv_dtypes_stay_within_one_budget(tmp_path_factory, mo
         answers = asyncio.run(run(True))  # first: no cached prefix makes a row's KV smaller
         assert [r.status_code for r in answers] == [200] * len(bodies), answers[0].text
         assert True in shrinks  # a pool gave blocks back while its rows ran
-        # 80 before (each pool at the whole budget); 41-45 now (a block of room per running row
-        # where a pool compacts, and holes a prompt being prefilled into a pool keeps there)
+        # 80 before (each pool at the whole budget); 41-45 now (a block of room per row where a
+        # pool compacts, and its sizes rounded to steps of the budget)
         assert max(peaks) <= budget.total * 3 // 2, peaks
         alone = [r.json()["choices"][0]["message"]["content"] for r in asyncio.run(run(False))]
         # On CUDA a bfloat16 row's decode kernels depend on the batch's rows (equal to bf16
