@@ -159,10 +159,13 @@ class BlockPool:
         while size < blocks:
             size *= 2
         most = self.most
-        if size > most:  # capped: the largest step of the budget's that fits, else the least past `blocks`
+        if size > most:  # capped by the budget
             step = self.size_step()
-            size = most // step * step
-            if size < blocks:
+            if most // step * step >= blocks:  # the largest of its steps that fits (few sizes)
+                size = most // step * step
+            elif blocks <= most:
+                size = most
+            else:  # past its share (another pool could not give way): the least step that holds them
                 size = blocks if blocks in self.sizes else -(-blocks // step) * step
         extra = (size - self.num_blocks) * self.block_size
         self.keys = [mx.concatenate([k, mx.zeros((extra, *k.shape[1:]), k.dtype)]) for k in self.keys]

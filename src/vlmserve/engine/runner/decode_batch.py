@@ -539,9 +539,12 @@ class DecodeBatches:
         return max(0, self.budget_blocks() - others) // self.weight(dtype) + 1
 
     def size_step(self, dtype) -> int:
-        """Blocks between two sizes a pool of `dtype` takes where the budget caps it (growing into
-        what another pool left, or shrinking for one): a sixteenth of what the budget holds of
-        that dtype, so that few pool sizes (each a shape of the compiled decode step) come of it."""
+        """Blocks between two sizes a pool of `dtype` takes where the budget caps it beside another
+        pool (growing into what that one left, or shrinking for it): a sixteenth of what the
+        budget holds of that dtype, so that few pool sizes (each a shape of the compiled decode
+        step) come of it."""
+        if len(self.pools) < 2:  # alone, a pool's share does not move: it grows to all of it
+            return 1
         return max(1, self.budget_blocks() // self.weight(dtype) // SIZE_STEPS)
 
     def _make_room(self, pool: BlockPool, blocks: int) -> None:

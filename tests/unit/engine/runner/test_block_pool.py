@@ -342,3 +342,31 @@ def test_pools_of_two_kv_dtypes_share_one_budget(foreign):
     else:  # the row moved to the front, to a size the pool has had; both within the one budget
         assert row_blocks == [1, 2, 3, 4] and text_blocks == 8
         assert (text_blocks - 1) + 2 * (wide_blocks - 1) <= 20
+
+
+def test_a_pool_alone_grows_to_the_whole_budget():
+    """With one KV dtype the pool's share is the budget: it grows to exactly that, never past."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.decode_batch import DecodeBatches
+
+    def work():
+        model = SimpleNamespace(
+            language_model=SimpleNamespace(layers=[None]),
+            kv_layout=lambda: (1, (1, 2, 2), mx.bfloat16),
+            decode=lambda tokens, caches, positions: None,
+        )
+        budget = {"budget_blocks": lambda: 100}
+        batches = DecodeBatches(model, False, block_size=2, context_length=64, initial_blocks=4, **budget)
+        pool = batches.pool(mx.bfloat16)
+        sizes = []
+        for _ in range(25):
+            pool.allocate(4)
+            sizes.append(pool.num_blocks)
+        return sizes
+
+    sizes = on_own_thread(work)
+    assert sizes[-1] == 101 and max(sizes) == 101  # 100 blocks and block 0
+    assert sorted(set(sizes)) == [8, 16, 32, 64, 101]
