@@ -171,3 +171,57 @@ def test_a_continued_chat_past_the_pieces_bound_still_shares_its_cached_prefix(m
     assert went_alone and events[-1].cached_tokens > 0  # it reused the prefix, then went alone
     assert set(joined[0]) & {b for blocks in cached for b in blocks}  # and still shares its blocks
     assert event_tokens(events) == event_tokens(alone)
+
+
+def test_a_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_aside_and_resumes(monkeypatch):
+    """The budget refuses B's join once (as when rows that arrived before it took the last blocks
+    meanwhile), while B's prompt is in blocks of the pool: its KV goes from those blocks to host
+    memory, the blocks go back, and it joins later with the tokens it gives alone."""
+    from vlmserve.engine.runner.model_runner import ModelRunner
+
+    prompts = {"A": list(range(20, 30)), "B": [(7 * i + 3) % 400 + 20 for i in range(100)]}
+    lengths = {"A": 30, "B": 8}
+    take = ModelRunner._take_positions
+    refused = []
+
+    def refuse_b_at_its_join(self, seq, positions, dtype):
+        joining = seq.prefill_pool is not None and positions == seq.cache_len + 1
+        if seq.req.request_id == "B" and joining and not refused:
+            refused.append(len(seq.prefill_blocks))
+            return False
+        return take(self, seq, positions, dtype)
+
+    def work():
+        model, codec = _model("qwen2_vl")
+
+        def engine() -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0)
+
+        alone = {}
+        for rid, prompt in prompts.items():
+            core = engine()
+            request, events = _request(rid, prompt, lengths[rid])
+            core.add(request)
+            run_until_idle(core)
+            alone[rid] = event_tokens(events)
+
+        monkeypatch.setattr(ModelRunner, "_take_positions", refuse_b_at_its_join)
+        core = engine()
+        events = {}
+        request, events["A"] = _request("A", prompts["A"], lengths["A"])
+        core.add(request)
+        core.step()
+        core.step()
+        request, events["B"] = _request("B", prompts["B"], lengths["B"])
+        core.add(request)
+        run_until_idle(core)
+        budget = core.sched.kv_budget
+        return alone, events, budget.used, budget.preemptions, core.runner.batches.pools
+
+    alone, events, used, preemptions, pools = on_own_thread(work)
+    assert len(refused) == 1 and refused[0] > 0  # refused once, with its prompt in pool blocks
+    assert preemptions == 1 and used == 0
+    assert pools and all(pool.used == 0 for pool in pools.values())  # no block left held
+    for rid, got in events.items():
+        assert got[-1].finish_reason == FinishReason.LENGTH, (rid, got[-1].error)
+        assert event_tokens(got) == alone[rid], rid
