@@ -161,8 +161,11 @@ class BlockPool:
         most = self.most
         if size > most:  # capped by the budget
             step = self.size_step()
-            if most // step * step >= blocks:  # the largest of its steps that fits (few sizes)
-                size = most // step * step
+            had = [s for s in self.sizes if blocks <= s <= most and s > self.num_blocks]
+            if most // step * step >= blocks:  # the largest size it has had or step that fits (few sizes)
+                size = max([most // step * step, *had])
+            elif had:
+                size = max(had)
             elif blocks <= most:
                 size = most
             else:  # past its share (another pool could not give way): the least step that holds them
