@@ -437,6 +437,7 @@ class EngineCore:
             feature_hits=features.hits if features is not None else 0,
             warmup_pending=len(self._shapes_to_warm)
             + len(self._lengths_to_warm)
+            + self._idle_warmups_due()
             + self.model.kernels_pending()
             + (self.kernel_builds.pending() if self.kernel_builds is not None else 0)
             + self._grammars_due()
@@ -647,11 +648,26 @@ class EngineCore:
             return False
         if self._built_kernels_ready() or self._rehearsal_ended():
             return True
-        if self._shapes_to_warm or self._lengths_to_warm:
+        if self._shapes_to_warm or self._lengths_to_warm or self._idle_warmups_due():
             return True
         if self.model.kernels_pending() > 0 or self.model.attention_plans_pending() > 0:
             return True
         return self._grammars_due()
+
+    def _idle_warmups_due(self) -> int:
+        """The model's shapes to run once while idle (ModelAdapter.idle_warmups_pending), once
+        warm-up is over."""
+        return self.model.idle_warmups_pending() if self._warmed else 0
+
+    def _warm_next_idle(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.model.warm_next_idle()
+        except Exception:  # noqa: BLE001 - only a head start: traffic meets that shape first instead
+            log.warning("an idle warm-up run failed", exc_info=True)
+            return
+        if not self.model.idle_warmups_pending():
+            log.info("ran the model's idle warm-up shapes (the last in %.3f s)", time.perf_counter() - t0)
 
     def _grammars_due(self) -> bool:
         """The structured-output tokenizer is built while idle once warm-up is over (before it,
@@ -676,6 +692,8 @@ class EngineCore:
             self._build_attention_plan()
         elif self._lengths_to_warm:
             self._warm_piece_length()
+        elif self._idle_warmups_due():
+            self._warm_next_idle()
         else:
             self.runner.prepare_grammars()
         if not self.has_work():  # what it made (a pool it traced on) is handed back after the next idle spell

@@ -116,6 +116,15 @@ class ModelAdapter(Protocol):
         """Build (and check) one of them; the op it replaces serves until then."""
         ...
 
+    def idle_warmups_pending(self) -> int:
+        """Shapes the model runs once while the engine is idle after ready, so traffic does not
+        meet them first (0: none)."""
+        ...
+
+    def warm_next_idle(self) -> None:
+        """Run one of them."""
+        ...
+
     def attention_plans_pending(self) -> int:
         """Attention shapes met without a cuDNN plan (a plan-free kernel served them), whose
         plans the engine builds while idle (0: none)."""

@@ -223,6 +223,7 @@ class GenericModel:
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's warm-up (their builds are queued for side processes at load).
         self.kernel_checks: list[Callable[[], bool]] = []
+        self.idle_warmups: list[Callable[[], None]] = []  # run once each while the engine is idle
         self.attention_plans: AttentionPlans | None = None  # set where a fast path plans attention shapes
         self.install_fast_paths()
         if before_first_forward is not None:  # the engine's kernel builds under way (side_builds)
@@ -301,6 +302,12 @@ class GenericModel:
     def build_next_kernel(self) -> None:
         """Build and check one kernel the decode step may use; until it passes, MLX's op serves."""
         self.kernel_checks.pop(0)()
+
+    def idle_warmups_pending(self) -> int:
+        return len(self.idle_warmups)
+
+    def warm_next_idle(self) -> None:
+        self.idle_warmups.pop(0)()
 
     def attention_plans_pending(self) -> int:
         """Attention shapes met without a cuDNN plan, whose plans are built while idle."""

@@ -11,8 +11,18 @@ from types import SimpleNamespace
 class _Model:
     """Kernels and attention plans left to build: each build appends its name to `log`."""
 
-    def __init__(self, kernels, log, fail=(), plans=()):
+    def __init__(self, kernels, log, fail=(), plans=(), idle=()):
         self.kernels, self.log, self.fail, self.plans = list(kernels), log, fail, list(plans)
+        self.idle = list(idle)
+
+    def idle_warmups_pending(self):
+        return len(self.idle)
+
+    def warm_next_idle(self):
+        name = self.idle.pop(0)
+        if name in self.fail:
+            raise RuntimeError(f"{name} ran out of memory")
+        self.log.append(name)
 
     def attention_plans_pending(self):
         return len(self.plans)
@@ -33,7 +43,7 @@ class _Model:
         self.log.append(name)
 
 
-def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=None, plans=()):
+def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=None, plans=(), idle=()):
     from vlmserve.engine.core import EngineCore
 
     log = [] if log is None else log
@@ -48,7 +58,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
             grammars_pending=lambda: False,
             warm_piece_length=warm_length or (lambda length, filler: log.append(("piece", length, filler))),
         ),
-        model=_Model(kernels, log, fail, plans),
+        model=_Model(kernels, log, fail, plans, idle),
         noted=[],
         _kernel_seconds=0.0,
         kernel_builds=None,
@@ -75,6 +85,8 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._await_side_builds = lambda: EngineCore._await_side_builds(core)
     core._warm_capacity = lambda: EngineCore._warm_capacity(core)
     core._grammars_due = lambda: EngineCore._grammars_due(core)
+    core._idle_warmups_due = lambda: EngineCore._idle_warmups_due(core)
+    core._warm_next_idle = lambda: EngineCore._warm_next_idle(core)
     core._rehearsal_ended = lambda: EngineCore._rehearsal_ended(core)
     return core, EngineCore
 
@@ -123,6 +135,23 @@ def test_attention_plans_traffic_brought_are_built_after_the_decode_shapes_and_b
             engine_core.idle_work(core)
     assert log == [(1, 32), (2, 32), (4, 32), "plan-a", "plan-c", ("piece", 640, 7)]
     assert "cuDNN refused plan-b" in caplog.text
+
+
+def test_the_models_idle_warmups_run_last_one_a_turn_and_a_failed_one_is_skipped(caplog):
+    """The model's own shapes for idle time (the Qwen2-VL tower's row buckets on CUDA) run after
+    the piece lengths, one per idle turn, counted as warm-up left meanwhile; one that fails is
+    logged and the rest go on."""
+    log = []
+    idle = ["rows-512", "rows-1024", "rows-1536"]
+    core, engine_core = _core(lambda rows, width: True, log=log, lengths=[640], idle=idle, fail=("rows-1024",))
+    core._shapes_to_warm = []
+    pending = []
+    with caplog.at_level(logging.WARNING):
+        while engine_core.has_idle_work(core):
+            pending.append(engine_core._idle_warmups_due(core))
+            engine_core.idle_work(core)
+    assert log == [("piece", 640, 7), "rows-512", "rows-1536"]
+    assert pending == [3, 3, 2, 1] and "rows-1024 ran out of memory" in caplog.text
 
 
 def test_a_slow_piece_leaves_the_longer_ones_to_traffic(monkeypatch, caplog):

@@ -35,6 +35,13 @@ from vlmserve.protocol import PreparedRequest
 # (8,192 patches), 12.3 GB at 16 and 14.6 GB at 33 (H200, benchmarks/vision_memory.py), for
 # 4.4 against 3.6 ms per image.
 TOWER_PATCHES = 8192
+# On CUDA each of the tower's matmul shapes (and its patch convolution) is set up once per row
+# count: 3-10 ms for each at a new count (cuBLASLt; H200, .gpu probe of the 2B tower's shapes),
+# some 20 ms a call on the request path, and images of mixed sizes packed into one call make a
+# new count almost every call. Qwen2-VL calls that take the one attention launch run on their
+# patches rounded up to a multiple of this (a segment of zeros past the images), and idle time
+# runs each such count up to TOWER_PATCHES once, so traffic meets none of them first.
+TOWER_ROW_STEP = 512
 
 
 def _patches(grid: np.ndarray) -> int:
@@ -77,6 +84,10 @@ class QwenVLModel(GenericModel):
             tower = self.model.vision_tower
             vision_attention.note_builds(tower, tower.patch_embed.proj.weight.dtype)
         super().install_fast_paths()
+        self.pads_tower_rows = self._pads_tower_rows()
+        if self.pads_tower_rows:
+            buckets = range(TOWER_ROW_STEP, TOWER_PATCHES + 1, TOWER_ROW_STEP)
+            self.idle_warmups += [partial(self._warm_tower_rows, rows) for rows in buckets]
         self.fast_decode = qwen_decode.supports(self.language_model)
         self.fast_prefill = qwen_decode.same_layers(self.language_model)
         if self.fast_prefill and cuda_kernels.enabled():
@@ -191,8 +202,36 @@ class QwenVLModel(GenericModel):
     def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
         """All images' features from one vision-tower call."""
         if self.info.model_type == "qwen2_vl":
-            return embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid)
+            return embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid, self._tower_rows(grid))
         return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)
+
+    def _pads_tower_rows(self) -> bool:
+        """Whether tower calls run on TOWER_ROW_STEP multiples of rows: Qwen2-VL's own tower call
+        (embedding.qwen2_vl_tower) on CUDA, where the one attention launch serves its heads."""
+        tower = self.model.vision_tower
+        return (
+            self.model.config.model_type == "qwen2_vl"  # `info` is made after the fast paths
+            and cuda_kernels.enabled()
+            and vision_attention.one_launch_serves(tower, tower.patch_embed.proj.weight.dtype)
+        )
+
+    def _tower_rows(self, grid: np.ndarray) -> int | None:
+        """The rows a tower call of these images runs on (None: its own), see TOWER_ROW_STEP. A
+        call with attention enough for cuDNN's route keeps its shape (its segments are cuDNN's)."""
+        seqlens = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+        if not self.pads_tower_rows or vision_attention.may_take_cudnn(seqlens):
+            return None
+        return -(-sum(seqlens) // TOWER_ROW_STEP) * TOWER_ROW_STEP
+
+    def _warm_tower_rows(self, rows: int) -> None:
+        """One tower call on `rows` patches (TOWER_ROW_STEP-patch images of zeros): its row count's
+        matmuls and convolution set up before traffic brings it."""
+        vc = self.model.config.vision_config
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        side = int(np.sqrt(TOWER_ROW_STEP // 2))  # a (side, 2 * side) image: TOWER_ROW_STEP patches
+        grid = np.array([[1, side, 2 * side]] * (rows // TOWER_ROW_STEP), dtype=np.int64)
+        mx.eval(self._tower(mx.zeros((rows, width), dtype=dtype), grid))
 
     def _note_prompt_attention_build(self) -> None:
         """Queue the prompt forward's attention kernel build (prefill.py) ahead of the first prompt."""

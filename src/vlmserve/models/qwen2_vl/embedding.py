@@ -64,8 +64,10 @@ def merge_image_features(embeds: mx.array, features: mx.array, ids: np.ndarray, 
     return row[None]
 
 
-def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray) -> mx.array:
-    """Qwen2-VL's `VisionModel.__call__` with its rotary and segment indices built on the host."""
+def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
+    """Qwen2-VL's `VisionModel.__call__` with its rotary and segment indices built on the host.
+    With `rows` (at least the images' patches), the blocks run on that many patch rows: those
+    past the images are zeros in a segment of their own, dropped from the features."""
     merge = tower.spatial_merge_size
     pos = []
     for t, h, w in np.asarray(grids, dtype=np.int64).tolist():
@@ -74,11 +76,18 @@ def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray) -> mx.array:
         pair = [p.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1) for p in (hpos, wpos)]
         pos.append(np.tile(np.stack(pair, axis=-1), (t, 1)))
     pos_ids = np.concatenate(pos).astype(np.int32)
+    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    patches = pixels.shape[0]
+    pad = 0 if rows is None else rows - patches
+    if pad > 0:
+        pos_ids = np.concatenate([pos_ids, np.zeros((pad, 2), np.int32)])
+        seqlens = np.concatenate([seqlens, [pad]])
+        pixels = mx.concatenate([pixels, mx.zeros((pad, pixels.shape[1]), pixels.dtype)])
     table = tower.rotary_pos_emb(mx.array(int(grids[:, 1:].max())))  # a host scalar: no device read
     rotary = table[mx.array(pos_ids)].reshape(pos_ids.shape[0], -1)
-    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
     cu_seqlens = mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
     hidden = tower.patch_embed(pixels)
     for block in tower.blocks:
         hidden = block(hidden, cu_seqlens=cu_seqlens, rotary_pos_emb=rotary)
-    return tower.merger(hidden)
+    features = tower.merger(hidden)
+    return features[: patches // merge**2] if pad > 0 else features

@@ -34,6 +34,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from vlmserve.engine.ops import cuda_kernels, prefill_attention
 from vlmserve.engine.ops.attention_plans import AttentionPlans, plan_free_loss_s
@@ -134,6 +135,25 @@ def _layout(cu_seqlens: mx.array) -> _Layout:
             return layout
     _LAYOUTS[:] = [_Layout(cu_seqlens), *_LAYOUTS[:1]]
     return _LAYOUTS[0]
+
+
+def may_take_cudnn(seqlens: list[int]) -> bool:
+    """Whether a tower call of segments of these lengths has enough attention work for cuDNN's
+    route (`_takes_cudnn`, plans aside); the others always take the one launch, which any
+    segment lengths suit."""
+    if not cuda_kernels.cudnn_enabled():
+        return False
+    runs = segment_runs([0, *np.cumsum(seqlens).tolist()])
+    pieces = power_of_two_pieces(runs)
+    work = sum(count * length * length for _, count, length in runs)
+    largest = max((count * length * length for _, count, length in pieces), default=0)
+    return work >= CUDNN_WORK * len(pieces) or largest >= CUDNN_LARGEST
+
+
+def one_launch_serves(tower: nn.Module, dtype: mx.Dtype) -> bool:
+    """Whether vlmserve's prompt-attention kernel serves this tower's attention (its one launch)."""
+    attn = _installed(tower)
+    return attn is not None and prefill_attention.serves(dtype, attn.num_heads, attn.num_heads, attn.head_dim)
 
 
 def _takes_cudnn(layout: _Layout, dtype: mx.Dtype, heads: int, dim: int, scale: float, plans) -> bool:

@@ -105,6 +105,44 @@ def test_qwen2_vl_tower_with_host_indices_equals_mlx_vlm(qwen_server):
     np.testing.assert_array_equal(ours, ref)
 
 
+def test_qwen2_vl_tower_on_padded_rows_gives_the_images_features(qwen_server):
+    """Rows past the images (zeros in a segment of their own, as CUDA's row buckets add) change
+    no image's features, and the idle warm-up runs a call of each row bucket."""
+    vlm = qwen_server.engine.core.model
+
+    def compare():
+        import mlx.core as mx
+
+        from vlmserve.models.qwen2_vl.adapter import TOWER_ROW_STEP
+
+        tower = vlm.model.vision_tower
+        vc = vlm.model.config.vision_config
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        patches = sum(t * h * w for t, h, w in GRIDS)
+        pixels = mx.random.normal((patches, dim), key=mx.random.key(1))
+        own = qwen_embedding.qwen2_vl_tower(tower, pixels, np.array(GRIDS))
+        padded = qwen_embedding.qwen2_vl_tower(tower, pixels, np.array(GRIDS), rows=patches + 36)
+        vlm._warm_tower_rows(2 * TOWER_ROW_STEP)  # two images of a row step: no error, features made
+        return np.array(own), np.array(padded), patches
+
+    own, padded, patches = qwen_server.on_worker(compare)
+    assert padded.shape == own.shape == (patches // 4, own.shape[1])
+    np.testing.assert_allclose(padded, own, rtol=1e-5, atol=1e-5)
+
+
+def test_tower_rows_round_up_only_where_the_one_launch_serves_and_cudnn_would_not(qwen_server, monkeypatch):
+    from vlmserve.models.qwen2_vl import vision_attention
+
+    vlm = qwen_server.engine.core.model
+    grid = np.array(GRIDS)
+    off = vlm._tower_rows(grid)  # on CPU the one launch does not serve: calls keep their rows
+    monkeypatch.setattr(vlm, "pads_tower_rows", True)
+    padded = vlm._tower_rows(grid)
+    monkeypatch.setattr(vision_attention, "may_take_cudnn", lambda seqlens: True)
+    large = vlm._tower_rows(grid)
+    assert (off, padded, large) == (None, 1024, None)  # 640 patches
+
+
 def _prepared(server, preprocessor=None):
     pre = preprocessor or server.state.preprocessor
     imgs = [decode_image(p.read_bytes(), MediaPolicy()) for p in images()]
