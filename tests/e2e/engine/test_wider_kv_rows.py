@@ -188,3 +188,59 @@ def test_the_pools_of_both_kv_dtypes_stay_within_one_budget(tmp_path_factory, mo
         assert budget.used == 0
     finally:
         server.stop()
+
+
+def test_pools_shrink_while_prompts_prefill_into_them_and_answers_stay_those_given_alone(tmp_path_factory, monkeypatch):
+    """Kimi-VL 4-bit: long text prompts sharing a prefix prefill in pieces straight into the
+    bfloat16 pool (and hit its cached prefixes) while float32 image rows take room in their own
+    pool. The bfloat16 pool is compacted under its running rows (and, as timing has it, prompts
+    prefilling into it); every answer is the one given alone."""
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    model = str(checkpoint("kimi_vl", "4bit", cache_dir))
+    server = start_server(
+        model, max_num_seqs=8, warmup_image_sizes=(), prefill_chunk=16, kv_cache_memory_gb=160 * 8192 / 2**30
+    )
+    try:
+        batches = server.state.engine.core.runner.batches
+        budget = server.state.engine.core.sched.kv_budget
+        shrinks, compact = [], DecodeBatches._compact_running
+
+        def tracked_compact(self, pool, holders, size):
+            shrinks.append(compact(self, pool, holders, size))
+            return shrinks[-1]
+
+        monkeypatch.setattr(DecodeBatches, "_compact_running", tracked_compact)
+        image = images()
+        greedy = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        common = "Once upon a time in a land far away there lived a king who had three daughters and a dragon. " * 3
+        bodies = [
+            chat_body(server.model_id, common + f"story {i}: " + "the sea and the sky " * (4 + 3 * i), **greedy)
+            for i in range(12)
+        ] + [
+            chat_body(server.model_id, f"Describe picture {i}." + " and more" * i, [data_uri(image[i % 2])], **greedy)
+            for i in range(10)
+        ]
+        order = [i for pair in zip(range(12), range(12, 22)) for i in pair] + [10, 11]  # text and images interleaved
+
+        async def run(together: bool) -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+                if not together:
+                    return [await client.post("/v1/chat/completions", json=b) for b in bodies]
+
+                async def staggered(k: int, i: int) -> tuple[int, httpx.Response]:
+                    await asyncio.sleep(0.01 * k)
+                    return i, await client.post("/v1/chat/completions", json=bodies[i])
+
+                done = dict(await asyncio.gather(*(staggered(k, i) for k, i in enumerate(order))))
+                return [done[i] for i in range(len(bodies))]
+
+        answers = asyncio.run(run(True))  # first: the pools start without cached prefixes
+        assert [r.status_code for r in answers] == [200] * len(bodies), answers[0].text
+        assert True in shrinks and len(batches.kv_dtypes) == 2
+        alone = [r.json()["choices"][0]["message"]["content"] for r in asyncio.run(run(False))]
+        compared = slice(12, None) if cuda_kernels.on_cuda() else slice(None)  # as above
+        assert [r.json()["choices"][0]["message"]["content"] for r in answers][compared] == alone[compared]
+        assert budget.used == 0
+    finally:
+        server.stop()

@@ -121,9 +121,9 @@ class BlockPool:
             a = a[where]
             return mx.concatenate([a, mx.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
 
-        self.keys = [shrunk(k) for k in self.keys]
-        self.values = [shrunk(v) for v in self.values]
-        mx.eval(self.arrays())
+        keys, values = [shrunk(k) for k in self.keys], [shrunk(v) for v in self.values]
+        mx.eval(keys, values)  # before anything changes: a failure (out of memory) leaves the pool as it was
+        self.keys, self.values = keys, values
         self.refs = [0] + [self.refs[b] for b in held] + [0] * (size - len(held) - 1)
         self.free = list(range(size - 1, len(held), -1))
         self.num_blocks = size
@@ -138,9 +138,9 @@ class BlockPool:
         if size >= self.num_blocks:
             return 0
         keep = mx.arange(size * self.block_size)  # a gather, not a slice: the old buffers go
-        self.keys = [k[keep] for k in self.keys]
-        self.values = [v[keep] for v in self.values]
-        mx.eval(self.arrays())
+        keys, values = [k[keep] for k in self.keys], [v[keep] for v in self.values]
+        mx.eval(keys, values)  # before anything changes: a failure leaves the pool as it was
+        self.keys, self.values = keys, values
         given = self.num_blocks - size
         self.free = [b for b in self.free if b < size]
         self.refs = self.refs[:size]

@@ -557,17 +557,24 @@ class DecodeBatches:
                     return
                 if other is pool:
                     continue
-                # Its blocks `pool` lacks (its share unclamped: `most` is 2 at least).
-                short = -(-(blocks - self.most_blocks(pool.dtype)) * self.weight(pool.dtype) // self.weight(dtype))
                 holders = self.holders(other)
-                if evict and self.reclaim is not None:  # enough free blocks to compact away `short`
-                    self.reclaim(other, short + len(holders))
+                if evict and self.reclaim is not None:  # enough free blocks to compact away what is short
+                    self.reclaim(other, self._short(pool, blocks, dtype) + len(holders))
                 if other.used == 0:
                     del self.pools[dtype]
                     continue
                 size = other.num_blocks
-                if other.trim() or (evict and self._compact_running(other, holders, size - short)):
+                other.trim()
+                if evict and pool.most < blocks:  # the tail was not enough
+                    self._compact_running(other, holders, other.num_blocks - self._short(pool, blocks, dtype))
+                if other.num_blocks < size:
                     log.info("KV pool (%s) shrank from %d to %d blocks", _dtype_name(dtype), size, other.num_blocks)
+
+    def _short(self, pool: BlockPool, blocks: int, dtype) -> int:
+        """Blocks of `dtype` the other pools must give up for `pool` to hold `blocks` (its share
+        unclamped: `most` is 2 at least)."""
+        lacking = blocks - self.most_blocks(pool.dtype)
+        return max(0, -(-lacking * self.weight(pool.dtype) // self.weight(dtype)))
 
     def _compact_running(self, pool: BlockPool, holders: list[tuple[Any, str]], size: int) -> bool:
         """Shrink `pool` towards `size` blocks while rows use it (BlockPool.compact), keeping a

@@ -370,3 +370,53 @@ def test_a_pool_alone_grows_to_the_whole_budget():
     sizes = on_own_thread(work)
     assert sizes[-1] == 101 and max(sizes) == 101  # 100 blocks and block 0
     assert sorted(set(sizes)) == [8, 16, 32, 64, 101]
+
+
+def test_a_trim_that_gives_too_little_is_followed_by_a_compaction():
+    """The other pool's free tail goes first; where that is not enough, its rows' blocks move to
+    the front as well, so that both pools stay within the budget."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.decode_batch import DecodeBatches
+
+    def work():
+        model = SimpleNamespace(
+            language_model=SimpleNamespace(layers=[None]),
+            kv_layout=lambda: (1, (1, 2, 2), mx.bfloat16),
+            decode=lambda tokens, caches, positions: None,
+        )
+        cached = {}  # a cached prefix's blocks
+
+        def reclaim(pool, n):
+            for key in [k for k, (p, _) in cached.items() if p is pool]:
+                pool.release(cached.pop(key)[1])
+
+        rows = []
+        batches = DecodeBatches(
+            model,
+            False,
+            block_size=2,
+            context_length=64,
+            initial_blocks=30,
+            budget_blocks=lambda: 40,
+            weight=lambda dtype: 1,
+            reclaim=reclaim,
+            cached=lambda pool: Counter(b for p, blocks in cached.values() if p is pool for b in blocks),
+            holders=lambda pool: [(r, "blocks") for r in rows if r.pool is pool],
+        )
+        text = batches.pool(mx.bfloat16)
+        got = text.allocate(32)  # grows from 30 to 41 (the budget), ids 1-32
+        row = SimpleNamespace(pool=text, blocks=[got[0], got[1], got[24]])  # blocks 1, 2 and 25
+        rows.append(row)
+        text.release([b for b in got if b not in row.blocks and b != 31])
+        cached["prefix"] = (text, [31])  # the cached prefix holds block 31: the tail past 25 goes once it is evicted
+        wide = batches.pool(mx.float16)  # a second pool, of the same width here
+        wide.allocate(18)
+        return text.num_blocks, wide.num_blocks, sorted(row.blocks)
+
+    text_blocks, wide_blocks, row_blocks = on_own_thread(work)
+    assert (text_blocks - 1) + (wide_blocks - 1) <= 40 and wide_blocks >= 19
+    assert row_blocks == [1, 2, 3]  # compacted after the trim to 30 fell short
