@@ -28,23 +28,29 @@ def _request(rid: str, prompt: list[int], max_tokens: int) -> tuple:
     return token_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
+def _pieces_engine(prompts: dict[str, list[int]], lengths: dict[str, int]):
+    """A maker of engines whose longer prompts prefill in pieces into the pool (qwen2_vl, chunks of
+    16), and each prompt's greedy tokens alone (on the calling thread: the worker's)."""
+    model, codec = _model("qwen2_vl")
+
+    def engine() -> EngineCore:
+        return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0)
+
+    alone = {}
+    for rid, prompt in prompts.items():
+        core = engine()
+        request, events = _request(rid, prompt, lengths[rid])
+        core.add(request)
+        run_until_idle(core)
+        alone[rid] = event_tokens(events)
+    return engine, alone
+
+
 def test_rows_prefilling_into_the_pool_go_on_after_a_failed_decode_step():
     prompts = {rid: [(7 * i + ord(rid)) % 400 + 20 for i in range(100)] for rid in "BCD"}
 
     def work():
-        model, codec = _model("qwen2_vl")
-
-        def engine() -> EngineCore:
-            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0)
-
-        alone = {}
-        for rid, prompt in prompts.items():
-            core = engine()
-            request, events = _request(rid, prompt, 5)
-            core.add(request)
-            run_until_idle(core)
-            alone[rid] = event_tokens(events)
-
+        engine, alone = _pieces_engine(prompts, dict.fromkeys(prompts, 5))
         core = engine()
         a, a_events = _request("A", list(range(20, 30)), 40)
         core.add(a)
@@ -192,19 +198,7 @@ def test_a_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_aside_
         return take(self, seq, positions, dtype)
 
     def work():
-        model, codec = _model("qwen2_vl")
-
-        def engine() -> EngineCore:
-            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0)
-
-        alone = {}
-        for rid, prompt in prompts.items():
-            core = engine()
-            request, events = _request(rid, prompt, lengths[rid])
-            core.add(request)
-            run_until_idle(core)
-            alone[rid] = event_tokens(events)
-
+        engine, alone = _pieces_engine(prompts, lengths)
         monkeypatch.setattr(ModelRunner, "_take_positions", refuse_b_at_its_join)
         core = engine()
         events = {}
