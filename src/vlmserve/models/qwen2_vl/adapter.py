@@ -36,12 +36,15 @@ from vlmserve.protocol import PreparedRequest
 # 4.4 against 3.6 ms per image.
 TOWER_PATCHES = 8192
 # On CUDA each of the tower's matmul shapes (and its patch convolution) is set up once per row
-# count: 3-10 ms for each at a new count (cuBLASLt; H200, .gpu probe of the 2B tower's shapes),
+# count: 3-10 ms for each at a new count (cuBLASLt; H200, the 2B tower's widths),
 # some 20 ms a call on the request path, and images of mixed sizes packed into one call make a
-# new count almost every call. Qwen2-VL calls that take the one attention launch run on their
+# new count almost every call. Calls that take the one attention launch run on their
 # patches rounded up to a multiple of this (a segment of zeros past the images), and idle time
 # runs each such count up to TOWER_PATCHES once, so traffic meets none of them first.
 TOWER_ROW_STEP = 512
+# The towers whose call is built on the host (embedding.py): same features as mlx_vlm's call,
+# without its device reads, and able to run on more rows than the images'.
+_HOST_TOWERS = {"qwen2_vl": embedding.qwen2_vl_tower, "qwen2_5_vl": embedding.qwen2_5_vl_tower}
 
 
 def _patches(grid: np.ndarray) -> int:
@@ -201,16 +204,18 @@ class QwenVLModel(GenericModel):
 
     def _tower(self, pixels: mx.array, grid: np.ndarray) -> mx.array:
         """All images' features from one vision-tower call."""
-        if self.info.model_type == "qwen2_vl":
-            return embedding.qwen2_vl_tower(self.model.vision_tower, pixels, grid, self._tower_rows(grid))
+        tower = _HOST_TOWERS.get(self.info.model_type)
+        if tower is not None:
+            return tower(self.model.vision_tower, pixels, grid, self._tower_rows(grid))
         return self.model.vision_tower(pixels, mx.array(grid), output_hidden_states=False)
 
     def _pads_tower_rows(self) -> bool:
-        """Whether tower calls run on TOWER_ROW_STEP multiples of rows: Qwen2-VL's own tower call
-        (embedding.qwen2_vl_tower) on CUDA, where the one attention launch serves its heads."""
+        """Whether tower calls run on TOWER_ROW_STEP multiples of rows: the towers whose call is
+        built on the host here (Qwen2-VL, Qwen2.5-VL: _HOST_TOWERS), on CUDA, where the one
+        attention launch serves their heads."""
         tower = self.model.vision_tower
         return (
-            self.model.config.model_type == "qwen2_vl"  # `info` is made after the fast paths
+            self.model.config.model_type in _HOST_TOWERS  # `info` is made after the fast paths
             and cuda_kernels.enabled()
             and vision_attention.one_launch_serves(tower, tower.patch_embed.proj.weight.dtype)
         )

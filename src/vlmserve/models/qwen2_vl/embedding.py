@@ -2,7 +2,8 @@
 
 mlx_vlm reads its own device arrays back while it embeds an image prompt: `mx.sum(...).item()`
 per row in the feature merge; the prompt, mask and grid (`.tolist()`, `.item()`) in
-`get_rope_index`; and `int(t)` per image plus `seqlen.tolist()` in Qwen2-VL's tower. Each read
+`get_rope_index`; `int(t)` per image plus `seqlen.tolist()` in Qwen2-VL's tower, and the
+window index's `tolist()` and `int(grid_thw[i, 0])` in Qwen2.5-VL's. Each read
 waits for whatever the GPU stream holds (a decode step, the previous request's tower), and a
 burst of 32 requests makes hundreds of them. The prompt ids and image grids are on the host
 already, so the same integers (M-RoPE positions, image-token positions, rotary and segment
@@ -64,10 +65,9 @@ def merge_image_features(embeds: mx.array, features: mx.array, ids: np.ndarray, 
     return row[None]
 
 
-def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
-    """Qwen2-VL's `VisionModel.__call__` with its rotary and segment indices built on the host.
-    With `rows` (at least the images' patches), the blocks run on that many patch rows: those
-    past the images are zeros in a segment of their own, dropped from the features."""
+def _rotary(tower: Any, grids: np.ndarray, pad: int) -> mx.array:
+    """The rotary angles of every patch, in the images' patch order (and `pad` rows of position
+    0 after them), as the towers' `rot_pos_emb` makes them from the grids."""
     merge = tower.spatial_merge_size
     pos = []
     for t, h, w in np.asarray(grids, dtype=np.int64).tolist():
@@ -75,19 +75,83 @@ def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | 
         wpos = np.repeat(np.arange(w)[None, :], h, axis=0)
         pair = [p.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1) for p in (hpos, wpos)]
         pos.append(np.tile(np.stack(pair, axis=-1), (t, 1)))
-    pos_ids = np.concatenate(pos).astype(np.int32)
-    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
-    patches = pixels.shape[0]
-    pad = 0 if rows is None else rows - patches
-    if pad > 0:
-        pos_ids = np.concatenate([pos_ids, np.zeros((pad, 2), np.int32)])
-        seqlens = np.concatenate([seqlens, [pad]])
-        pixels = mx.concatenate([pixels, mx.zeros((pad, pixels.shape[1]), pixels.dtype)])
+    pos_ids = np.concatenate(pos + [np.zeros((pad, 2), np.int64)]).astype(np.int32)
     table = tower.rotary_pos_emb(mx.array(int(grids[:, 1:].max())))  # a host scalar: no device read
-    rotary = table[mx.array(pos_ids)].reshape(pos_ids.shape[0], -1)
-    cu_seqlens = mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
+    return table[mx.array(pos_ids)].reshape(pos_ids.shape[0], -1)
+
+
+def _padded(pixels: mx.array, grids: np.ndarray, rows: int | None) -> tuple[mx.array, np.ndarray, int]:
+    """The pixels with `rows - patches` rows of zeros after them (none without `rows`), the
+    segments' lengths (the images' frames, then the zeros as a segment of their own), and the
+    rows added."""
+    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    pad = 0 if rows is None else rows - pixels.shape[0]
+    if pad <= 0:
+        return pixels, seqlens, 0
+    zeros = mx.zeros((pad, pixels.shape[1]), pixels.dtype)
+    return mx.concatenate([pixels, zeros]), np.concatenate([seqlens, [pad]]), pad
+
+
+def _bounds(seqlens: np.ndarray) -> mx.array:
+    return mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
+
+
+def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
+    """Qwen2-VL's `VisionModel.__call__` with its rotary and segment indices built on the host.
+    With `rows` (at least the images' patches), the blocks run on that many patch rows: those
+    past the images are zeros in a segment of their own, dropped from the features."""
+    patches = pixels.shape[0]
+    pixels, seqlens, pad = _padded(pixels, grids, rows)
+    rotary = _rotary(tower, grids, pad)
+    cu_seqlens = _bounds(seqlens)
     hidden = tower.patch_embed(pixels)
     for block in tower.blocks:
         hidden = block(hidden, cu_seqlens=cu_seqlens, rotary_pos_emb=rotary)
     features = tower.merger(hidden)
-    return features[: patches // merge**2] if pad > 0 else features
+    return features[: patches // tower.spatial_merge_size**2] if pad else features
+
+
+def window_index(tower: Any, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2.5-VL's `get_window_index` on the host: the merge units' order, window by window,
+    and the windows' bounds in patches (empty windows included, as mlx_vlm keeps them)."""
+    merge, unit = tower.spatial_merge_size, tower.spatial_merge_unit
+    size = tower.window_size // merge // tower.patch_size
+    order, bounds, base = [], [0], 0
+    for t, h, w in np.asarray(grids, dtype=np.int64).tolist():
+        gh, gw = h // merge, w // merge
+        pad_h, pad_w = size - gh % size, size - gw % size
+        nh, nw = (gh + pad_h) // size, (gw + pad_w) // size
+        index = np.arange(t * gh * gw).reshape(t, gh, gw)
+        index = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-100)
+        index = index.reshape(t, nh, size, nw, size).transpose(0, 1, 3, 2, 4).reshape(t, nh * nw, size, size)
+        seqlens = (index != -100).sum(axis=(2, 3)).reshape(-1)
+        flat = index.reshape(-1)
+        order.append(flat[flat != -100] + base)
+        bounds.extend((np.cumsum(seqlens) * unit + bounds[-1]).tolist())
+        base += t * gh * gw
+    return np.concatenate(order).astype(np.int32), np.array(bounds, dtype=np.int32)
+
+
+def qwen2_5_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
+    """Qwen2.5-VL's `VisionModel.__call__` with its rotary, window and segment indices built on
+    the host (mlx_vlm's reads the device back, waiting for the stream's work). `rows` as in
+    `qwen2_vl_tower`: the rows past the images are one segment of their own in the windowed
+    blocks and the full ones alike, and keep their place at the end."""
+    unit = tower.spatial_merge_unit
+    patches = pixels.shape[0]
+    pixels, seqlens, pad = _padded(pixels, grids, rows)
+    order, windows = window_index(tower, grids)
+    if pad:
+        order = np.concatenate([order, np.arange(patches // unit, (patches + pad) // unit, dtype=np.int32)])
+        windows = np.concatenate([windows, [patches + pad]]).astype(np.int32)
+    total = patches + pad
+    units = mx.array(order)
+    hidden = tower.patch_embed(pixels)
+    hidden = hidden.reshape(total // unit, unit, -1)[units].reshape(total, -1)
+    rotary = _rotary(tower, grids, pad)
+    rotary = rotary.reshape(total // unit, unit, -1)[units].reshape(total, -1)
+    full, windowed = _bounds(seqlens), mx.array(windows)
+    for i, block in enumerate(tower.blocks):
+        hidden = block(hidden, cu_seqlens=full if i in tower.fullatt_block_indexes else windowed, rotary_pos_emb=rotary)
+    features = tower.merger(hidden)[mx.array(np.argsort(order).astype(np.int32))]
+    return features[: patches // unit] if pad else features

@@ -1,6 +1,6 @@
-"""Qwen-VL image prompts embedded from host-side indices (engine/qwen_embedding.py) equal
-mlx_vlm's own code bit for bit: M-RoPE positions, merged embeddings, Qwen2-VL tower features,
-and pixels shipped as bfloat16 bits from preprocessing."""
+"""Qwen-VL image prompts embedded from host-side indices (models/qwen2_vl/embedding.py) equal
+mlx_vlm's own code bit for bit: M-RoPE positions, merged embeddings, Qwen2-VL and Qwen2.5-VL
+tower features, and pixels shipped as bfloat16 bits from preprocessing."""
 
 from __future__ import annotations
 
@@ -86,29 +86,14 @@ def test_mrope_positions_match_get_rope_index(grid_server):
     assert qwen_embedding.mrope_positions(with_video, np.array([(1, 8, 8)]), **kw) is None  # mlx_vlm's own path
 
 
-def test_qwen2_vl_tower_with_host_indices_equals_mlx_vlm(qwen_server):
-    vlm = qwen_server.engine.core.model
-
-    def compare():
-        import mlx.core as mx
-
-        tower = vlm.model.vision_tower
-        vc = vlm.model.config.vision_config
-        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
-        pixels = mx.random.normal((sum(t * h * w for t, h, w in GRIDS), dim), key=mx.random.key(1))
-        ours = qwen_embedding.qwen2_vl_tower(tower, pixels, np.array(GRIDS))
-        ref = tower(pixels, mx.array(GRIDS), output_hidden_states=False)
-        return np.array(ours), np.array(ref)
-
-    ours, ref = qwen_server.on_worker(compare)
-    assert ours.shape[0] == sum(t * h * w for t, h, w in GRIDS) // 4
-    np.testing.assert_array_equal(ours, ref)
-
-
-def test_qwen2_vl_tower_on_padded_rows_gives_the_images_features(qwen_server):
-    """Rows past the images (zeros in a segment of their own, as CUDA's row buckets add) change
-    no image's features, and the idle warm-up runs a call of each row bucket."""
-    vlm = qwen_server.engine.core.model
+def test_host_built_towers_equal_mlx_vlm_and_padded_rows_change_no_feature(grid_server):
+    """Qwen2-VL's and Qwen2.5-VL's tower calls built on the host equal mlx_vlm's bit for bit;
+    rows past the images (zeros in a segment of their own, as CUDA's row buckets add) change no
+    image's features; the idle warm-up runs a call of each row bucket."""
+    vlm = grid_server.state.engine.core.model
+    host_tower = {"qwen2_vl": qwen_embedding.qwen2_vl_tower, "qwen2_5_vl": qwen_embedding.qwen2_5_vl_tower}[
+        vlm.info.model_type
+    ]
 
     def compare():
         import mlx.core as mx
@@ -120,13 +105,15 @@ def test_qwen2_vl_tower_on_padded_rows_gives_the_images_features(qwen_server):
         dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         patches = sum(t * h * w for t, h, w in GRIDS)
         pixels = mx.random.normal((patches, dim), key=mx.random.key(1))
-        own = qwen_embedding.qwen2_vl_tower(tower, pixels, np.array(GRIDS))
-        padded = qwen_embedding.qwen2_vl_tower(tower, pixels, np.array(GRIDS), rows=patches + 36)
+        ref = tower(pixels, mx.array(GRIDS), output_hidden_states=False)
+        own = host_tower(tower, pixels, np.array(GRIDS))
+        padded = host_tower(tower, pixels, np.array(GRIDS), rows=patches + 36)
         vlm._warm_tower_rows(2 * TOWER_ROW_STEP)  # two images of a row step: no error, features made
-        return np.array(own), np.array(padded), patches
+        return np.array(ref), np.array(own), np.array(padded), patches
 
-    own, padded, patches = qwen_server.on_worker(compare)
-    assert padded.shape == own.shape == (patches // 4, own.shape[1])
+    ref, own, padded, patches = grid_server.on_worker(compare)
+    assert own.shape == (patches // 4, ref.shape[1])
+    np.testing.assert_array_equal(own, ref)
     np.testing.assert_allclose(padded, own, rtol=1e-5, atol=1e-5)
 
 
