@@ -307,7 +307,10 @@ class GenericModel:
         return len(self.idle_warmups)
 
     def warm_next_idle(self) -> None:
-        self.idle_warmups.pop(0)()
+        try:
+            self.idle_warmups[0]()
+        finally:  # counted as pending until it has run; one that fails is not tried again
+            self.idle_warmups.pop(0)
 
     def attention_plans_pending(self) -> int:
         """Attention shapes met without a cuDNN plan, whose plans are built while idle."""

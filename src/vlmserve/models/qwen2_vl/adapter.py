@@ -36,11 +36,11 @@ from vlmserve.protocol import PreparedRequest
 # 4.4 against 3.6 ms per image.
 TOWER_PATCHES = 8192
 # On CUDA each of the tower's matmul shapes (and its patch convolution) is set up once per row
-# count: 3-10 ms for each at a new count (cuBLASLt; H200, the 2B tower's widths),
-# some 20 ms a call on the request path, and images of mixed sizes packed into one call make a
-# new count almost every call. Calls that take the one attention launch run on their
-# patches rounded up to a multiple of this (a segment of zeros past the images), and idle time
-# runs each such count up to TOWER_PATCHES once, so traffic meets none of them first.
+# count: 3-10 ms for each at a new count (cuBLASLt; H200, the 2B tower's widths), some 20 ms a
+# call on the request path, and images of mixed sizes packed into one call make a new count
+# almost every call. Calls that take the one attention launch run on their patches rounded up
+# to a multiple of this (zeros past the images, in segments of their own), and idle time runs
+# each such count up to TOWER_PATCHES once, so traffic meets none of them first.
 TOWER_ROW_STEP = 512
 # The towers whose call is built on the host (embedding.py): same features as mlx_vlm's call,
 # without its device reads, and able to run on more rows than the images'.
@@ -223,10 +223,14 @@ class QwenVLModel(GenericModel):
     def _tower_rows(self, grid: np.ndarray) -> int | None:
         """The rows a tower call of these images runs on (None: its own), see TOWER_ROW_STEP. A
         call with attention enough for cuDNN's route keeps its shape (its segments are cuDNN's)."""
-        seqlens = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
-        if not self.pads_tower_rows or vision_attention.may_take_cudnn(seqlens):
+        if not self.pads_tower_rows:
             return None
-        return -(-sum(seqlens) // TOWER_ROW_STEP) * TOWER_ROW_STEP
+        seqlens = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+        rows = -(-sum(seqlens) // TOWER_ROW_STEP) * TOWER_ROW_STEP
+        padded = seqlens + embedding.pad_segments(rows - sum(seqlens), max(seqlens))
+        if vision_attention.may_take_cudnn(seqlens) or vision_attention.may_take_cudnn(padded):
+            return None
+        return rows
 
     def _warm_tower_rows(self, rows: int) -> None:
         """One tower call on `rows` patches (TOWER_ROW_STEP-patch images of zeros): its row count's

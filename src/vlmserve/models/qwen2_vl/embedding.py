@@ -80,16 +80,24 @@ def _rotary(tower: Any, grids: np.ndarray, pad: int) -> mx.array:
     return table[mx.array(pos_ids)].reshape(pos_ids.shape[0], -1)
 
 
+def pad_segments(pad: int, longest: int) -> list[int]:
+    """`pad` rows past the images as segments of their own, none longer than `longest` (the
+    longest real one, at least a merge unit of 4 rows): the one attention launch sizes its grid
+    by the longest segment, so a long pad beside small images or windows would widen it for all."""
+    step = max(4, longest // 4 * 4)
+    return [step] * (pad // step) + ([pad % step] if pad % step else [])
+
+
 def _padded(pixels: mx.array, grids: np.ndarray, rows: int | None) -> tuple[mx.array, np.ndarray, int]:
     """The pixels with `rows - patches` rows of zeros after them (none without `rows`), the
-    segments' lengths (the images' frames, then the zeros as a segment of their own), and the
+    segments' lengths (the images' frames, then the zeros in segments of their own), and the
     rows added."""
     seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
     pad = 0 if rows is None else rows - pixels.shape[0]
     if pad <= 0:
         return pixels, seqlens, 0
     zeros = mx.zeros((pad, pixels.shape[1]), pixels.dtype)
-    return mx.concatenate([pixels, zeros]), np.concatenate([seqlens, [pad]]), pad
+    return mx.concatenate([pixels, zeros]), np.concatenate([seqlens, pad_segments(pad, int(seqlens.max()))]), pad
 
 
 def _bounds(seqlens: np.ndarray) -> mx.array:
@@ -99,7 +107,7 @@ def _bounds(seqlens: np.ndarray) -> mx.array:
 def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
     """Qwen2-VL's `VisionModel.__call__` with its rotary and segment indices built on the host.
     With `rows` (at least the images' patches), the blocks run on that many patch rows: those
-    past the images are zeros in a segment of their own, dropped from the features."""
+    past the images are zeros in segments of their own (`pad_segments`), dropped from the features."""
     patches = pixels.shape[0]
     pixels, seqlens, pad = _padded(pixels, grids, rows)
     rotary = _rotary(tower, grids, pad)
@@ -135,7 +143,7 @@ def window_index(tower: Any, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def qwen2_5_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
     """Qwen2.5-VL's `VisionModel.__call__` with its rotary, window and segment indices built on
     the host (mlx_vlm's reads the device back, waiting for the stream's work). `rows` as in
-    `qwen2_vl_tower`: the rows past the images are one segment of their own in the windowed
+    `qwen2_vl_tower`: the rows past the images are segments of their own in the windowed
     blocks and the full ones alike, and keep their place at the end."""
     unit = tower.spatial_merge_unit
     patches = pixels.shape[0]
@@ -143,7 +151,8 @@ def qwen2_5_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int 
     order, windows = window_index(tower, grids)
     if pad:
         order = np.concatenate([order, np.arange(patches // unit, (patches + pad) // unit, dtype=np.int32)])
-        windows = np.concatenate([windows, [patches + pad]]).astype(np.int32)
+        pieces = pad_segments(pad, int(np.diff(windows).max()))
+        windows = np.concatenate([windows, patches + np.cumsum(pieces)]).astype(np.int32)
     total = patches + pad
     units = mx.array(order)
     hidden = tower.patch_embed(pixels)
