@@ -1,4 +1,5 @@
-"""Qwen3-VL: the generic adapter, its vision tower call indexed on the host (tower.py)."""
+"""Qwen3-VL and Qwen3.5 (whose vision tower is Qwen3-VL's): the generic adapter, the tower's
+call indexed on the host (tower.py)."""
 
 from __future__ import annotations
 
