@@ -22,6 +22,7 @@ _FAST_PATHS: dict[str, tuple[str | None, str | None]] = {
     "pixtral": (None, "vlmserve.models.pixtral.adapter:PixtralModel"),
     "qwen3_vl": (None, "vlmserve.models.qwen3_vl.adapter:Qwen3VLModel"),
     "qwen3_5": (None, "vlmserve.models.qwen3_vl.adapter:Qwen3VLModel"),  # Qwen3-VL's vision tower
+    "qwen3_5_moe": (None, "vlmserve.models.qwen3_vl.adapter:Qwen3VLModel"),  # likewise
     "qwen2_vl": (
         "vlmserve.models.qwen2_vl.processing:QwenVLProcessing",
         "vlmserve.models.qwen2_vl.adapter:QwenVLModel",

@@ -17,6 +17,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_vlm.models.qwen3_vl.vision import VisionModel as Qwen3VLVisionModel
+
+# The methods `tower_call` mirrors: a tower class that overrides any of them keeps its own call.
+_MIRRORED = ("__call__", "rot_pos_emb", "fast_pos_embed_interpolate")
 
 
 def _positions(tower: Any, grids: np.ndarray) -> np.ndarray:
@@ -88,11 +92,14 @@ _CLASSES: dict[type, type] = {}
 
 
 def install(tower: nn.Module) -> bool:
-    """Give this tower instance (a Qwen3-VL VisionModel) the call above; returns whether it did."""
+    """Give this tower instance the call above where it runs mlx_vlm's Qwen3-VL code (its class or a
+    subclass that overrides none of what the call mirrors); returns whether it did."""
     base = type(tower)
     if base in _CLASSES.values():
         return True
-    if not all(hasattr(tower, name) for name in ("pos_embed", "num_grid_per_side", "deepstack_visual_indexes")):
+    if not isinstance(tower, Qwen3VLVisionModel) or any(
+        getattr(base, name) is not getattr(Qwen3VLVisionModel, name) for name in _MIRRORED
+    ):
         return False
     if base not in _CLASSES:
         _CLASSES[base] = type(f"HostIndexed{base.__name__}", (base,), {"__call__": _call})

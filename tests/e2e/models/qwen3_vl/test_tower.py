@@ -53,3 +53,24 @@ def test_the_host_indexed_tower_call_equals_mlx_vlms(family, tmp_path_factory):
     assert len(ours_deep) == len(ref_deep)
     for a, b in zip(ours_deep, ref_deep):
         np.testing.assert_array_equal(a, b)
+
+
+def test_only_towers_running_qwen3_vls_own_code_take_the_call():
+    """A subclass that overrides what the call mirrors (mlx_vlm's Qwen3-VL-MoE tower is a copy of
+    its own) keeps its own call."""
+    from mlx_vlm.models.qwen3_vl.vision import VisionModel
+
+    from vlmserve.models.qwen3_vl import tower as host_tower
+
+    class Overrides(VisionModel):
+        def rot_pos_emb(self, grid_thw):
+            return super().rot_pos_emb(grid_thw)
+
+    class Same(VisionModel):
+        pass
+
+    plain = Same.__new__(Same)  # no weights: only the class matters
+    other = Overrides.__new__(Overrides)
+    assert host_tower.install(plain) and type(plain).__name__ == "HostIndexedSame"
+    assert not host_tower.install(other) and type(other) is Overrides
+    assert not host_tower.install(object.__new__(type("Unrelated", (), {})))
