@@ -107,18 +107,31 @@ def _key(dtype: mx.Dtype, heads: int, dim: int, count: int, length: int) -> tupl
     return (dtype, heads, dim, count, length)
 
 
-class _Layout:
-    """What the blocks of one tower call share about its segments: the bounds as host numbers,
-    the cuDNN pieces, the attention work (patches^2 summed) and the longest segment."""
+class _Segments:
+    """A tower call's segments: their bounds (host numbers), the cuDNN pieces, the attention work
+    (patches^2 summed) and the longest segment."""
 
-    def __init__(self, cu_seqlens: mx.array):
-        self.cu_seqlens = cu_seqlens  # held: the identity the blocks look it up by stays its own
-        self.bounds = cu_seqlens.tolist()
-        runs = segment_runs(self.bounds)
+    def __init__(self, bounds: list[int]):
+        self.bounds = bounds
+        runs = segment_runs(bounds)
         self.pieces = power_of_two_pieces(runs) if cuda_kernels.cudnn_enabled() else runs
         self.work = sum(count * length * length for _, count, length in runs)
         self.largest = max((count * length * length for _, count, length in self.pieces), default=0)
         self.longest = max((length for _, _, length in runs), default=0)
+
+    def worth_cudnn(self) -> bool:
+        """Whether cuDNN's faster kernel saves more device time than its route costs the host
+        (CUDNN_WORK per cuDNN call, or one call past CUDNN_LARGEST)."""
+        return self.work >= CUDNN_WORK * len(self.pieces) or self.largest >= CUDNN_LARGEST
+
+
+class _Layout(_Segments):
+    """What the blocks of one tower call share about its segments (`_Segments`), found by the
+    identity of its `cu_seqlens`."""
+
+    def __init__(self, cu_seqlens: mx.array):
+        self.cu_seqlens = cu_seqlens  # held: the identity the blocks look it up by stays its own
+        super().__init__(cu_seqlens.tolist())
 
     def covers(self, positions: int) -> bool:
         """Whether the segments run from 0 to `positions` without a gap (every row is written)."""
@@ -141,13 +154,7 @@ def may_take_cudnn(seqlens: list[int]) -> bool:
     """Whether a tower call of segments of these lengths has enough attention work for cuDNN's
     route (`_takes_cudnn`, plans aside); the others always take the one launch, which any
     segment lengths suit."""
-    if not cuda_kernels.cudnn_enabled():
-        return False
-    runs = segment_runs([0, *np.cumsum(seqlens).tolist()])
-    pieces = power_of_two_pieces(runs)
-    work = sum(count * length * length for _, count, length in runs)
-    largest = max((count * length * length for _, count, length in pieces), default=0)
-    return work >= CUDNN_WORK * len(pieces) or largest >= CUDNN_LARGEST
+    return cuda_kernels.cudnn_enabled() and _Segments([0, *np.cumsum(seqlens).tolist()]).worth_cudnn()
 
 
 def one_launch_serves(tower: nn.Module, dtype: mx.Dtype) -> bool:
@@ -164,7 +171,7 @@ def _takes_cudnn(layout: _Layout, dtype: mx.Dtype, heads: int, dim: int, scale: 
     with what the whole call loses without cuDNN."""
     if plans is None or not cuda_kernels.cudnn_enabled():
         return False
-    if layout.work < CUDNN_WORK * len(layout.pieces) and layout.largest < CUDNN_LARGEST:
+    if not layout.worth_cudnn():
         return False
     pieces = [(count, length) for _, count, length in layout.pieces]
     missing = [(count, length) for count, length in pieces if not plans.planned(_key(dtype, heads, dim, count, length))]
