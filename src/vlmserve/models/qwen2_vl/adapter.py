@@ -225,7 +225,7 @@ class QwenVLModel(GenericModel):
         call with attention enough for cuDNN's route keeps its shape (its segments are cuDNN's)."""
         if not self.pads_tower_rows:
             return None
-        seqlens = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+        seqlens = embedding.frame_lengths(grid).tolist()
         rows = -(-sum(seqlens) // TOWER_ROW_STEP) * TOWER_ROW_STEP
         padded = seqlens + embedding.pad_segments(rows - sum(seqlens), max(seqlens))
         if vision_attention.may_take_cudnn(seqlens) or vision_attention.may_take_cudnn(padded):

@@ -65,17 +65,32 @@ def merge_image_features(embeds: mx.array, features: mx.array, ids: np.ndarray, 
     return row[None]
 
 
-def _rotary(tower: Any, grids: np.ndarray, pad: int) -> mx.array:
-    """The rotary angles of every patch, in the images' patch order (and `pad` rows of position
-    0 after them), as the towers' `rot_pos_emb` makes them from the grids."""
-    merge = tower.spatial_merge_size
+def patch_positions(merge: int, grids: np.ndarray, pad: int = 0) -> np.ndarray:
+    """(patches + pad, 2) int32 row and column of every patch, merge block by merge block, each
+    image's frames in turn (the Qwen-VL towers' `rot_pos_emb` order), then `pad` rows at 0."""
     pos = []
     for t, h, w in np.asarray(grids, dtype=np.int64).tolist():
         hpos = np.repeat(np.arange(h)[:, None], w, axis=1)
         wpos = np.repeat(np.arange(w)[None, :], h, axis=0)
         pair = [p.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1) for p in (hpos, wpos)]
         pos.append(np.tile(np.stack(pair, axis=-1), (t, 1)))
-    pos_ids = np.concatenate(pos + [np.zeros((pad, 2), np.int64)]).astype(np.int32)
+    return np.concatenate(pos + [np.zeros((pad, 2), np.int64)]).astype(np.int32)
+
+
+def frame_lengths(grids: np.ndarray) -> np.ndarray:
+    """Patches of each frame of each image: the towers' full-attention segments."""
+    return np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+
+
+def bounds(seqlens) -> mx.array:
+    """Segment lengths -> the int32 `cu_seqlens` the towers' blocks take."""
+    return mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
+
+
+def _rotary(tower: Any, grids: np.ndarray, pad: int) -> mx.array:
+    """The rotary angles of every patch, in the images' patch order (and `pad` rows of position
+    0 after them), as the towers' `rot_pos_emb` makes them from the grids."""
+    pos_ids = patch_positions(tower.spatial_merge_size, grids, pad)
     table = tower.rotary_pos_emb(mx.array(int(grids[:, 1:].max())))  # a host scalar: no device read
     return table[mx.array(pos_ids)].reshape(pos_ids.shape[0], -1)
 
@@ -92,16 +107,12 @@ def _padded(pixels: mx.array, grids: np.ndarray, rows: int | None) -> tuple[mx.a
     """The pixels with `rows - patches` rows of zeros after them (none without `rows`), the
     segments' lengths (the images' frames, then the zeros in segments of their own), and the
     rows added."""
-    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    seqlens = frame_lengths(grids)
     pad = 0 if rows is None else rows - pixels.shape[0]
     if pad <= 0:
         return pixels, seqlens, 0
     zeros = mx.zeros((pad, pixels.shape[1]), pixels.dtype)
     return mx.concatenate([pixels, zeros]), np.concatenate([seqlens, pad_segments(pad, int(seqlens.max()))]), pad
-
-
-def _bounds(seqlens: np.ndarray) -> mx.array:
-    return mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
 
 
 def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | None = None) -> mx.array:
@@ -111,7 +122,7 @@ def qwen2_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int | 
     patches = pixels.shape[0]
     pixels, seqlens, pad = _padded(pixels, grids, rows)
     rotary = _rotary(tower, grids, pad)
-    cu_seqlens = _bounds(seqlens)
+    cu_seqlens = bounds(seqlens)
     hidden = tower.patch_embed(pixels)
     for block in tower.blocks:
         hidden = block(hidden, cu_seqlens=cu_seqlens, rotary_pos_emb=rotary)
@@ -159,7 +170,7 @@ def qwen2_5_vl_tower(tower: Any, pixels: mx.array, grids: np.ndarray, rows: int 
     hidden = hidden.reshape(total // unit, unit, -1)[units].reshape(total, -1)
     rotary = _rotary(tower, grids, pad)
     rotary = rotary.reshape(total // unit, unit, -1)[units].reshape(total, -1)
-    full, windowed = _bounds(seqlens), mx.array(windows)
+    full, windowed = bounds(seqlens), mx.array(windows)
     for i, block in enumerate(tower.blocks):
         hidden = block(hidden, cu_seqlens=full if i in tower.fullatt_block_indexes else windowed, rotary_pos_emb=rotary)
     features = tower.merger(hidden)[mx.array(np.argsort(order).astype(np.int32))]

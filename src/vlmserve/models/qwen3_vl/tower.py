@@ -19,21 +19,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_vlm.models.qwen3_vl.vision import VisionModel as Qwen3VLVisionModel
 
+from vlmserve.models.qwen2_vl import embedding  # the Qwen-VL towers' host-side indices
+
 # The methods `tower_call` mirrors: a tower class that overrides any of them keeps its own call.
 _MIRRORED = ("__call__", "rot_pos_emb", "fast_pos_embed_interpolate")
-
-
-def _positions(tower: Any, grids: np.ndarray) -> np.ndarray:
-    """(patches, 2) rows and columns of every patch, in the merge blocks' order (rot_pos_emb's)."""
-    merge = tower.spatial_merge_size
-    pos = []
-    for t, h, w in grids.tolist():
-        rows = np.arange(h // merge)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
-        cols = np.arange(w // merge)[None, :, None, None] * merge + np.arange(merge)[None, None, None, :]
-        shape = (h // merge, w // merge, merge, merge)
-        coords = np.stack([np.broadcast_to(rows, shape).reshape(-1), np.broadcast_to(cols, shape).reshape(-1)], -1)
-        pos.append(np.tile(coords, (t, 1)))
-    return np.concatenate(pos).astype(np.int32)
 
 
 def _position_embeddings(tower: Any, grids: np.ndarray) -> mx.array:
@@ -73,11 +62,10 @@ def tower_call(tower: Any, hidden_states: mx.array, grid_thw: mx.array) -> tuple
     """mlx_vlm's Qwen3-VL `VisionModel.__call__`, its indices from the host: (features, deepstack features)."""
     grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)  # the call's input: read once
     hidden = tower.patch_embed(hidden_states) + _position_embeddings(tower, grids)
-    pos = mx.array(_positions(tower, grids))
+    pos = mx.array(embedding.patch_positions(tower.spatial_merge_size, grids))
     table = tower.rotary_pos_emb(int(grids[:, 1:].max()))
     rotary = mx.concatenate([table[pos[:, 0]], table[pos[:, 1]]], axis=-1)
-    seqlens = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
-    cu_seqlens = mx.array(np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32))
+    cu_seqlens = embedding.bounds(embedding.frame_lengths(grids))
     hidden = hidden.reshape(hidden.shape[0], -1)
     rotary = rotary.reshape(hidden.shape[0], -1)
     deepstack = []
