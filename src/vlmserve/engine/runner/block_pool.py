@@ -121,9 +121,7 @@ class BlockPool:
             a = a[where]
             return mx.concatenate([a, mx.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
 
-        keys, values = [shrunk(k) for k in self.keys], [shrunk(v) for v in self.values]
-        mx.eval(keys, values)  # before anything changes: a failure (out of memory) leaves the pool as it was
-        self.keys, self.values = keys, values
+        self._replace_arrays(shrunk)
         self.refs = [0] + [self.refs[b] for b in held] + [0] * (size - len(held) - 1)
         self.free = list(range(size - 1, len(held), -1))
         self.num_blocks = size
@@ -138,14 +136,19 @@ class BlockPool:
         if size >= self.num_blocks:
             return 0
         keep = mx.arange(size * self.block_size)  # a gather, not a slice: the old buffers go
-        keys, values = [k[keep] for k in self.keys], [v[keep] for v in self.values]
-        mx.eval(keys, values)  # before anything changes: a failure leaves the pool as it was
-        self.keys, self.values = keys, values
+        self._replace_arrays(lambda a: a[keep])
         given = self.num_blocks - size
         self.free = [b for b in self.free if b < size]
         self.refs = self.refs[:size]
         self.num_blocks = size
         return given
+
+    def _replace_arrays(self, shrink: Callable[[mx.array], mx.array]) -> None:
+        """Every layer's keys and values made anew by `shrink`, evaluated before the pool takes
+        them: a failure (out of memory) leaves the pool as it was."""
+        keys, values = [shrink(k) for k in self.keys], [shrink(v) for v in self.values]
+        mx.eval(keys, values)
+        self.keys, self.values = keys, values
 
     @property
     def most(self) -> int:
