@@ -9,6 +9,9 @@ Usage
     python scripts/make_fixtures.py --preset qwen2-vl-2b --dtype bfloat16 --out DIR
                                                     # Qwen2-VL-2B-shaped random checkpoint (GPU box;
                                                     # never in CI). --layers/--vision-layers shrink it.
+    python scripts/make_fixtures.py --only lfm2_vl --text-config '{"hidden_size": 2048}' --dtype bfloat16 --out DIR
+                                                    # a family's tiny checkpoint with its text model
+                                                    # resized (benchmarks; GPU box, never in CI)
 
 Every checkpoint is loadable with ``mlx_vlm.load(path)`` (and ``mlx_vlm.utils.load_model`` /
 ``load_processor``).  Files: config.json, model.safetensors (metadata {"format": "mlx"}),
@@ -817,10 +820,16 @@ def save_tokenizer(fast, template: str, out: Path):
     (out / "chat_template.jinja").write_text(template)
 
 
-def write_checkpoint(name: str, out_models: Path, zero_eos=True, seed=0):
+def write_checkpoint(name: str, out_models: Path, zero_eos=True, seed=0, text_config=None, dtype=None):
+    """`text_config`: keys that replace the family's text model config (a bigger model for a
+    benchmark); `dtype`: the weights' dtype (float32 by default)."""
     import mlx.core as mx
 
     spec = get_spec(name)
+    if text_config:
+        spec["config"]["text_config"].update(text_config)
+    if dtype:
+        spec["config"]["torch_dtype"] = spec["config"]["text_config"]["torch_dtype"] = dtype
     d = out_models / name
     if d.exists():
         shutil.rmtree(d)
@@ -830,6 +839,8 @@ def write_checkpoint(name: str, out_models: Path, zero_eos=True, seed=0):
         _dump_json(d / fname, obj)
     save_tokenizer(spec["tokenizer"], spec["template"], d)
     weights = make_small_weights(spec["config"], spec["never_ids"], zero_eos=zero_eos, seed=seed)
+    if dtype:
+        weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
     mx.save_safetensors(str(d / "model.safetensors"), weights, metadata={"format": "mlx"})
     return d
 
@@ -1076,12 +1087,12 @@ def write_quantized(src: Path, dst: Path) -> Path:
     return dst
 
 
-def build_small(out: Path, names, zero_eos=True, seed=0, images=True, quantized=False):
+def build_small(out: Path, names, zero_eos=True, seed=0, images=True, quantized=False, text_config=None, dtype=None):
     out_models = out / "models"
     out_models.mkdir(parents=True, exist_ok=True)
     built = []
     for name in names:
-        built.append(write_checkpoint(name, out_models, zero_eos=zero_eos, seed=seed))
+        built.append(write_checkpoint(name, out_models, zero_eos, seed, text_config, dtype))
         if quantized:
             built.append(write_quantized(built[-1], out_models / f"{name}{QUANTIZED_SUFFIX}"))
     if images:
@@ -1099,7 +1110,8 @@ def main(argv=None):
     ap.add_argument("--keep-eos", action="store_true", help="do not zero the EOS lm_head rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", choices=["qwen2-vl-2b"], default=None)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="the weights' dtype (preset: bfloat16; families: float32)")
+    ap.add_argument("--text-config", type=json.loads, default=None, help="JSON keys replacing a family's text config")
     ap.add_argument("--layers", type=int, default=None, help="override text layers (preset)")
     ap.add_argument("--vision-layers", type=int, default=None, help="override vision depth (preset)")
     args = ap.parse_args(argv)
@@ -1108,7 +1120,12 @@ def main(argv=None):
         if args.out is None:
             ap.error("--preset needs --out DIR")
         build_qwen2_vl_2b(
-            args.out, args.dtype, args.layers, args.vision_layers, seed=args.seed, zero_eos=not args.keep_eos
+            args.out,
+            args.dtype or "bfloat16",
+            args.layers,
+            args.vision_layers,
+            seed=args.seed,
+            zero_eos=not args.keep_eos,
         )
         print(f"wrote {args.out}")
         return 0
@@ -1119,7 +1136,14 @@ def main(argv=None):
     out = args.out or DEFAULT_OUT
     names = args.only if args.only else list(AVAILABLE)
     built = build_small(
-        out, names, zero_eos=not args.keep_eos, seed=args.seed, images=not args.no_images, quantized=args.quantized
+        out,
+        names,
+        zero_eos=not args.keep_eos,
+        seed=args.seed,
+        images=not args.no_images,
+        quantized=args.quantized,
+        text_config=args.text_config,
+        dtype=args.dtype,
     )
     for d in built:
         print(f"wrote {d}")

@@ -10,6 +10,7 @@ the core's job too.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
 from vlmserve.engine.ops import kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.ops.cuda_kernels import on_cuda
-from vlmserve.engine.runner.decode_batch import uses_plain_kv_cache
+from vlmserve.engine.runner.decode_batch import pages_kv
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
@@ -176,18 +177,24 @@ class EngineCore:
     def kv_budget(model, config: ServerConfig) -> KVBudget:
         """The KV budget in blocks, from --kv-cache-memory or --gpu-memory-utilization."""
         budget = kv_budget_bytes(config.kv_cache_memory_gb, config.gpu_memory_utilization)
-        if not uses_plain_kv_cache(model):
+        if not pages_kv(model):
             return EngineCore._padded_budget(model, config, budget)
         block_bytes = kv_block_bytes(model, config.kv_block_size)
         blocks = max(1, budget // block_bytes)
+        # Layers of fixed-size state (kept per row beside the pool): each row counts it in blocks.
+        fixed = sum(
+            math.prod(shape) * dtype.size for arrays in model.state_layout() if arrays for shape, dtype in arrays
+        )
+        row_blocks = -(-fixed // block_bytes)
         log.info(
-            "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)",
+            "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)%s",
             blocks * block_bytes / 1e9,
             blocks,
             config.kv_block_size,
             blocks * config.kv_block_size,
+            f", {row_blocks} a row for its fixed state" if row_blocks else "",
         )
-        return KVBudget(blocks, config.kv_block_size)
+        return KVBudget(blocks, config.kv_block_size, row_blocks=row_blocks)
 
     @staticmethod
     def _padded_budget(model, config: ServerConfig, budget: int) -> KVBudget:
@@ -811,7 +818,7 @@ class EngineCore:
         size of this engine's first one, and `working` bytes) off the KV budget, at most half of
         it, until the rehearsal ends: the two processes then stay within the device's memory."""
         budget = self.sched.kv_budget
-        if budget is None or not uses_plain_kv_cache(self.model):
+        if budget is None or not pages_kv(self.model):
             return
         block = kv_block_bytes(self.model, budget.block_size)
         pool = budget.blocks_for(self.sched.max_num_seqs * 2 * self.sched.prefill_chunk) * block

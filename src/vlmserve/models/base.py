@@ -97,7 +97,11 @@ class ModelAdapter(Protocol):
         each piece's last logits (rows, V)."""
 
     def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
-        """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache."""
+        """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache (its KV layers)."""
+
+    def state_layout(self) -> list[Any]:
+        """Per language-model layer: None for a KV layer, else the (shape past the row axis,
+        dtype) of each array of its fixed-size state (convolution window, recurrent state)."""
 
     def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
         """Per-request caches -> one batch cache per layer."""

@@ -239,6 +239,7 @@ class GenericModel:
         )
         self.feature_cache = None  # a FeatureCache where the engine reuses vision features
         self._kv_layout = None
+        self._state_layout: list | None = None
         eos = _eos_ids(model_path, self.config) or fallback_eos
         self.info = ModelInfo(
             path=str(model_path),
@@ -687,14 +688,33 @@ class GenericModel:
 
     # ---- batched decode ------------------------------------------------------
     def kv_layout(self) -> tuple[int, tuple[int, int, int], Any]:
-        """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache, read off a one-token forward."""
+        """(layers, (kv_heads, key_dim, value_dim), dtype) of the KV cache (its plain KV layers
+        only, where others hold fixed-size state: `state_layout`), read off a one-token forward."""
         if self._kv_layout is None:
-            cache = vlm_cache.make_prompt_cache(self.language_model)
-            kwargs = {"position_ids": mx.zeros((3, 1, 1), dtype=mx.int32)} if self.uses_mrope else {}
-            self.language_model(mx.zeros((1, 1), dtype=mx.int32), cache=cache, **kwargs)
-            k, v = cache[0].state
-            self._kv_layout = (len(cache), (k.shape[1], k.shape[3], v.shape[3]), k.dtype)
+            caches = self._one_token_caches()
+            kv = [c for c in caches if not kv_caches.is_state(c)]
+            k, v = kv[0].state
+            self._kv_layout = (len(kv), (k.shape[1], k.shape[3], v.shape[3]), k.dtype)
+            self._state_layout = [
+                [(tuple(a.shape[1:]), a.dtype) for a in c.state] if kv_caches.is_state(c) else None for c in caches
+            ]
         return self._kv_layout
+
+    def state_layout(self) -> list[list[tuple[tuple[int, ...], Any]] | None]:
+        """Per layer of the language model: None where its cache is KV, else the shape past the
+        row axis and the dtype of each array of its fixed-size state (a convolution window, a
+        recurrent state), read off the same forward as `kv_layout`."""
+        self.kv_layout()
+        return self._state_layout
+
+    def _one_token_caches(self) -> list[Any]:
+        cache = vlm_cache.make_prompt_cache(self.language_model)
+        kwargs = {"position_ids": mx.zeros((3, 1, 1), dtype=mx.int32)} if self.uses_mrope else {}
+        try:
+            self.language_model(mx.zeros((1, 1), dtype=mx.int32), cache=cache, **kwargs)
+        finally:
+            self._forget_positions()
+        return cache
 
     def merge_caches(self, caches: list[list[Any]]) -> list[Any]:
         """Per-request caches -> one batch cache per layer (left-padded); a lone request of a model

@@ -1,18 +1,32 @@
 """Which prompt caches the engine's shared paths take: mlx_vlm's plain KVCache, every position
-kept and attended causally. Rotating, quantized and recurrent caches keep their model's own
-paths (one request at a time, no paged pool, no prefix reuse, no pieces forward), but for the
-sliding-window layers of a model that masks their window itself (`plain_for_windows`)."""
+kept and attended causally. Rotating and quantized caches keep their model's own paths (one
+padded batch, no paged pool, no prefix reuse, no pieces forward), but for the sliding-window
+layers of a model that masks their window itself (`plain_for_windows`). Recurrent and
+convolution state (ArraysCache) beside plain KV layers decodes on the paged pool, the state
+kept per row beside it (`pageable`), with no prefix reuse or pieces forward."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlx_vlm.models.cache import KVCache, RotatingKVCache
+from mlx_vlm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 
 def all_plain(caches: list[Any]) -> bool:
     """Whether every layer's cache is a plain KVCache (not a subclass: those change what is kept)."""
     return all(type(c) is KVCache for c in caches)
+
+
+def is_state(cache: Any) -> bool:
+    """Whether a layer's cache is fixed-size state (mlx_vlm's ArraysCache: a convolution window,
+    a recurrent state) rather than KV that grows with the context."""
+    return type(cache) is ArraysCache
+
+
+def pageable(caches: list[Any]) -> bool:
+    """Whether a model's decode step can run on the paged KV pool: plain KV layers (one at least),
+    and any others fixed-size state, which a decode step takes per row beside the pool."""
+    return any(type(c) is KVCache for c in caches) and all(type(c) is KVCache or is_state(c) for c in caches)
 
 
 def plain_for_windows(language_model: Any) -> None:

@@ -212,7 +212,7 @@ def _core(rehearsal, monkeypatch):
 
     log = []
     monkeypatch.setattr(core_module.mx, "enable_compile", lambda: log.append("compile on"))
-    monkeypatch.setattr(core_module, "uses_plain_kv_cache", lambda model: True)
+    monkeypatch.setattr(core_module, "pages_kv", lambda model: True)
     core = SimpleNamespace(
         rehearsal=rehearsal,
         runner=SimpleNamespace(batches=SimpleNamespace(retrace=lambda: log.append("retrace"))),

@@ -161,7 +161,10 @@ def test_builds_under_way_say_how_many_modules_are_in_the_cache(tmp_path, monkey
             running.clear()
             prebuild._thread.join(10)
     progress = [r.getMessage() for r in caplog.records if "in the kernel cache (" in r.getMessage()]
-    assert len(progress) == 1  # none while nothing was filed, none again while nothing more was
+    # None while nothing was filed, none again while nothing more was (the three files may be
+    # seen one poll apart: a line for each count, rising).
+    counts = [int(line.split(": ")[1].split("/")[0]) for line in progress]
+    assert counts and counts == sorted(set(counts)) and counts[0] > 0 and counts[-1] == 3, progress
     assert f"3 of {total} modules in the kernel cache" in caplog.text  # the closing line
 
 

@@ -1,9 +1,11 @@
 """The running batch's KV caches, behind one interface the scheduler drives.
 
-- `PagedDecodeBatch` (plain KV-cache families): the rows' KV lives in a paged pool
-  (block_pool.py) and each row has a block table, so a decode step's shapes depend on the
-  number of rows only, never on how long a context is: one compiled graph per row bucket.
-- `PaddedDecodeBatch` (anything else, e.g. sliding-window or SSM caches): mlx_vlm's batch
+- `PagedDecodeBatch` (KV-cache families, and those whose other layers keep fixed-size state):
+  the rows' KV lives in a paged pool (block_pool.py) and each row has a block table, and the
+  state layers' state a row per slot beside it (row_states.py), so a decode step's shapes
+  depend on the number of rows only, never on how long a context is: one compiled graph per
+  row bucket.
+- `PaddedDecodeBatch` (anything else, e.g. rotating or quantized caches): mlx_vlm's batch
   caches, left-padded, extended on join and filtered on leave.
 
 `layout()` gives the row order of the next step: a list of the rows' owners (any object with
@@ -26,6 +28,7 @@ from mlx_vlm.models import cache as vlm_cache
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 from vlmserve.engine.runner import host_arrays
 from vlmserve.engine.runner.block_pool import BlockPool
+from vlmserve.engine.runner.row_states import RowStates, layer_kinds
 from vlmserve.models import kv_caches
 
 log = logging.getLogger(__name__)
@@ -52,24 +55,39 @@ def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
     return [b for b in buckets if b < n] + [round_up(n, buckets)]
 
 
-def uses_plain_kv_cache(model) -> bool:
-    return kv_caches.all_plain(vlm_cache.make_prompt_cache(model.language_model))
+def pages_kv(model) -> bool:
+    """Whether this model decodes on the paged KV pool (kv_caches.pageable)."""
+    return kv_caches.pageable(vlm_cache.make_prompt_cache(model.language_model))
 
 
-def make_decode_step(decode: Callable, block_size: int, compiled: bool) -> Callable:
-    """fn(tokens (S,), positions (S,) | None, lengths (S,), write (S,), table (S, W), *pools)
-    -> (logits (S, V), *new_pools); eager, it also takes `probe`, a dict the layers' caches
-    share (what the step learned: PagedLayerCache).
+def make_decode_step(decode: Callable, block_size: int, compiled: bool, kinds: list[int] | None = None) -> Callable:
+    """fn(tokens (S,), positions (S,) | None, lengths (S,), write (S,), table (S, W), *pools, *states)
+    -> (logits (S, V), *new_pools, *new_states); eager, it also takes `probe`, a dict the layers'
+    caches share (what the step learned: PagedLayerCache).
 
     `decode(tokens, caches, positions)` is the model's one-token batched forward (ModelAdapter.decode).
-    A pure function of its inputs, so `mx.compile` can trace it once per input shape."""
+    `kinds` (row_states.layer_kinds; None: every layer KV): a layer's cache is a view of the pools,
+    or one of its fixed-size state over `states` (a row per slot, RowStates). A pure function of
+    its inputs, so `mx.compile` can trace it once per input shape."""
 
-    def step(tokens, positions, lengths, write, table, *kv, probe=None):
-        n = len(kv) // 2
+    def step(tokens, positions, lengths, write, table, *arrays, probe=None):
+        layers = kinds if kinds is not None else [0] * (len(arrays) // 2)
+        n = layers.count(0)
+        kv, states = arrays[: 2 * n], list(arrays[2 * n :])
         shared = {} if probe is None else probe
-        caches = [PagedLayerCache(kv[i], kv[n + i], lengths, write, table, block_size, shared) for i in range(n)]
+        caches, k = [], 0
+        for size in layers:
+            if size == 0:
+                caches.append(PagedLayerCache(kv[k], kv[n + k], lengths, write, table, block_size, shared))
+                k += 1
+            else:
+                cache = vlm_cache.ArraysCache(size)
+                cache.cache, states = states[:size], states[size:]
+                caches.append(cache)
         logits = decode(tokens, caches, positions)
-        return (logits, *[c.keys for c in caches], *[c.values for c in caches])
+        paged = [c for c in caches if isinstance(c, PagedLayerCache)]
+        state = [a for c in caches if not isinstance(c, PagedLayerCache) for a in c.cache]
+        return (logits, *[c.keys for c in paged], *[c.values for c in paged], *state)
 
     if not compiled:
         return step
@@ -79,8 +97,8 @@ def make_decode_step(decode: Callable, block_size: int, compiled: bool) -> Calla
 
 
 class PaddedDecodeBatch:
-    """Rows of a model whose caches are not all plain (recurrent or convolution state, rotating
-    windows) in mlx_vlm's own batch caches, left-padded to the longest row; the KV budget counts
+    """Rows of a model whose caches the paged pool does not take (rotating windows, quantized
+    KV) in mlx_vlm's own batch caches, left-padded to the longest row; the KV budget counts
     each row at that width, and its fixed state (GenericModel.row_memory; the runner's
     `_padded_width`), and a preempted row's caches go to host memory and come back by the same
     merge a joining row takes."""
@@ -162,11 +180,12 @@ class PagedDecodeBatch:
 
     paged = True
 
-    def __init__(self, model, step: DecodeSteps, pool: BlockPool, context_length: int):
+    def __init__(self, model, step: DecodeSteps, pool: BlockPool, context_length: int, states: RowStates | None = None):
         self.model = model
         self.step = step  # DecodeSteps: compiled where traced, eager elsewhere; shared across batches
         self.pool = pool
         self.context_length = context_length
+        self.states = states  # the state layers' per-row state (None: every layer is KV)
         self.rows: list[Any] = []
 
     def layout(self) -> list[Any]:
@@ -182,8 +201,10 @@ class PagedDecodeBatch:
         first ones, shared, and writes only what follows. Every row's positions go into the pool
         with one gather and one scatter a layer (a copy per row and layer would be thousands of
         launches for a group of 32 prompts)."""
-        end = rows_cache[0]._idx if rows_cache else 0
+        kv_cache = [c for c in rows_cache if not kv_caches.is_state(c)]
+        end = kv_cache[0]._idx if kv_cache else 0
         batch_rows, cache_positions, slots = [], [], []  # per written position: its row, where it is, where it goes
+        placed: list[tuple[int, int]] = []  # (slot, row in rows_cache) of each owner
         try:
             for i, owner in zip(rows or range(len(owners)), owners):
                 n = owner.cache_len
@@ -196,12 +217,15 @@ class PagedDecodeBatch:
                     batch_rows.append(np.full(n - start, i, np.int32))
                     cache_positions.append(np.arange(end - n + start, end, dtype=np.int32))
                     slots.append(self.pool.slots(owner.blocks, n)[start:])
-                self._place(owner)
+                placed.append((self._place(owner), i))
             if slots:
                 b, p = mx.array(np.concatenate(batch_rows)), mx.array(np.concatenate(cache_positions))
                 # (B, heads, L, dim) seen as (B, L, heads, dim): each position's (heads, dim) at [row, position].
-                layer_kv = [(c.keys.swapaxes(1, 2)[b, p], c.values.swapaxes(1, 2)[b, p]) for c in rows_cache]
+                layer_kv = [(c.keys.swapaxes(1, 2)[b, p], c.values.swapaxes(1, 2)[b, p]) for c in kv_cache]
                 self.pool.write_at(mx.array(np.concatenate(slots)), layer_kv)
+            if self.states is not None and placed:
+                state_cache = [c for c in rows_cache if kv_caches.is_state(c)]
+                self.states.put([s for s, _ in placed], RowStates.of_rows(state_cache, [r for _, r in placed]))
         except BaseException:
             self._none_join(owners)
             raise
@@ -228,31 +252,37 @@ class PagedDecodeBatch:
             self.pool.release(owner.blocks)
             owner.blocks = []
 
-    def resume(self, owner: Any, host_kv: list) -> None:
-        """A preempted row comes back with the KV `evict` gave out (on a failure, its blocks go back)."""
+    def resume(self, owner: Any, host: tuple[list, list]) -> None:
+        """A preempted row comes back with the KV and state `evict` gave out (on a failure, its
+        blocks go back)."""
+        host_kv, host_states = host
         try:
             owner.blocks = self.pool.allocate(self.blocks_for(owner.cache_len + 1))
             self.pool.from_host(owner.blocks, host_kv, owner.cache_len)
-            self._place(owner)
+            slot = self._place(owner)
+            if self.states is not None:
+                self.states.put([slot], host_arrays.from_host(host_states))
         except BaseException:
             self._none_join([owner])
             raise
 
-    def evict(self, owner: Any) -> list:
-        """Copy a row's KV to the host and take it out of the batch (preemption)."""
+    def evict(self, owner: Any) -> tuple[list, list]:
+        """Copy a row's KV (and state) to the host and take it out of the batch (preemption)."""
         host_kv = self.pool.to_host(owner.blocks, owner.cache_len)
+        states = self.states.to_host(self.rows.index(owner)) if self.states is not None else []
         self.remove([owner])
-        return host_kv
+        return host_kv, states
 
     @staticmethod
-    def host_row(rows_cache: list[Any], row: int, length: int) -> list:
+    def host_row(rows_cache: list[Any], row: int, length: int) -> tuple[list, list]:
         """The last `length` positions of row `row` of a prefill's batch cache (rows left-padded,
-        ending together, as `join` takes them) copied to the host as `evict` gives a row's KV out:
-        a prefilled row that steps aside before its join."""
-        span = slice(rows_cache[0]._idx - length, rows_cache[0]._idx)
-        return host_arrays.to_host(
-            [[c.keys[row, :, span].swapaxes(0, 1), c.values[row, :, span].swapaxes(0, 1)] for c in rows_cache]
-        )
+        ending together, as `join` takes them), and its state layers' state, copied to the host
+        as `evict` gives a row out: a prefilled row that steps aside before its join."""
+        kv_cache = [c for c in rows_cache if not kv_caches.is_state(c)]
+        state_cache = [c for c in rows_cache if kv_caches.is_state(c)]
+        span = slice(kv_cache[0]._idx - length, kv_cache[0]._idx)
+        kv = [[c.keys[row, :, span].swapaxes(0, 1), c.values[row, :, span].swapaxes(0, 1)] for c in kv_cache]
+        return host_arrays.to_host(kv), host_arrays.to_host([RowStates.of_rows(state_cache, [row])])[0]
 
     def grow(self) -> None:
         """Give each row the block its next position needs (the runner counted them in its budget)."""
@@ -260,10 +290,16 @@ class PagedDecodeBatch:
             if row is not None and len(row.blocks) < self.blocks_for(row.cache_len + 1):
                 row.blocks += self.pool.allocate(1)
 
-    def _place(self, owner: Any) -> None:
+    def _place(self, owner: Any) -> int:
+        """Put `owner` in the first empty slot (more slots, a row bucket up, where none is); its slot."""
         if None not in self.rows:
-            self.rows += [None] * (round_up(len(self.rows) + 1, ROW_BUCKETS) - len(self.rows))
-        self.rows[self.rows.index(None)] = owner
+            slots = len(self.rows)
+            self.rows += [None] * (round_up(slots + 1, ROW_BUCKETS) - slots)
+            if self.states is not None:
+                self.states.reorder([*range(slots), *[None] * (len(self.rows) - slots)])
+        slot = self.rows.index(None)
+        self.rows[slot] = owner
+        return slot
 
     def remove(self, owners: list[Any]) -> None:
         for owner in owners:
@@ -271,11 +307,16 @@ class PagedDecodeBatch:
                 self.rows[self.rows.index(owner)] = None
                 self.pool.release(owner.blocks)
                 owner.blocks = []
-        live = [r for r in self.rows if r is not None]
+        live = [i for i, r in enumerate(self.rows) if r is not None]
         if not live:
-            self.rows = []
+            order = []
         elif round_up(len(live), ROW_BUCKETS) * 2 <= len(self.rows):  # mostly empty: fewer rows per step
-            self.rows = live + [None] * (round_up(len(live), ROW_BUCKETS) - len(live))
+            order = live + [None] * (round_up(len(live), ROW_BUCKETS) - len(live))
+        else:
+            return
+        self.rows = [None if i is None else self.rows[i] for i in order]
+        if self.states is not None:
+            self.states.reorder(order)
 
     def forward(self, tokens: mx.array, rows: list[Any]) -> mx.array:
         """Logits (rows, V) of one step; `rows` is this step's `layout()`."""
@@ -291,15 +332,20 @@ class PagedDecodeBatch:
                 table[i, : len(row.blocks)] = row.blocks
                 write[i] = row.blocks[row.cache_len // bs] * bs + row.cache_len % bs
                 lengths[i] = row.cache_len
+        pools = self.pool.arrays()
+        states = self.states.arrays if self.states is not None else []
         out = self.step(
             tokens,
             self.model.decode_positions(rows),
             mx.array(lengths),
             mx.array(write),
             mx.array(table),
-            *self.pool.arrays(),
+            *pools,
+            *states,
         )
-        self.pool.set_arrays(out[1:])
+        self.pool.set_arrays(out[1 : 1 + len(pools)])
+        if self.states is not None:
+            self.states.arrays = list(out[1 + len(pools) :])
         return out[0]
 
 
@@ -309,7 +355,8 @@ def _dtype_name(dtype) -> str:
 
 def kv_dtype(rows_cache: list[Any]):
     """The dtype of the KV a prefill produced (None for an empty one)."""
-    keys = getattr(rows_cache[0], "keys", None) if rows_cache else None
+    kv = [c for c in rows_cache if not kv_caches.is_state(c)]
+    keys = getattr(kv[0], "keys", None) if kv else None
     return None if keys is None else keys.dtype
 
 
@@ -408,11 +455,14 @@ class DecodeSteps:
     shapes depend on the row count only; elsewhere attention gathers the rows' KV and the
     width is bucketed to what the longest row needs (WIDTH_BUCKETS)."""
 
-    def __init__(self, model, block_size: int, compiled: bool):
+    def __init__(self, model, block_size: int, compiled: bool, state_layout: list[Any] | None = None):
+        """`state_layout`: the model's (ModelAdapter.state_layout), where some layers keep state."""
         self.model = model
         self.block_size = block_size
-        self.eager = make_decode_step(model.decode, block_size, False)
-        self.compiled = make_decode_step(model.decode, block_size, True) if compiled else None
+        self.kinds = layer_kinds(state_layout) if state_layout is not None else None
+        self.states = RowStates(state_layout) if state_layout is not None else None  # what a warm call's rows hold
+        self.eager = make_decode_step(model.decode, block_size, False, self.kinds)
+        self.compiled = make_decode_step(model.decode, block_size, True, self.kinds) if compiled else None
         self.traced: set[tuple] = set()
         self.seen: set[tuple] = set()  # shapes that ran eagerly once
         self.reads_pool: dict[Any, bool] = {}  # KV dtype -> every layer's attention read the pool
@@ -431,7 +481,8 @@ class DecodeSteps:
             self.seen.add(shape)
             probe: dict = {}
             out = self.eager(tokens, positions, lengths, write, table, *kv, probe=probe)
-            self.reads_pool.setdefault(kv[0].dtype, probe.get("kernel_layers", 0) == len(kv) // 2)
+            layers = self.kinds.count(0) if self.kinds is not None else len(kv) // 2
+            self.reads_pool.setdefault(kv[0].dtype, probe.get("kernel_layers", 0) == layers)
             return out
         t0 = time.perf_counter()
         try:
@@ -451,14 +502,17 @@ class DecodeSteps:
         """The model's kernels changed (a faster one now serves): every shape traces again on its
         next step, since a trace keeps the ops it was traced with."""
         if self.compiled is not None:
-            self.compiled = make_decode_step(self.model.decode, self.block_size, True)
+            self.compiled = make_decode_step(self.model.decode, self.block_size, True, self.kinds)
             self.traced.clear()
 
     def _warm_call(self, pool: BlockPool, rows: int, width: int):
         """The compiled step's outputs (unevaluated) at this shape, its writes going to block 0."""
         zeros = mx.zeros((rows,), dtype=mx.int32)
         table = mx.zeros((rows, width), dtype=mx.int32)
-        return self.compiled(zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays())
+        states = self.states.zeros(rows) if self.states is not None else []
+        return self.compiled(
+            zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays(), *states
+        )
 
     def note_builds(self, pool: BlockPool, rows: int, width: int) -> None:
         """Trace the compiled step at this shape without running it: the builds of vlmserve's
@@ -476,7 +530,7 @@ class DecodeSteps:
         out = self._warm_call(pool, rows, width)
         # The pool takes the step's outputs before they are evaluated, as a served step's does:
         # holding its inputs meanwhile would keep a second copy of every layer's KV.
-        pool.set_arrays(out[1:])
+        pool.set_arrays(out[1 : 1 + len(pool.arrays())])
         mx.eval(out)
         self.traced.add(shape)
         return True
@@ -501,7 +555,10 @@ class DecodeBatches:
         holders: Callable[[BlockPool], list[tuple[Any, str]]] = lambda pool: [],
     ):
         self.model = model
-        self.paged = uses_plain_kv_cache(model)
+        caches = vlm_cache.make_prompt_cache(model.language_model)
+        self.paged = kv_caches.pageable(caches)
+        # Layers of fixed-size state beside the KV ones: their state is kept per row (RowStates).
+        self.state_layout = model.state_layout() if self.paged and not kv_caches.all_plain(caches) else None
         self.compiled = compiled and self.paged
         self.block_size = block_size
         self.context_length = context_length
@@ -514,7 +571,7 @@ class DecodeBatches:
         # (object, attribute) of every block list in a pool besides cached prefixes' (running
         # rows, prompts prefilling into it, prefix hits not joined yet): what a compaction renumbers
         self.holders = holders
-        self.step = DecodeSteps(model, block_size, self.compiled) if self.paged else None
+        self.step = DecodeSteps(model, block_size, self.compiled, self.state_layout) if self.paged else None
         self.pools: dict[Any, BlockPool] = {}
         self.kv_dtypes: list = []  # every KV dtype a pool was made for since start, in order
 
@@ -601,7 +658,8 @@ class DecodeBatches:
             return PaddedDecodeBatch(self.model)
 
         def make(dtype):
-            return PagedDecodeBatch(self.model, self.step, self.pool(dtype), self.context_length)
+            states = RowStates(self.state_layout) if self.state_layout is not None else None
+            return PagedDecodeBatch(self.model, self.step, self.pool(dtype), self.context_length, states)
 
         return DtypeGroupedBatch(make, self.model.kv_layout()[2])
 

@@ -484,7 +484,8 @@ class ModelRunner:
         that changes it would shift every position after an image). Never prompts attended to
         as a whole: a prefix's KV there depends on what follows it."""
         prepared = seq.req.prepared
-        if self.model.prefix_lm or seq.num_prompt <= 1:
+        if self.model.prefix_lm or seq.num_prompt <= 1 or self.batches.state_layout is not None:
+            # (nor a model whose layers keep state: a prefix's KV alone does not resume its prompt)
             return None, None
         if not prepared.has_pixels:
             return self.prefix_cache, prepared.prompt_ids
@@ -766,7 +767,7 @@ class ModelRunner:
         if rows_cache is not None:
             seq.host_kv = self.batch.host_row(rows_cache, row, seq.cache_len)
         else:
-            seq.host_kv = seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len)
+            seq.host_kv = (seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len), [])  # as `evict` gives out
             pool_prefill.leave(seq)
         seq.kv_dtype = dtype if dtype is not None or not self.batches.paged else self.model.kv_layout()[2]
         self._let_go_of_prefix(seq)
@@ -836,7 +837,11 @@ class ModelRunner:
         """Budget blocks a row's next position needs beyond what it holds (a padded batch's row
         holds no blocks of its own: what it was counted, and it is counted at the batch's
         `width`, its padding included). Negative where a padded row's batch got narrower."""
-        held = self._weight(seq.kv_dtype) * len(seq.blocks) if self.batches.paged else seq.kv_units
+        held = (
+            self._weight(seq.kv_dtype) * len(seq.blocks) + self.budget.row_blocks
+            if self.batches.paged
+            else seq.kv_units
+        )
         return self._cost(max(seq.cache_len, width) + 1, seq.kv_dtype) - held
 
     def _grow_blocks(self, prev):

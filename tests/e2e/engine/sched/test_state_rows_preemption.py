@@ -1,7 +1,8 @@
-"""Models whose caches are not paged (recurrent and convolution state: LFM2-VL, Qwen3.5) decode
-as one padded batch under a KV budget too: admission counts each row's positions and fixed
-state, and when the budget runs out the rows that arrived last go to host memory and resume
-where they were, with the tokens each gives alone."""
+"""Models whose layers keep fixed-size state beside their KV (recurrent and convolution state:
+LFM2-VL, Qwen3.5) decode on the paged KV pool, the state kept per row beside it, under the KV
+budget: admission counts each row's positions and fixed state, and when the budget runs out
+the rows that arrived last go to host memory, KV and state, and resume where they were, with
+the tokens each gives alone."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ BUDGET_BLOCKS = 12  # holds any one request below, grown, but not all four
 
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
-def test_padded_rows_preempted_for_the_budget_resume_with_the_same_tokens(family, tmp_path_factory):
+def test_state_rows_preempted_for_the_budget_resume_with_the_same_tokens(family, tmp_path_factory):
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     path = checkpoint(family, "float32", cache_dir)
@@ -28,7 +29,8 @@ def test_padded_rows_preempted_for_the_budget_resume_with_the_same_tokens(family
     try:
         core = probe.engine.core
         per_position, fixed = probe.on_worker(core.model.row_memory)
-        assert not core.runner.batches.paged and core.sched.kv_budget.bounded
+        assert core.runner.batches.paged and core.runner.batches.state_layout is not None
+        assert core.sched.kv_budget.bounded
     finally:
         probe.stop()
     block_bytes = per_position * 32
