@@ -3,7 +3,8 @@ windows; Qwen3.5: convolution windows and recurrent state) decode on the paged K
 state a row per decode slot (row_states.py), eager and compiled:
 
 - a row taken to host memory mid-decode (KV and state) and resumed gives the logits it gives
-  uninterrupted, bit for bit, whether it was the longest, a short one or the only row;
+  uninterrupted, bit for bit, whether it was the longest, a short one or the only row (and the
+  rows beside it theirs, to rounding: their batch was smaller meanwhile);
 - rows leaving a wide batch (its slots compacted, each state moving with its row) and rows
   joining later (more slots) give the logits each gives alone, to rounding, and its tokens."""
 
@@ -78,6 +79,13 @@ def _run(model, compiled: bool, script: list[tuple[int, str, int]], steps: int) 
     return logits_of
 
 
+def _same(expected: list[np.ndarray], taken: list[np.ndarray]) -> bool:
+    """The same tokens, and logits equal to rounding (a batch of another size may sum otherwise)."""
+    return len(expected) == len(taken) and all(
+        int(a.argmax()) == int(b.argmax()) and np.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(expected, taken)
+    )
+
+
 def _alone(model, compiled: bool, n: int, steps: int) -> list[np.ndarray]:
     return _run(model, compiled, [(0, "join", n)], steps)[n]
 
@@ -100,8 +108,8 @@ def test_state_rows_on_the_pool_keep_their_own_state(family, compiled, tmp_path_
             joins = [(0, "join", n) for n in lengths]
             reference = _run(model, compiled, joins, STEPS)
             resumed = _run(model, compiled, [*joins, (EVICT_AT, "evict", victim), (RESUME_AT, "resume", victim)], STEPS)
-            for n in lengths:
-                if n != victim and not all(np.array_equal(a, b) for a, b in zip(reference[n], resumed[n])):
+            for n in lengths:  # fewer rows meanwhile: on a GPU, other kernels (the same to rounding)
+                if n != victim and not _same(reference[n], resumed[n]):
                     failures.append(("beside an eviction", lengths, victim, n))
             # The victim missed the steps between: what it took, it took as uninterrupted.
             taken = resumed[victim]
@@ -116,11 +124,9 @@ def test_state_rows_on_the_pool_keep_their_own_state(family, compiled, tmp_path_
         script += [(LEAVE_AT + 2, "join", n) for n in (6, 10)]
         together = _run(model, compiled, script, STEPS)
         for n, taken in together.items():
-            alone = _alone(model, compiled, n, len(taken))
-            if [int(a.argmax()) for a in alone] != [int(a.argmax()) for a in taken] or not all(
-                np.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(alone, taken)
-            ):
+            if not _same(_alone(model, compiled, n, len(taken)), taken):
                 failures.append(("together", n))
         return failures
 
-    assert on_own_thread(work) == []
+    failures = on_own_thread(work)
+    assert failures == [], failures
