@@ -586,7 +586,12 @@ class GenericModel:
         ids, embeds, kwargs = self._stacked_inputs(states, [(0, n) for n in lengths], longest, left=True)
         if self.prefix_lm:  # bidirectional, but never onto a row's left padding
             kwargs["mask"] = (mx.arange(longest)[None] >= mx.array(pads)[:, None])[:, None, None, :]
-        cache = [vlm_cache.BatchKVCache(pads) for _ in states[0].cache]
+        cache = [
+            vlm_cache.ArraysCache(len(c.cache), left_padding=pads)  # state layers mask the padding too
+            if kv_caches.is_state(c)
+            else vlm_cache.BatchKVCache(pads)
+            for c in states[0].cache
+        ]
         logits = self._prompt_forward(ids, embeds, cache, kwargs, last=[longest - 1] * len(states))
         if self.prefix_lm:
             for c in cache:

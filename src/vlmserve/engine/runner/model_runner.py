@@ -31,6 +31,7 @@ from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest, Sequence
 from vlmserve.engine.sched.scheduler import TOO_LONG, PromptTooLong, Scheduler
+from vlmserve.models import kv_caches
 from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,9 @@ class ModelRunner:
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
         seq.last_in_prefill = prompt.last_from_prompt or (self.model.samples_in_prefill and not self.model.prefix_lm)
-        seq.batchable = self.model.can_batch and PrefixCache.supports(prompt.cache) and not prompt.last_from_prompt
+        seq.groupable = self.model.can_batch and kv_caches.pageable(prompt.cache) and not prompt.last_from_prompt
+        # Pieces forwards and prefix reuse: plain KV only (a state layer's state is not kept per prefix).
+        seq.batchable = seq.groupable and PrefixCache.supports(prompt.cache)
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         cache, key = self._prefix_cache(seq)

@@ -1,0 +1,57 @@
+"""New prompts of a model whose layers keep state beside their KV (LFM2-VL: convolution windows;
+Qwen3.5: those and a recurrent state) prefill together in one left-padded forward, padded to
+the prefill bucket (their state layers mask the padding), join the paged batch, and give the
+tokens each gives alone with exact shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.families import checkpoint
+from support.helpers import event_tokens, on_own_thread, run_until_idle, token_request
+from vlmserve.protocol import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = {"A": 9, "B": 23, "C": 14, "D": 30}  # prompts of one chunk or less, of four lengths
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_state_rows_prefilled_together_give_their_tokens_alone(family, tmp_path_factory):
+    from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.runner.tokenizer import TextCodec
+    from vlmserve.models.registry import load_model_adapter, model_type_of
+
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    path = checkpoint(family, "float32", cache_dir)
+
+    def work():
+        codec = TextCodec(path)
+        model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
+        vocab = model.info.vocab_size
+        prompts = {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in LENGTHS.items()}
+
+        def engine(bucket: int) -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=32, prefill_budget=128, prefill_bucket=bucket)
+
+        def run(core: EngineCore, rids) -> dict[str, list[int]]:
+            events = {}
+            for rid in rids:
+                request, events[rid] = token_request(
+                    rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+                )
+                core.add(request)
+            run_until_idle(core)
+            return {rid: event_tokens(e) for rid, e in events.items()}
+
+        alone = {}
+        for rid in LENGTHS:  # each on its own, exact shapes (no bucket): mlx_vlm.generate's
+            alone.update(run(engine(0), [rid]))
+        core = engine(16)
+        together = run(core, list(LENGTHS))
+        return alone, together, core.runner.stats.batched_prefills, core.runner.batches.state_layout is not None
+
+    alone, together, batched, has_state = on_own_thread(work)
+    assert has_state and batched >= 1
+    assert together == alone and all(len(tokens) == 6 for tokens in alone.values())
