@@ -33,7 +33,7 @@ from vlmserve.engine.ops import (
 from vlmserve.engine.ops.attention_plans import AttentionPlans
 from vlmserve.models import kv_caches
 from vlmserve.models.image_rows import ImageRows
-from vlmserve.models.ragged_cache import RaggedLayerCache
+from vlmserve.models.ragged_cache import RaggedLayerCache, RaggedStateCache
 from vlmserve.protocol import ModelInfo, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class GenericModel:
         self.can_batch = all(_mergeable(c) for c in caches)
         # Pieces of several prompts share a forward over plain KV caches (ragged_cache.py); turned
         # off if this model's forward turns out not to take that.
-        self._pieces_work = kv_caches.all_plain(caches)
+        self._pieces_work = kv_caches.pageable(caches)
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's warm-up (their builds are queued for side processes at load).
         self.kernel_checks: list[Callable[[], bool]] = []
@@ -613,7 +613,8 @@ class GenericModel:
 
     @property
     def prefills_pieces(self) -> bool:
-        """Whether `prefill_pieces` serves this model: rows with plain KV caches, attended causally."""
+        """Whether `prefill_pieces` serves this model: rows with plain KV caches (and fixed-size
+        state beside them), attended causally."""
         return self.can_batch and not self.prefix_lm and self._pieces_work
 
     def prefill_pieces(
@@ -631,9 +632,13 @@ class GenericModel:
         longest = -(-max(e - s for s, e in spans) // bucket) * bucket
         ids, embeds, kwargs = self._stacked_inputs(states, spans, longest, left=False)
         lengths = [e - s for s, e in spans]
-        cache = caches or [RaggedLayerCache(list(rows), lengths) for rows in zip(*(st.cache for st in states))]
+        cache = caches or self._pieces_caches(states, lengths)
         try:
-            return self._prompt_forward(ids, embeds, cache, kwargs, last=[n - 1 for n in lengths])
+            logits = self._prompt_forward(ids, embeds, cache, kwargs, last=[n - 1 for n in lengths])
+            for layer in cache:
+                if isinstance(layer, RaggedStateCache):
+                    layer.write_back()
+            return logits
         except Exception:
             for layer in cache:
                 layer.rollback()
@@ -644,6 +649,14 @@ class GenericModel:
                 exc_info=True,
             )
             raise
+
+    @staticmethod
+    def _pieces_caches(states: list[PromptState], lengths: list[int]) -> list[Any]:
+        """A layer cache each over the rows' own caches, for a pieces forward (ragged_cache.py)."""
+        return [
+            (RaggedStateCache if kv_caches.is_state(rows[0]) else RaggedLayerCache)(list(rows), lengths)
+            for rows in zip(*(st.cache for st in states))
+        ]
 
     def _stacked_inputs(
         self, states: list[PromptState], spans: list[tuple[int, int]], width: int, left: bool

@@ -6,6 +6,10 @@ different lengths. The forward's inputs are right-padded to the longest piece; t
 each row's real positions into that row's own cache and hands attention every row's keys
 side by side, padded to one width, with a mask that keeps each query to its own row's past.
 Padded query positions compute values nobody reads; nothing of them reaches a cache.
+
+A layer of fixed-size state (a convolution window, a recurrent state) takes the rows' states
+side by side with each row's piece length (`RaggedStateCache`): mlx_vlm's state layers then
+keep each row's state at its own last real position, and mask the padding out of it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_vlm.models.cache import ArraysCache
 
 from vlmserve.engine.ops.paged_prefill_cache import pieces_mask, pieces_width
 
@@ -63,3 +68,27 @@ def _to_width(x: mx.array, width: int) -> mx.array:
     if x.shape[2] >= width:
         return x[:, :, :width] if x.shape[2] > width else x
     return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])
+
+
+class RaggedStateCache(ArraysCache):
+    """A state layer's cache over several rows' own (ArraysCache) for a pieces forward: their
+    states side by side (a row with none yet starts from zeros, as mlx_vlm's layers do), and
+    `lengths`, the real positions of each row's right-padded piece. Each row's own cache is left
+    as it was until `write_back` hands it its new state, so a forward that fails changes none."""
+
+    def __init__(self, rows: list[Any], lengths: list[int]):
+        super().__init__(len(rows[0].cache))
+        self.rows = rows
+        for i in range(len(self.cache)):
+            parts = [row.cache[i] for row in rows]
+            known = next((p for p in parts if p is not None), None)
+            if known is not None:
+                self.cache[i] = mx.concatenate([mx.zeros_like(known) if p is None else p for p in parts])
+        self.lengths = mx.array(lengths, dtype=mx.int32)
+
+    def write_back(self) -> None:
+        for r, row in enumerate(self.rows):
+            row.cache = [None if a is None else a[r : r + 1] for a in self.cache]
+
+    def rollback(self) -> None:
+        """Nothing to undo: the rows' own caches change at `write_back` only."""

@@ -1,7 +1,8 @@
-"""New prompts of a model whose layers keep state beside their KV (LFM2-VL: convolution windows;
-Qwen3.5: those and a recurrent state) prefill together in one left-padded forward, padded to
-the prefill bucket (their state layers mask the padding), join the paged batch, and give the
-tokens each gives alone with exact shapes."""
+"""Prompts of a model whose layers keep state beside their KV (LFM2-VL: convolution windows;
+Qwen3.5: those and a recurrent state) prefill together and give the tokens each gives alone
+with exact shapes: new prompts of a chunk or less in one left-padded forward padded to the
+prefill bucket (their state layers mask the padding), longer ones piece by piece in right-padded
+forwards of several rows (each row's state kept at its own piece's end)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from vlmserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-LENGTHS = {"A": 9, "B": 23, "C": 14, "D": 30}  # prompts of one chunk or less, of four lengths
+SHORT = {"A": 9, "B": 23, "C": 14, "D": 30}  # prompts of one chunk or less, of four lengths
+LONG = {"E": 70, "F": 45, "G": 101, "H": 20}  # most longer than a chunk: pieces
 
 
+@pytest.mark.parametrize("lengths", [SHORT, LONG], ids=["short", "long"])
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
-def test_state_rows_prefilled_together_give_their_tokens_alone(family, tmp_path_factory):
+def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, tmp_path_factory):
     from vlmserve.engine.core import EngineCore
     from vlmserve.engine.runner.tokenizer import TextCodec
     from vlmserve.models.registry import load_model_adapter, model_type_of
@@ -30,7 +33,16 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, tmp_path_
         codec = TextCodec(path)
         model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
         vocab = model.info.vocab_size
-        prompts = {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in LENGTHS.items()}
+        prompts = {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in lengths.items()}
+        pieces_rows = []  # the rows of each pieces forward that ran
+        prefill_pieces = model.prefill_pieces
+
+        def counted(states, spans, *args, **kwargs):
+            logits = prefill_pieces(states, spans, *args, **kwargs)
+            pieces_rows.append(len(states))  # a forward that raised (then row by row) is not counted
+            return logits
+
+        model.prefill_pieces = counted
 
         def engine(bucket: int) -> EngineCore:
             return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=32, prefill_budget=128, prefill_bucket=bucket)
@@ -46,12 +58,17 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, tmp_path_
             return {rid: event_tokens(e) for rid, e in events.items()}
 
         alone = {}
-        for rid in LENGTHS:  # each on its own, exact shapes (no bucket): mlx_vlm.generate's
+        for rid in lengths:  # each on its own, exact shapes (no bucket): mlx_vlm.generate's
             alone.update(run(engine(0), [rid]))
+        pieces_rows.clear()
         core = engine(16)
-        together = run(core, list(LENGTHS))
-        return alone, together, core.runner.stats.batched_prefills, core.runner.batches.state_layout is not None
+        together = run(core, list(lengths))
+        has_state = core.runner.batches.state_layout is not None
+        most = max(pieces_rows, default=0)
+        return alone, together, core.runner.stats.batched_prefills, most, model.prefills_pieces, has_state
 
-    alone, together, batched, has_state = on_own_thread(work)
+    alone, together, batched, most_pieces_rows, prefills_pieces, has_state = on_own_thread(work)
     assert has_state and batched >= 1
+    if lengths is LONG:  # pieces of several rows shared a forward, and it served to the end
+        assert most_pieces_rows >= 2 and prefills_pieces
     assert together == alone and all(len(tokens) == 6 for tokens in alone.values())

@@ -185,9 +185,8 @@ class ModelRunner:
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
         seq.last_in_prefill = prompt.last_from_prompt or (self.model.samples_in_prefill and not self.model.prefix_lm)
-        seq.groupable = self.model.can_batch and kv_caches.pageable(prompt.cache) and not prompt.last_from_prompt
-        # Pieces forwards and prefix reuse: plain KV only (a state layer's state is not kept per prefix).
-        seq.batchable = seq.groupable and PrefixCache.supports(prompt.cache)
+        # Plain KV, or state layers beside it (whose prefixes are not reused: `_prefix_cache`).
+        seq.batchable = self.model.can_batch and kv_caches.pageable(prompt.cache) and not prompt.last_from_prompt
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         cache, key = self._prefix_cache(seq)
@@ -388,7 +387,7 @@ class ModelRunner:
             if len(held) > 1:
                 raise RuntimeError("rows prefilled into different KV pools")
             return next(iter(held.values()))
-        if not self.batches.paged:
+        if not self.batches.paged or self.batches.state_layout is not None:  # (state layers: own caches)
             return None
         dtype = self.model.kv_layout()[2]
         if any(s.prompt.embeds.dtype != dtype for s in seqs):

@@ -40,7 +40,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)  # the tokens it generated, in order
     finished: bool = False
     batchable: bool = True  # its prompt cache can join a batched prefill (the runner says, when embedding)
-    groupable: bool = True  # its whole prompt can share a left-padded forward with others' (likewise)
     whole_prompt: bool = False  # its prompt is prefilled in one piece, never in chunks (the runner says)
     last_in_prefill: bool = False  # prefill runs its last prompt position too (the runner says)
     embedded_len: int | None = None  # the embedded prompt's length (a vision merge may change it)

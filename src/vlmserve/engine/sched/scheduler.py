@@ -231,8 +231,8 @@ class Scheduler:
                 plan.failed.append((seq, exc))
                 continue
             remaining = seq.prefill_end - seq.prefilled
-            groupable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.groupable
-            if groupable and remaining <= min(budget, self.prefill_chunk):
+            batchable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.batchable
+            if batchable and remaining <= min(budget, self.prefill_chunk):
                 plan.group.append(seq)
                 budget -= remaining
             else:

@@ -1,6 +1,6 @@
 """Qwen3-VL and Qwen3.5 (whose vision tower is Qwen3-VL's): the generic adapter, the tower's
-call indexed on the host (tower.py), and Qwen3.5's attention given a view of the paged pool it
-reads as mlx_vlm's batch cache."""
+call indexed on the host (tower.py), and Qwen3.5's attention given views of the KV it reads as
+mlx_vlm's batch caches."""
 
 from __future__ import annotations
 
@@ -9,18 +9,28 @@ from typing import Any
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
 from vlmserve.models.generic import GenericModel
 from vlmserve.models.qwen3_vl import tower
+from vlmserve.models.ragged_cache import RaggedLayerCache
 
 
-class _BatchCacheLike(PagedLayerCache):
-    """Qwen3.5's attention cuts the mask it is given to `_idx + 1` positions where its cache has
-    `_idx` and `left_padding` (mlx_vlm's batch cache), and else to the longest row's length, read
-    back from the device: the paged view's mask spans the width of its gather, which this keeps."""
+class _MaskKeptWhole:
+    """Qwen3.5's attention cuts the mask it is given to `_idx` + its query length positions where
+    its cache has `_idx` and `left_padding` (mlx_vlm's batch caches), and else to the longest
+    row's length, read back from the device. A view's mask spans its width (the pool's gather, or
+    the rows' keys side by side): an `_idx` of that width keeps it whole."""
 
     left_padding = None
 
     @property
     def _idx(self) -> int:
-        return self.width - 1
+        return self.width
+
+
+class _PagedView(_MaskKeptWhole, PagedLayerCache):
+    pass
+
+
+class _RaggedView(_MaskKeptWhole, RaggedLayerCache):
+    pass
 
 
 class Qwen3VLModel(GenericModel):
@@ -31,5 +41,13 @@ class Qwen3VLModel(GenericModel):
     def decode(self, tokens, batch_cache: list[Any], positions):
         for cache in batch_cache:
             if type(cache) is PagedLayerCache:
-                cache.__class__ = _BatchCacheLike
+                cache.__class__ = _PagedView
         return super().decode(tokens, batch_cache, positions)
+
+    @staticmethod
+    def _pieces_caches(states, lengths: list[int]) -> list[Any]:
+        caches = GenericModel._pieces_caches(states, lengths)
+        for cache in caches:
+            if type(cache) is RaggedLayerCache:
+                cache.__class__ = _RaggedView
+        return caches

@@ -228,7 +228,7 @@ def test_a_prompt_attended_to_as_a_whole_is_never_chunked():
 def test_a_prompt_whose_last_position_runs_in_prefill_counts_it():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100, prefill_bucket=16)
     rows = admitted(sched, request("wide", 30), request("plain", 30))
-    rows[0].last_in_prefill, rows[0].batchable, rows[0].groupable = True, False, False
+    rows[0].last_in_prefill, rows[0].batchable = True, False
     plan = sched.plan_prefill(embedder([]))
     # "wide" alone (its first token comes from its prefill), "plain" in the batched forward.
     assert [(s.req.request_id, n) for s, n in plan.singles] == [("wide", 64)]
