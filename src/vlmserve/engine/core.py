@@ -23,7 +23,7 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
 from vlmserve.engine.ops import kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.ops.cuda_kernels import on_cuda
-from vlmserve.engine.runner.decode_batch import pages_kv
+from vlmserve.engine.runner.decode_batch import ROW_BUCKETS, pages_kv, round_up
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
@@ -48,6 +48,16 @@ def kv_block_bytes(model, block_size: int) -> int:
     """Bytes of one KV block: `block_size` positions of every layer's keys and values."""
     layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
     return layers * block_size * heads * (dim_k + dim_v) * dtype.size
+
+
+def state_reserve_bytes(model, max_num_seqs: int) -> int:
+    """Bytes the state layers' state takes at `max_num_seqs` running rows (0 for a model whose
+    layers are all KV): a row per decode slot, the row bucket that many rows fill."""
+    layout = model.state_layout() if pages_kv(model) else None
+    if layout is None or all(arrays is None for arrays in layout):
+        return 0
+    row = sum(math.prod(shape) * dtype.size for arrays in layout if arrays for shape, dtype in arrays)
+    return row * round_up(max_num_seqs, ROW_BUCKETS)
 
 
 def _pixel_shapes(prepared: PreparedRequest) -> list[tuple[int, ...]]:
@@ -180,21 +190,25 @@ class EngineCore:
         if not pages_kv(model):
             return EngineCore._padded_budget(model, config, budget)
         block_bytes = kv_block_bytes(model, config.kv_block_size)
-        blocks = max(1, budget // block_bytes)
-        # Layers of fixed-size state (kept per row beside the pool): each row counts it in blocks.
-        fixed = sum(
-            math.prod(shape) * dtype.size for arrays in model.state_layout() if arrays for shape, dtype in arrays
-        )
-        row_blocks = -(-fixed // block_bytes)
+        # Layers of fixed-size state keep it a row per decode slot beside the pool (RowStates): that
+        # of every slot a full batch takes comes off the budget first.
+        states = state_reserve_bytes(model, config.max_num_seqs)
+        if states and budget - states < block_bytes:
+            raise ValueError(
+                f"the KV budget ({budget / 1e9:.2f} GB) does not hold the recurrent or convolution state "
+                f"of --max-num-seqs {config.max_num_seqs} rows ({states / 1e9:.2f} GB) and a block of KV: "
+                "raise --kv-cache-memory or --gpu-memory-utilization, or lower --max-num-seqs"
+            )
+        blocks = max(1, (budget - states) // block_bytes)
         log.info(
             "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)%s",
             blocks * block_bytes / 1e9,
             blocks,
             config.kv_block_size,
             blocks * config.kv_block_size,
-            f", {row_blocks} a row for its fixed state" if row_blocks else "",
+            f", and {states / 1e9:.2f} GB for the state of {config.max_num_seqs} rows" if states else "",
         )
-        return KVBudget(blocks, config.kv_block_size, row_blocks=row_blocks)
+        return KVBudget(blocks, config.kv_block_size)
 
     @staticmethod
     def _padded_budget(model, config: ServerConfig, budget: int) -> KVBudget:
@@ -815,13 +829,15 @@ class EngineCore:
 
     def set_aside_for_rehearsal(self, weights: int, working: int) -> None:
         """Take what the compile rehearsal's copy of the model holds (its weights, a KV pool the
-        size of this engine's first one, and `working` bytes) off the KV budget, at most half of
-        it, until the rehearsal ends: the two processes then stay within the device's memory."""
+        size of this engine's first one, its rows' state and `working` bytes) off the KV budget,
+        at most half of it, until the rehearsal ends: the two processes then stay within the
+        device's memory."""
         budget = self.sched.kv_budget
         if budget is None or not pages_kv(self.model):
             return
         block = kv_block_bytes(self.model, budget.block_size)
         pool = budget.blocks_for(self.sched.max_num_seqs * 2 * self.sched.prefill_chunk) * block
+        pool += state_reserve_bytes(self.model, self.sched.max_num_seqs)
         # Never below one row at the context length the server announces.
         room = budget.total - budget.blocks_for(self.info.context_length) - 1
         blocks = max(0, min(budget.total // 2, room, -(-(weights + pool + working) // block)))

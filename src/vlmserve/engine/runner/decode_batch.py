@@ -56,8 +56,40 @@ def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
 
 
 def pages_kv(model) -> bool:
-    """Whether this model decodes on the paged KV pool (kv_caches.pageable)."""
-    return kv_caches.pageable(vlm_cache.make_prompt_cache(model.language_model))
+    """Whether this model decodes on the paged KV pool: its caches are plain KV, or plain KV and
+    fixed-size state (kv_caches.pageable) where a one-row step over the pool runs (a family's
+    forward may read what mlx_vlm's own caches have and the views lack: it keeps those)."""
+    caches = vlm_cache.make_prompt_cache(model.language_model)
+    if not kv_caches.pageable(caches):
+        return False
+    return kv_caches.all_plain(caches) or _state_step_runs(model)
+
+
+def _state_step_runs(model) -> bool:
+    layout = model.state_layout()
+    layers, kv_shape, dtype = model.kv_layout()
+    pool = BlockPool(layers, kv_shape, dtype, block_size=16, blocks=2)
+    zeros = mx.zeros((1,), dtype=mx.int32)
+    step = make_decode_step(model.decode, 16, False, layer_kinds(layout))
+    try:
+        out = step(
+            zeros,
+            model.decode_positions([None]),
+            zeros,
+            zeros,
+            mx.zeros((1, 1), mx.int32),
+            *pool.arrays(),
+            *RowStates(layout).zeros(1),
+        )
+        mx.eval(out)
+    except Exception:  # noqa: BLE001 - its own batch caches serve it (PaddedDecodeBatch)
+        log.warning(
+            "%s: a decode step over the paged KV pool failed; one padded batch serves it",
+            model.info.model_type,
+            exc_info=True,
+        )
+        return False
+    return True
 
 
 def make_decode_step(decode: Callable, block_size: int, compiled: bool, kinds: list[int] | None = None) -> Callable:
@@ -235,6 +267,8 @@ class PagedDecodeBatch:
         those blocks, and the one their next position needs."""
         if any(owner.prefill_pool is not self.pool for owner in owners):
             raise RuntimeError("the KV pool its prompt was prefilled into is gone")
+        if self.states is not None:  # their state is in their own caches (ModelRunner._pieces_pool)
+            raise RuntimeError("rows of state layers do not prefill into the KV pool")
         try:
             for owner in owners:
                 owner.blocks, owner.prefill_blocks, owner.prefill_pool = owner.prefill_blocks, [], None
@@ -460,7 +494,7 @@ class DecodeSteps:
         self.model = model
         self.block_size = block_size
         self.kinds = layer_kinds(state_layout) if state_layout is not None else None
-        self.states = RowStates(state_layout) if state_layout is not None else None  # what a warm call's rows hold
+        self.state_layout = state_layout
         self.eager = make_decode_step(model.decode, block_size, False, self.kinds)
         self.compiled = make_decode_step(model.decode, block_size, True, self.kinds) if compiled else None
         self.traced: set[tuple] = set()
@@ -509,7 +543,7 @@ class DecodeSteps:
         """The compiled step's outputs (unevaluated) at this shape, its writes going to block 0."""
         zeros = mx.zeros((rows,), dtype=mx.int32)
         table = mx.zeros((rows, width), dtype=mx.int32)
-        states = self.states.zeros(rows) if self.states is not None else []
+        states = RowStates(self.state_layout, pool.dtype).zeros(rows) if self.state_layout is not None else []
         return self.compiled(
             zeros, self.model.decode_positions([None] * rows), zeros, zeros, table, *pool.arrays(), *states
         )
@@ -555,10 +589,10 @@ class DecodeBatches:
         holders: Callable[[BlockPool], list[tuple[Any, str]]] = lambda pool: [],
     ):
         self.model = model
-        caches = vlm_cache.make_prompt_cache(model.language_model)
-        self.paged = kv_caches.pageable(caches)
+        self.paged = pages_kv(model)
         # Layers of fixed-size state beside the KV ones: their state is kept per row (RowStates).
-        self.state_layout = model.state_layout() if self.paged and not kv_caches.all_plain(caches) else None
+        plain = kv_caches.all_plain(vlm_cache.make_prompt_cache(model.language_model))
+        self.state_layout = model.state_layout() if self.paged and not plain else None
         self.compiled = compiled and self.paged
         self.block_size = block_size
         self.context_length = context_length
@@ -658,7 +692,7 @@ class DecodeBatches:
             return PaddedDecodeBatch(self.model)
 
         def make(dtype):
-            states = RowStates(self.state_layout) if self.state_layout is not None else None
+            states = RowStates(self.state_layout, dtype) if self.state_layout is not None else None
             return PagedDecodeBatch(self.model, self.step, self.pool(dtype), self.context_length, states)
 
         return DtypeGroupedBatch(make, self.model.kv_layout()[2])

@@ -24,9 +24,16 @@ def layer_kinds(layout: list[Any]) -> list[int]:
 
 
 class RowStates:
-    def __init__(self, layout: list[Any]):
-        """`layout`: the model's state_layout()."""
-        self.specs = [spec for arrays in layout if arrays is not None for spec in arrays]
+    def __init__(self, layout: list[Any], kv_dtype=None):
+        """`layout`: the model's state_layout(); `kv_dtype`: the KV dtype of the rows they go with.
+        Rows whose KV is wider than the model's (float32 image embeddings beside a bfloat16 model)
+        carry state as wide: the arrays are at least that wide."""
+        self.specs = [
+            (shape, kv_dtype if kv_dtype is not None and kv_dtype.size > dtype.size else dtype)
+            for arrays in layout
+            if arrays is not None
+            for shape, dtype in arrays
+        ]
         self.arrays: list[mx.array] = []  # per state array: (slots, *shape); none while no row runs
 
     def zeros(self, slots: int) -> list[mx.array]:

@@ -1,0 +1,73 @@
+"""The KV budget of a model whose layers keep fixed-size state beside their KV (LFM2-VL,
+Qwen3.5): the state of every decode slot a full batch takes comes off it before the blocks, so
+the pool and the states together stay within it; a budget that cannot hold that says so at
+start; and a model whose forward does not take the pool's views keeps one padded batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.families import checkpoint
+from support.helpers import on_own_thread
+
+pytestmark = pytest.mark.slow
+
+
+def _model(family: str, tmp_path_factory):
+    from vlmserve.models.registry import load_model_adapter
+
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    path = checkpoint(family, "float32", cache_dir)
+    return lambda: load_model_adapter(path, family)
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_the_state_of_every_slot_comes_off_the_budget(family, tmp_path_factory):
+    from vlmserve.config import ServerConfig
+    from vlmserve.engine.core import EngineCore, kv_block_bytes, state_reserve_bytes
+
+    load = _model(family, tmp_path_factory)
+
+    def work():
+        model = load()
+        row = state_reserve_bytes(model, 1)
+        block = kv_block_bytes(model, 32)
+        config = ServerConfig(max_num_seqs=5, kv_cache_memory_gb=(8 * row + 20 * block) / (1 << 30))
+        budget = EngineCore.kv_budget(model, config)
+        try:  # too little for five rows' state (eight slots) and a block
+            EngineCore.kv_budget(model, ServerConfig(max_num_seqs=5, kv_cache_memory_gb=8 * row / (1 << 30)))
+        except ValueError as exc:
+            refused = str(exc)
+        else:
+            refused = ""
+        return row, state_reserve_bytes(model, 5), budget.total, budget.row_blocks, refused
+
+    row, five, blocks, row_blocks, refused = on_own_thread(work)
+    assert row > 0 and five == 8 * row  # five rows take the row bucket of eight slots
+    assert blocks == 20 and row_blocks == 0
+    assert "--max-num-seqs" in refused and "--kv-cache-memory" in refused
+
+
+def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(tmp_path_factory):
+    from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+    from vlmserve.engine.runner.decode_batch import DecodeBatches, pages_kv
+
+    load = _model("lfm2_vl", tmp_path_factory)
+
+    def work():
+        model = load()
+        before = pages_kv(model)
+        decode = model.decode
+
+        def no_views(tokens, caches, positions):  # a forward that reads what only mlx_vlm's caches have
+            if any(isinstance(c, PagedLayerCache) for c in caches):
+                raise AttributeError("'PagedLayerCache' object has no attribute 'left_padding'")
+            return decode(tokens, caches, positions)
+
+        model.decode = no_views
+        batches = DecodeBatches(model, compiled=False, block_size=16, context_length=256, initial_blocks=8)
+        return before, pages_kv(model), batches.paged, type(batches.new()).__name__
+
+    before, after, paged, batch = on_own_thread(work)
+    assert before and not after and not paged and batch == "PaddedDecodeBatch"
