@@ -56,8 +56,8 @@ def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(tmp_path_
     load = _model("lfm2_vl", tmp_path_factory)
 
     def work():
-        model = load()
-        before = pages_kv(model)
+        before = pages_kv(load())
+        model = load()  # another: a model's answer is kept
         decode = model.decode
 
         def no_views(tokens, caches, positions):  # a forward that reads what only mlx_vlm's caches have

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -62,7 +63,16 @@ def pages_kv(model) -> bool:
     caches = vlm_cache.make_prompt_cache(model.language_model)
     if not kv_caches.pageable(caches):
         return False
-    return kv_caches.all_plain(caches) or _state_step_runs(model)
+    if kv_caches.all_plain(caches):
+        return True
+    try:
+        return _STATE_STEP_RUNS[model]
+    except KeyError:
+        _STATE_STEP_RUNS[model] = runs = _state_step_runs(model)  # once per model: a forward
+        return runs
+
+
+_STATE_STEP_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _state_step_runs(model) -> bool:
