@@ -363,6 +363,7 @@ class EngineCore:
                 "cache": mx.get_cache_memory(),
                 "peak": mx.get_peak_memory(),
                 "kv_pool": self.runner.batches.pool_bytes(),
+                "row_states": self.runner.batch.state_bytes() if self.runner.batch is not None else 0,
             }
 
     def _drop_cancelled(self) -> None:

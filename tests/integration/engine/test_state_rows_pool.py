@@ -10,6 +10,7 @@ state a row per decode slot (row_states.py), eager and compiled:
 
 from __future__ import annotations
 
+import math
 import types
 
 import numpy as np
@@ -45,6 +46,9 @@ def _run(model, compiled: bool, script: list[tuple[int, str, int]], steps: int) 
     batches = DecodeBatches(model, compiled, block_size=16, context_length=512, initial_blocks=64)
     assert batches.paged and batches.state_layout is not None
     batch = batches.new()
+    per_slot = sum(
+        math.prod(shape) * dtype.size for arrays in batches.state_layout if arrays for shape, dtype in arrays
+    )
     rows: dict[int, types.SimpleNamespace] = {}
     held: dict[int, object] = {}
     logits_of: dict[int, list[np.ndarray]] = {}
@@ -64,6 +68,8 @@ def _run(model, compiled: bool, script: list[tuple[int, str, int]], steps: int) 
                 batch.resume(rows[n], held.pop(n))
         batch.grow()
         live = batch.layout()
+        # Each decode slot, empty or not, holds a row of state (the memory gauges' row_states).
+        assert batch.state_bytes() == len(live) * per_slot
         if not live:  # its only row is on the host
             continue
         tokens = mx.array([0 if row is None else row.last for row in live], dtype=mx.int32)

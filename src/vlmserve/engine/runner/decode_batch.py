@@ -180,6 +180,10 @@ class PaddedDecodeBatch:
     def forward_pieces(self, tokens: mx.array, rows: list[Any]) -> list[tuple[int, int, mx.array]]:
         return [(0, len(rows), self.model.decode(tokens, self.cache, self.model.decode_positions(rows)))]
 
+    def state_bytes(self) -> int:
+        """0: its rows' state is in mlx_vlm's batch caches, counted as MLX's active memory only."""
+        return 0
+
     def grow(self) -> None:
         """Nothing to place: each layer's batch cache grows its own buffers."""
 
@@ -474,6 +478,10 @@ class DtypeGroupedBatch:
         for dtype, group in list(self.groups.items()):
             if not group.rows:
                 del self.groups[dtype]
+
+    def state_bytes(self) -> int:
+        """Bytes of the state layers' per-slot state (row_states.py) in every group."""
+        return sum(a.nbytes for g in self.groups.values() if g.states is not None for a in g.states.arrays)
 
     def forward_pieces(self, tokens: mx.array, rows: list[Any]) -> list[tuple[int, int, mx.array]]:
         """[(start, end, logits of rows[start:end])], one piece per dtype group, in layout order."""
