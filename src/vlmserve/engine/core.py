@@ -354,9 +354,11 @@ class EngineCore:
             )
 
     def _read_memory(self) -> None:
-        """MLX's memory figures for the gauges, at most once a second (read here, on the worker)."""
+        """MLX's memory figures for the gauges, at most once a second (read here, on the worker),
+        and at the step whose batch emptied (no step may follow for a while to read them)."""
         now = time.monotonic()
-        if now - self._memory_read >= 1.0:
+        emptied = self.runner.batch is None and self._memory.get("row_states", 0) > 0
+        if now - self._memory_read >= 1.0 or emptied:
             self._memory_read = now
             self._memory = {
                 "active": mx.get_active_memory(),

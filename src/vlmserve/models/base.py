@@ -86,7 +86,8 @@ class ModelAdapter(Protocol):
         """Prefill several prompts in one left-padded forward; their batch cache, and each one's
         last logits (rows, V)."""
 
-    # Whether `prefill_pieces` serves (plain KV caches, causal attention, a forward that takes it).
+    # Whether `prefill_pieces` serves (plain KV caches, or those and fixed-size state, causal
+    # attention, a forward that takes it).
     prefills_pieces: bool
 
     def prefill_pieces(

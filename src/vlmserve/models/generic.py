@@ -220,6 +220,7 @@ class GenericModel:
         # Pieces of several prompts share a forward over plain KV caches (ragged_cache.py); turned
         # off if this model's forward turns out not to take that.
         self._pieces_work = kv_caches.pageable(caches)
+        self.has_state_layers = any(kv_caches.is_state(c) for c in caches)  # convolution or recurrent state
         # Kernels the decode step would use, each built and checked before it is served; left
         # for the engine's warm-up (their builds are queued for side processes at load).
         self.kernel_checks: list[Callable[[], bool]] = []

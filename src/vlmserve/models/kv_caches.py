@@ -2,8 +2,8 @@
 kept and attended causally. Rotating and quantized caches keep their model's own paths (one
 padded batch, no paged pool, no prefix reuse, no pieces forward), but for the sliding-window
 layers of a model that masks their window itself (`plain_for_windows`). Recurrent and
-convolution state (ArraysCache) beside plain KV layers decodes on the paged pool, the state
-kept per row beside it (`pageable`), with no prefix reuse or pieces forward."""
+convolution state (ArraysCache) beside plain KV layers takes the paged pool (the state kept
+per row beside it) and the pieces forward (`pageable`), but no prefix reuse."""
 
 from __future__ import annotations
 

@@ -62,7 +62,20 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, 
             alone.update(run(engine(0), [rid]))
         pieces_rows.clear()
         core = engine(16)
-        together = run(core, list(lengths))
+        text_model = type(model.language_model.model)
+        forward, forwards = text_model.__call__, []  # the (rows, length) of each text-model forward
+
+        def recorded(self, inputs, *args, **kwargs):
+            forwards.append(tuple(inputs.shape))
+            return forward(self, inputs, *args, **kwargs)
+
+        text_model.__call__ = recorded
+        try:
+            together = run(core, list(lengths))
+        finally:
+            text_model.__call__ = forward
+        if lengths is SHORT:  # one forward of the four, at the bucketed length (none row by row)
+            assert [f for f in forwards if f[1] > 1] == [(4, 32)], forwards
         has_state = core.runner.batches.state_layout is not None
         most = max(pieces_rows, default=0)
         return alone, together, core.runner.stats.batched_prefills, most, model.prefills_pieces, has_state

@@ -204,6 +204,9 @@ class _Model:
     def kv_layout(self):
         return 2, (2, 4, 4), SimpleNamespace(size=2)
 
+    def state_layout(self):
+        return [None, None]  # both layers KV: no state to set aside
+
 
 def _core(rehearsal, monkeypatch):
     from vlmserve.engine import core as core_module

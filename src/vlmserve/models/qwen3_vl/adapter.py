@@ -38,6 +38,18 @@ class Qwen3VLModel(GenericModel):
         tower.install(self.model.vision_tower)
         super().install_fast_paths()
 
+    def prefill_batch(self, states, lengths: list[int], bucket: int = 1):
+        """Qwen3.5's forward runs a left-padded batch row by row, each at its own length (mlx_vlm
+        strips every row's padding first): new prompts take the right-padded pieces forward, one
+        forward at the bucketed length, and their caches merge as a left-padded batch's would."""
+        if not self.has_state_layers or not self.prefills_pieces:
+            return super().prefill_batch(states, lengths, bucket)
+        try:
+            logits = self.prefill_pieces(states, [(0, n) for n in lengths], bucket)
+        except Exception:  # noqa: BLE001 - logged there (pieces then go one at a time): mlx_vlm's way
+            return super().prefill_batch(states, lengths, bucket)
+        return self.merge_caches([state.cache for state in states]), logits
+
     def decode(self, tokens, batch_cache: list[Any], positions):
         for cache in batch_cache:
             if type(cache) is PagedLayerCache:
