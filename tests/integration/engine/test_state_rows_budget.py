@@ -1,7 +1,8 @@
 """The KV budget of a model whose layers keep fixed-size state beside their KV (LFM2-VL,
 Qwen3.5): the state of every decode slot a full batch takes comes off it before the blocks, so
 the pool and the states together stay within it; a budget that cannot hold that says so at
-start; and a model whose forward does not take the pool's views keeps one padded batch."""
+start; and a model whose forward does not take the pool's views (it raises, or gives other
+logits than its own caches) keeps one padded batch."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def test_the_state_of_every_slot_comes_off_the_budget(family, tmp_path_factory):
     assert "--max-num-seqs" in refused and "--kv-cache-memory" in refused
 
 
-def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(tmp_path_factory):
+@pytest.mark.parametrize("fault", ["raises", "differs"])
+def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(fault, tmp_path_factory):
+    import mlx.core as mx
+
     from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
     from vlmserve.engine.runner.decode_batch import DecodeBatches, pages_kv
 
@@ -60,12 +64,16 @@ def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(tmp_path_
         model = load()  # another: a model's answer is kept
         decode = model.decode
 
-        def no_views(tokens, caches, positions):  # a forward that reads what only mlx_vlm's caches have
+        def over_views(tokens, caches, positions):
             if any(isinstance(c, PagedLayerCache) for c in caches):
-                raise AttributeError("'PagedLayerCache' object has no attribute 'left_padding'")
+                if fault == "raises":  # a forward that reads what only mlx_vlm's caches have
+                    raise AttributeError("'PagedLayerCache' object has no attribute 'left_padding'")
+                for c in caches:  # one that runs, but without the rows' state
+                    if not isinstance(c, PagedLayerCache):
+                        c.cache = [None if a is None else mx.zeros_like(a) for a in c.cache]
             return decode(tokens, caches, positions)
 
-        model.decode = no_views
+        model.decode = over_views
         batches = DecodeBatches(model, compiled=False, block_size=16, context_length=256, initial_blocks=8)
         return before, pages_kv(model), batches.paged, type(batches.new()).__name__
 

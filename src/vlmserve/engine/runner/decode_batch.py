@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -58,40 +59,52 @@ def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
 
 def pages_kv(model) -> bool:
     """Whether this model decodes on the paged KV pool: its caches are plain KV, or plain KV and
-    fixed-size state (kv_caches.pageable) where a one-row step over the pool runs (a family's
-    forward may read what mlx_vlm's own caches have and the views lack: it keeps those)."""
+    fixed-size state (kv_caches.pageable) where a step over the pool gives what the model's own
+    caches give (a family's forward may read what mlx_vlm's caches have and the pool's views
+    lack: it keeps its own caches, in one padded batch)."""
     caches = vlm_cache.make_prompt_cache(model.language_model)
     if not kv_caches.pageable(caches):
         return False
     if kv_caches.all_plain(caches):
         return True
     try:
-        return _STATE_STEP_RUNS[model]
+        return _STATE_STEP_AGREES[model]
     except KeyError:
-        _STATE_STEP_RUNS[model] = runs = _state_step_runs(model)  # once per model: a forward
-        return runs
+        _STATE_STEP_AGREES[model] = agrees = _state_step_agrees(model)  # once per model: a few forwards
+        return agrees
 
 
-_STATE_STEP_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATE_STEP_AGREES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PROBE_TOLERANCE = 0.02  # of the logits' largest magnitude: another batch's summation order, not another function
 
 
-def _state_step_runs(model) -> bool:
+def _state_step_agrees(model) -> bool:
+    """A three-token prompt prefilled into its own caches, then one decode step through mlx_vlm's
+    batch caches and one through the pool (the prompt joined as a prefilled row does): the same
+    logits, to rounding."""
+    from vlmserve.protocol import PreparedRequest
+
     layout = model.state_layout()
     layers, kv_shape, dtype = model.kv_layout()
-    pool = BlockPool(layers, kv_shape, dtype, block_size=16, blocks=2)
-    zeros = mx.zeros((1,), dtype=mx.int32)
-    step = make_decode_step(model.decode, 16, False, layer_kinds(layout))
+    ids = (np.arange(3, dtype=np.int32) * 7 + 11) % model.info.vocab_size
+
+    def prefilled():
+        prompt = model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0]
+        model.prefill(prompt, 0, len(ids) - 1)
+        return types.SimpleNamespace(cache_len=len(ids) - 1, prompt=prompt, blocks=[], prefix_hit=None)
+
+    token = mx.array(ids[-1:], dtype=mx.int32)
     try:
-        out = step(
-            zeros,
-            model.decode_positions([None]),
-            zeros,
-            zeros,
-            mx.zeros((1, 1), mx.int32),
-            *pool.arrays(),
-            *RowStates(layout).zeros(1),
-        )
-        mx.eval(out)
+        own = prefilled()
+        positions = model.decode_positions([own])
+        expected = model.decode(token, model.merge_caches([own.prompt.cache]), positions)
+        row = prefilled()
+        pool = BlockPool(layers, kv_shape, dtype, block_size=16, blocks=2)
+        batch = PagedDecodeBatch(model, DecodeSteps(model, 16, False, layout), pool, 1 << 20, RowStates(layout, dtype))
+        batch.join([row], model.merge_caches([row.prompt.cache]))
+        logits = batch.forward(token, batch.layout())
+        scale = mx.abs(expected).max()
+        agrees = bool((mx.abs(logits - expected).max() <= PROBE_TOLERANCE * scale).item())
     except Exception:  # noqa: BLE001 - its own batch caches serve it (PaddedDecodeBatch)
         log.warning(
             "%s: a decode step over the paged KV pool failed; one padded batch serves it",
@@ -99,7 +112,13 @@ def _state_step_runs(model) -> bool:
             exc_info=True,
         )
         return False
-    return True
+    if not agrees:
+        log.warning(
+            "%s: a decode step over the paged KV pool gave other logits than the model's own caches; "
+            "one padded batch serves it",
+            model.info.model_type,
+        )
+    return agrees
 
 
 def make_decode_step(decode: Callable, block_size: int, compiled: bool, kinds: list[int] | None = None) -> Callable:
