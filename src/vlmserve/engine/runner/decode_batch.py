@@ -479,6 +479,11 @@ class DtypeGroupedBatch:
         """The pool a running row's blocks are in."""
         return self.groups[owner.kv_dtype].pool
 
+    def rows_in(self, pool: BlockPool) -> list[Any]:
+        """The running rows whose blocks are in `pool`."""
+        group = self.groups.get(pool.dtype)
+        return [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
+
     def evict(self, owner: Any) -> list:
         host_kv = self.groups[owner.kv_dtype].evict(owner)
         self._drop_empty()

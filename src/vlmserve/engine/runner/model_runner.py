@@ -534,8 +534,7 @@ class ModelRunner:
     def _holders_in(self, pool: BlockPool) -> list[tuple[Any, str]]:
         """Every block list in `pool` but the cached prefixes': the running rows' block tables,
         the blocks of prompts prefilling into it and of their prefix hits not joined yet."""
-        group = getattr(self.batch, "groups", {}).get(pool.dtype)
-        rows = [r for r in group.rows if r is not None] if group is not None and group.pool is pool else []
+        rows = self.batch.rows_in(pool) if self.batch is not None and self.batch.paged else []
         holders = [(row, "blocks") for row in rows]
         for seq in self.sched.prefilling:
             if seq.prefill_pool is pool:
