@@ -31,7 +31,6 @@ from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest, Sequence
 from vlmserve.engine.sched.scheduler import TOO_LONG, PromptTooLong, Scheduler
-from vlmserve.models import kv_caches
 from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
@@ -185,8 +184,10 @@ class ModelRunner:
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
         seq.last_in_prefill = prompt.last_from_prompt or (self.model.samples_in_prefill and not self.model.prefix_lm)
-        # Plain KV, or state layers beside it (whose prefixes are not reused: `_prefix_cache`).
-        seq.batchable = self.model.can_batch and kv_caches.pageable(prompt.cache) and not prompt.last_from_prompt
+        # Plain KV, or state layers beside it where they decode on the pool (their prefixes are not
+        # reused: `_prefix_cache`); a padded batch's rows join one at a time.
+        shares = PrefixCache.supports(prompt.cache) or self.batches.state_layout is not None
+        seq.batchable = self.model.can_batch and shares and not prompt.last_from_prompt
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
         cache, key = self._prefix_cache(seq)
