@@ -2,7 +2,8 @@
 Qwen3.5: those and a recurrent state) prefill together and give the tokens each gives alone
 with exact shapes: new prompts of a chunk or less in one left-padded forward padded to the
 prefill bucket (their state layers mask the padding), longer ones piece by piece in right-padded
-forwards of several rows (each row's state kept at its own piece's end)."""
+forwards of several rows, their KV into the paged pool (each row's state kept at its own
+piece's end, in its own caches)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, 
 
         def counted(states, spans, *args, **kwargs):
             logits = prefill_pieces(states, spans, *args, **kwargs)
-            pieces_rows.append(len(states))  # a forward that raised (then row by row) is not counted
+            # (rows, into the KV pool); a forward that raised (then row by row) is not counted
+            pieces_rows.append((len(states), kwargs.get("caches") is not None))
             return logits
 
         model.prefill_pieces = counted
@@ -77,11 +79,81 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, 
         if lengths is SHORT:  # one forward of the four, at the bucketed length (none row by row)
             assert [f for f in forwards if f[1] > 1] == [(4, 32)], forwards
         has_state = core.runner.batches.state_layout is not None
-        most = max(pieces_rows, default=0)
+        most = max((n for n, into_pool in pieces_rows if into_pool), default=0)
         return alone, together, core.runner.stats.batched_prefills, most, model.prefills_pieces, has_state
 
     alone, together, batched, most_pieces_rows, prefills_pieces, has_state = on_own_thread(work)
     assert has_state and batched >= 1
-    if lengths is LONG:  # pieces of several rows shared a forward, and it served to the end
+    if lengths is LONG:  # pieces of several rows shared a forward into the pool, served to the end
         assert most_pieces_rows >= 2 and prefills_pieces
     assert together == alone and all(len(tokens) == 6 for tokens in alone.values())
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_a_state_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_aside(
+    family, tmp_path_factory, monkeypatch
+):
+    """The budget refuses B's join once while B's prompt is in pool blocks: its KV goes from those
+    blocks to host memory and its state from its own caches, and it joins later with the tokens
+    it gives alone."""
+    from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.runner.model_runner import ModelRunner
+    from vlmserve.engine.runner.tokenizer import TextCodec
+    from vlmserve.models.registry import load_model_adapter, model_type_of
+    from vlmserve.protocol import FinishReason
+
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    path = checkpoint(family, "float32", cache_dir)
+    take = ModelRunner._take_positions
+    refused = []
+
+    def refuse_b_at_its_join(self, seq, positions, dtype):
+        joining = seq.prefill_pool is not None and positions == seq.cache_len + 1
+        if seq.req.request_id == "B" and joining and not refused:
+            refused.append(len(seq.prefill_blocks))
+            return False
+        return take(self, seq, positions, dtype)
+
+    def work():
+        codec = TextCodec(path)
+        model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
+        vocab = model.info.vocab_size
+        prompts = {"A": list(range(20, 30)), "B": [(7 * i + 3) % (vocab // 2) + 20 for i in range(100)]}
+        lengths = {"A": 30, "B": 8}
+
+        def engine() -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefix_cache_tokens=0)
+
+        def request(rid):
+            return token_request(
+                rid, prompts[rid], SamplingParams(max_tokens=lengths[rid], temperature=0.0, ignore_eos=True)
+            )
+
+        alone = {}
+        for rid in prompts:
+            core = engine()
+            req, events = request(rid)
+            core.add(req)
+            run_until_idle(core)
+            alone[rid] = event_tokens(events)
+        monkeypatch.setattr(ModelRunner, "_take_positions", refuse_b_at_its_join)
+        core = engine()
+        events = {}
+        req, events["A"] = request("A")
+        core.add(req)
+        core.step()
+        core.step()
+        req, events["B"] = request("B")
+        core.add(req)
+        run_until_idle(core)
+        budget = core.sched.kv_budget
+        pools = core.runner.batches.pools
+        return alone, events, budget.used, budget.preemptions, all(pool.used == 0 for pool in pools.values())
+
+    alone, events, used, preemptions, pools_empty = on_own_thread(work)
+    assert len(refused) == 1 and refused[0] > 0  # refused once, with its prompt in pool blocks
+    assert preemptions == 1 and used == 0 and pools_empty
+    for rid, got in events.items():
+        assert got[-1].finish_reason == FinishReason.LENGTH, (rid, got[-1].error)
+        assert event_tokens(got) == alone[rid], rid

@@ -300,13 +300,14 @@ class PagedDecodeBatch:
         those blocks, and the one their next position needs."""
         if any(owner.prefill_pool is not self.pool for owner in owners):
             raise RuntimeError("the KV pool its prompt was prefilled into is gone")
-        if self.states is not None:  # their state is in their own caches (ModelRunner._pieces_pool)
-            raise RuntimeError("rows of state layers do not prefill into the KV pool")
         try:
             for owner in owners:
                 owner.blocks, owner.prefill_blocks, owner.prefill_pool = owner.prefill_blocks, [], None
                 owner.blocks = self.pool.cover(owner.blocks, owner.cache_len + 1)
-                self._place(owner)
+                slot = self._place(owner)
+                if self.states is not None:  # its state layers' state, from its own caches
+                    state_cache = [c for c in owner.prompt.cache if kv_caches.is_state(c)]
+                    self.states.put([slot], RowStates.of_rows(state_cache, [0]))
         except BaseException:
             self._none_join(owners)
             raise
@@ -474,6 +475,13 @@ class DtypeGroupedBatch:
             self._drop_empty()  # a resume that failed may leave its new group empty
 
     host_row = staticmethod(PagedDecodeBatch.host_row)
+
+    @staticmethod
+    def states_of(prompt_cache: list[Any]) -> list:
+        """A prefilling row's state layers' state (its own caches), copied to the host as `evict`
+        gives it out (none for a model whose layers are all KV)."""
+        state_cache = [c for c in prompt_cache if kv_caches.is_state(c)]
+        return host_arrays.to_host([RowStates.of_rows(state_cache, [0])])[0] if state_cache else []
 
     def pool_of(self, owner: Any) -> BlockPool:
         """The pool a running row's blocks are in."""

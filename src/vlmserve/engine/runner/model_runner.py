@@ -348,7 +348,7 @@ class ModelRunner:
                 self.stats.batched_prefills += 1
                 if pool is not None:
                     for seq in moved:  # its KV is in the pool now: its own cache lets go of it
-                        for layer in seq.prompt.cache:
+                        for layer in pool_prefill.kv_layers(seq.prompt.cache):
                             layer.keys = layer.values = None
                             layer.offset = 0
                     mx.async_eval(pool.arrays())
@@ -388,7 +388,7 @@ class ModelRunner:
             if len(held) > 1:
                 raise RuntimeError("rows prefilled into different KV pools")
             return next(iter(held.values()))
-        if not self.batches.paged or self.batches.state_layout is not None:  # (state layers: own caches)
+        if not self.batches.paged:
             return None
         dtype = self.model.kv_layout()[2]
         if any(s.prompt.embeds.dtype != dtype for s in seqs):
@@ -769,7 +769,9 @@ class ModelRunner:
         if rows_cache is not None:
             seq.host_kv = self.batch.host_row(rows_cache, row, seq.cache_len)
         else:
-            seq.host_kv = (seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len), [])  # as `evict` gives out
+            # As `evict` gives a row out: its KV from the pool, its state layers' from its own caches.
+            states = self.batch.states_of(seq.prompt.cache)
+            seq.host_kv = (seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len), states)
             pool_prefill.leave(seq)
         seq.kv_dtype = dtype if dtype is not None or not self.batches.paged else self.model.kv_layout()[2]
         self._let_go_of_prefix(seq)

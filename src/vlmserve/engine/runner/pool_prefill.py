@@ -8,6 +8,10 @@ it already held in a cache of its own moves in at its first pieces forward (`mov
 that takes only a row's own cache (the single-prompt forward) fills it back from the pool
 (`back_to_own_cache`), keeping the row's full blocks as a prefix hit for its join. The runner
 (model_runner.py) decides when; this module keeps the blocks straight.
+
+A model's layers of fixed-size state (convolution windows, recurrent state) keep it in the
+row's own caches throughout (models/ragged_cache.py RaggedStateCache in the forward); only the
+KV layers' positions go into the pool.
 """
 
 from __future__ import annotations
@@ -18,19 +22,33 @@ from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache, PiecesLayo
 from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.prefix_cache import PooledKV, PrefixHit
 from vlmserve.engine.sched.request import Sequence
+from vlmserve.models import kv_caches
+from vlmserve.models.ragged_cache import RaggedStateCache
 
 
-def pieces_caches(pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list[PagedPiecesCache]:
+def kv_layers(cache: list) -> list:
+    """A prompt's own caches of its KV layers (those the pool holds)."""
+    return [c for c in cache if not kv_caches.is_state(c)]
+
+
+def pieces_caches(pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list:
     """The layer caches of a pieces forward whose rows' KV lives in `pool`: each row's blocks
-    (its prompt's KV so far moved in, the first time) then cover its piece."""
+    (its prompt's KV so far moved in, the first time) then cover its piece; a state layer's
+    is over the rows' own state (RaggedStateCache)."""
     for seq, (_, end) in todo:
         if seq.prefill_pool is None:
             move_in(seq, pool)
         seq.prefill_blocks = pool.cover(seq.prefill_blocks, end)
-    layout = PiecesLayout(
-        pool, [s.prefill_blocks for s, _ in todo], [a for _, (a, _) in todo], [b - a for _, (a, b) in todo]
-    )
-    return [PagedPiecesCache(layout, layer) for layer in range(pool.num_layers)]
+    lengths = [b - a for _, (a, b) in todo]
+    layout = PiecesLayout(pool, [s.prefill_blocks for s, _ in todo], [a for _, (a, _) in todo], lengths)
+    caches, k = [], 0
+    for rows in zip(*(seq.prompt.cache for seq, _ in todo)):
+        if kv_caches.is_state(rows[0]):
+            caches.append(RaggedStateCache(list(rows), lengths))
+        else:
+            caches.append(PagedPiecesCache(layout, k))
+            k += 1
+    return caches
 
 
 def move_in(seq: Sequence, pool: BlockPool) -> None:
@@ -44,7 +62,7 @@ def move_in(seq: Sequence, pool: BlockPool) -> None:
         seq.prefill_blocks = pool.cover(blocks, n)
         layers = [
             (c.keys[0, :, start:n, :].swapaxes(0, 1), c.values[0, :, start:n, :].swapaxes(0, 1))
-            for c in seq.prompt.cache
+            for c in kv_layers(seq.prompt.cache)
         ]
         pool.write(seq.prefill_blocks, layers, n, start)
 
@@ -73,8 +91,9 @@ def back_to_own_cache(seq: Sequence) -> None:
     next move into the pool, takes back instead of copying them."""
     pool, blocks = seq.prefill_pool, seq.prefill_blocks
     if seq.prefilled:
-        pool.fill(seq.prompt.cache, blocks, seq.prefilled, seq.num_prompt)
-        mx.async_eval([c.state for c in seq.prompt.cache])
+        own = kv_layers(seq.prompt.cache)
+        pool.fill(own, blocks, seq.prefilled, seq.num_prompt)
+        mx.async_eval([c.state for c in own])
     hit = PrefixHit.holding(pool, blocks, seq.prefilled)
     if hit.shared is not None:  # the row's hold on its full blocks passes to the hit
         seq.prefix_hit = hit

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache
 from vlmserve.models.generic import GenericModel
 from vlmserve.models.qwen3_vl import tower
 from vlmserve.models.ragged_cache import RaggedLayerCache
@@ -33,6 +34,12 @@ class _RaggedView(_MaskKeptWhole, RaggedLayerCache):
     pass
 
 
+class _PoolPiecesView(_MaskKeptWhole, PagedPiecesCache):
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+
 class Qwen3VLModel(GenericModel):
     def install_fast_paths(self) -> None:
         tower.install(self.model.vision_tower)
@@ -56,10 +63,11 @@ class Qwen3VLModel(GenericModel):
                 cache.__class__ = _PagedView
         return super().decode(tokens, batch_cache, positions)
 
-    @staticmethod
-    def _pieces_caches(states, lengths: list[int]) -> list[Any]:
-        caches = GenericModel._pieces_caches(states, lengths)
+    def prefill_pieces(self, states, spans, bucket: int = 1, caches: list | None = None):
+        caches = caches or self._pieces_caches(states, [e - s for s, e in spans])
         for cache in caches:
             if type(cache) is RaggedLayerCache:
                 cache.__class__ = _RaggedView
-        return caches
+            elif type(cache) is PagedPiecesCache:
+                cache.__class__ = _PoolPiecesView
+        return super().prefill_pieces(states, spans, bucket, caches)
