@@ -118,3 +118,21 @@ def wait_ready(base: str, timeout: float = 120.0) -> bool:
                 return True
         time.sleep(0.2)
     return False
+
+
+def refuse_join_once(request_id: str, refused: list):
+    """A stand-in for ModelRunner._take_positions that refuses `request_id`'s join once while its
+    prompt is in blocks of a pool (as when rows that arrived before it took the last blocks
+    meanwhile), noting how many blocks it held in `refused`; everything else as the runner does."""
+    from vlmserve.engine.runner.model_runner import ModelRunner
+
+    take = ModelRunner._take_positions
+
+    def take_positions(self, seq, positions, dtype):
+        joining = seq.prefill_pool is not None and positions == seq.cache_len + 1
+        if seq.req.request_id == request_id and joining and not refused:
+            refused.append(len(seq.prefill_blocks))
+            return False
+        return take(self, seq, positions, dtype)
+
+    return take_positions

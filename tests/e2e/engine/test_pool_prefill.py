@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from support.helpers import MODELS, event_tokens, on_own_thread, run_until_idle, token_request
+from support.helpers import MODELS, event_tokens, on_own_thread, refuse_join_once, run_until_idle, token_request
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
@@ -187,19 +187,11 @@ def test_a_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_aside_
 
     prompts = {"A": list(range(20, 30)), "B": [(7 * i + 3) % 400 + 20 for i in range(100)]}
     lengths = {"A": 30, "B": 8}
-    take = ModelRunner._take_positions
     refused = []
-
-    def refuse_b_at_its_join(self, seq, positions, dtype):
-        joining = seq.prefill_pool is not None and positions == seq.cache_len + 1
-        if seq.req.request_id == "B" and joining and not refused:
-            refused.append(len(seq.prefill_blocks))
-            return False
-        return take(self, seq, positions, dtype)
 
     def work():
         engine, alone = _pieces_engine(prompts, lengths)
-        monkeypatch.setattr(ModelRunner, "_take_positions", refuse_b_at_its_join)
+        monkeypatch.setattr(ModelRunner, "_take_positions", refuse_join_once("B", refused))
         core = engine()
         events = {}
         request, events["A"] = _request("A", prompts["A"], lengths["A"])

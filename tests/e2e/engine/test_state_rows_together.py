@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from support.families import checkpoint
-from support.helpers import event_tokens, on_own_thread, run_until_idle, token_request
+from support.helpers import event_tokens, on_own_thread, refuse_join_once, run_until_idle, token_request
 from vlmserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -105,15 +105,7 @@ def test_a_state_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     path = checkpoint(family, "float32", cache_dir)
-    take = ModelRunner._take_positions
     refused = []
-
-    def refuse_b_at_its_join(self, seq, positions, dtype):
-        joining = seq.prefill_pool is not None and positions == seq.cache_len + 1
-        if seq.req.request_id == "B" and joining and not refused:
-            refused.append(len(seq.prefill_blocks))
-            return False
-        return take(self, seq, positions, dtype)
 
     def work():
         codec = TextCodec(path)
@@ -137,7 +129,7 @@ def test_a_state_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_
             core.add(req)
             run_until_idle(core)
             alone[rid] = event_tokens(events)
-        monkeypatch.setattr(ModelRunner, "_take_positions", refuse_b_at_its_join)
+        monkeypatch.setattr(ModelRunner, "_take_positions", refuse_join_once("B", refused))
         core = engine()
         events = {}
         req, events["A"] = request("A")
