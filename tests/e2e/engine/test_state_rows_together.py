@@ -149,3 +149,88 @@ def test_a_state_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_
     for rid, got in events.items():
         assert got[-1].finish_reason == FinishReason.LENGTH, (rid, got[-1].error)
         assert event_tokens(got) == alone[rid], rid
+
+
+@pytest.mark.parametrize("fault", ["last_piece_alone", "pool_forward_fails"])
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_state_rows_leaving_the_pool_midway_give_their_tokens_alone(family, fault, tmp_path_factory, monkeypatch):
+    """Rows prefilling into the pool go on in their own caches midway: each one's last piece goes
+    alone (its KV back from the pool, its full blocks a prefix its join takes), or a pieces
+    forward into the pool fails once (every row then goes on one at a time). Their state never
+    left their own caches: each gives the tokens it gives alone, and no block stays held."""
+    from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache
+    from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
+    from vlmserve.engine.runner.model_runner import ModelRunner
+    from vlmserve.engine.runner.tokenizer import TextCodec
+    from vlmserve.models.registry import load_model_adapter, model_type_of
+
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    path = checkpoint(family, "float32", cache_dir)
+    seen = []  # joins that took a row's own blocks back (last_piece_alone), or the failed forward
+
+    def work():
+        codec = TextCodec(path)
+        model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
+        vocab = model.info.vocab_size
+        prompts = {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in LONG.items()}
+
+        def engine(bucket: int) -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefill_bucket=bucket)
+
+        def run(core: EngineCore, rids) -> dict[str, list[int]]:
+            events = {}
+            for rid in rids:
+                request, events[rid] = token_request(
+                    rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+                )
+                core.add(request)
+            run_until_idle(core)
+            return {rid: event_tokens(e) for rid, e in events.items()}
+
+        alone = {}
+        for rid in LONG:
+            alone.update(run(engine(0), [rid]))
+        if fault == "last_piece_alone":
+            forwards, join = ModelRunner._pieces_forwards, PagedDecodeBatch.join
+
+            def last_pieces_alone(rows):
+                out = []
+                for group, together in forwards(rows):
+                    last = [
+                        r
+                        for r in group
+                        if r[0].prefill_pool is not None and r[0].next_piece(r[1])[1] == r[0].prefill_end
+                    ]
+                    out += [([r], False) for r in last]
+                    rest = [r for r in group if r not in last]
+                    out += [(rest, together)] if rest else []
+                return out
+
+            def noting_join(self, owners, rows_cache, rows=None):
+                seen.extend(o.prefix_hit.shared.length for o in owners if o.prefix_hit and o.prefix_hit.shared)
+                return join(self, owners, rows_cache, rows)
+
+            monkeypatch.setattr(ModelRunner, "_pieces_forwards", staticmethod(last_pieces_alone))
+            monkeypatch.setattr(PagedDecodeBatch, "join", noting_join)
+        else:
+            text_model = type(model.language_model.model)
+            forward = text_model.__call__
+
+            def fails_once(self, inputs, *args, **kwargs):
+                cache = kwargs.get("cache", next((a for a in args if isinstance(a, list)), None))
+                if not seen and cache and any(isinstance(c, PagedPiecesCache) for c in cache):
+                    seen.append(inputs.shape)
+                    raise RuntimeError("a pieces forward failed")
+                return forward(self, inputs, *args, **kwargs)
+
+            monkeypatch.setattr(text_model, "__call__", fails_once)
+        core = engine(16)
+        together = run(core, list(LONG))
+        pools = core.runner.batches.pools.values()
+        return alone, together, core.sched.kv_budget.used, all(pool.used == 0 for pool in pools)
+
+    alone, together, used, pools_empty = on_own_thread(work)
+    assert seen and used == 0 and pools_empty
+    assert together == alone

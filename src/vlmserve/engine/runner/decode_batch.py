@@ -301,13 +301,14 @@ class PagedDecodeBatch:
         if any(owner.prefill_pool is not self.pool for owner in owners):
             raise RuntimeError("the KV pool its prompt was prefilled into is gone")
         try:
+            slots = []
             for owner in owners:
                 owner.blocks, owner.prefill_blocks, owner.prefill_pool = owner.prefill_blocks, [], None
                 owner.blocks = self.pool.cover(owner.blocks, owner.cache_len + 1)
-                slot = self._place(owner)
-                if self.states is not None:  # its state layers' state, from its own caches
-                    state_cache = [c for c in owner.prompt.cache if kv_caches.is_state(c)]
-                    self.states.put([slot], RowStates.of_rows(state_cache, [0]))
+                slots.append(self._place(owner))
+            if self.states is not None and owners:  # their state, from their own caches: a scatter an array
+                own = [[c for c in owner.prompt.cache if kv_caches.is_state(c)] for owner in owners]
+                self.states.put(slots, RowStates.side_by_side(own))
         except BaseException:
             self._none_join(owners)
             raise

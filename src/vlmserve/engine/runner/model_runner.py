@@ -31,6 +31,7 @@ from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.request import EngineRequest, Sequence
 from vlmserve.engine.sched.scheduler import TOO_LONG, PromptTooLong, Scheduler
+from vlmserve.models import kv_caches
 from vlmserve.protocol import FinishReason, PreparedRequest, SamplingParams, TokenEvent, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
@@ -351,7 +352,10 @@ class ModelRunner:
                         for layer in pool_prefill.kv_layers(seq.prompt.cache):
                             layer.keys = layer.values = None
                             layer.offset = 0
-                    mx.async_eval(pool.arrays())
+                    # And the rows' new state in their own caches: left lazy, it would hold the
+                    # forward's per-layer inputs until the next step reads it.
+                    states = [c.state for s, _ in todo for c in s.prompt.cache if kv_caches.is_state(c)]
+                    mx.async_eval(pool.arrays(), *[a for arrays in states for a in arrays if a is not None])
                 else:
                     mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])
                 if self.hooks:
