@@ -19,22 +19,49 @@ SHORT = {"A": 9, "B": 23, "C": 14, "D": 30}  # prompts of one chunk or less, of 
 LONG = {"E": 70, "F": 45, "G": 101, "H": 20}  # most longer than a chunk: pieces
 
 
-@pytest.mark.parametrize("lengths", [SHORT, LONG], ids=["short", "long"])
-@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
-def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, tmp_path_factory):
-    from vlmserve.engine.core import EngineCore
-    from vlmserve.engine.runner.tokenizer import TextCodec
-    from vlmserve.models.registry import load_model_adapter, model_type_of
-
+def _family(family: str, tmp_path_factory):
+    """The family's float32 test checkpoint: a loader of (model, codec) for the worker thread."""
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     path = checkpoint(family, "float32", cache_dir)
 
-    def work():
+    def load():
+        from vlmserve.engine.runner.tokenizer import TextCodec
+        from vlmserve.models.registry import load_model_adapter, model_type_of
+
         codec = TextCodec(path)
-        model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
-        vocab = model.info.vocab_size
-        prompts = {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in lengths.items()}
+        return load_model_adapter(path, model_type_of(path), codec.eos_token_ids), codec
+
+    return load
+
+
+def _prompts(model, lengths: dict[str, int]) -> dict[str, list[int]]:
+    vocab = model.info.vocab_size
+    return {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in lengths.items()}
+
+
+def _run(core, prompts: dict[str, list[int]], rids) -> dict[str, list[int]]:
+    """Each request's greedy tokens (6), all added at once and run to the end."""
+    events = {}
+    for rid in rids:
+        request, events[rid] = token_request(
+            rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        )
+        core.add(request)
+    run_until_idle(core)
+    return {rid: event_tokens(e) for rid, e in events.items()}
+
+
+@pytest.mark.parametrize("lengths", [SHORT, LONG], ids=["short", "long"])
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, tmp_path_factory):
+    from vlmserve.engine.core import EngineCore
+
+    load = _family(family, tmp_path_factory)
+
+    def work():
+        model, codec = load()
+        prompts = _prompts(model, lengths)
         pieces_rows = []  # the rows of each pieces forward that ran
         prefill_pieces = model.prefill_pieces
 
@@ -49,19 +76,9 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, 
         def engine(bucket: int) -> EngineCore:
             return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=32, prefill_budget=128, prefill_bucket=bucket)
 
-        def run(core: EngineCore, rids) -> dict[str, list[int]]:
-            events = {}
-            for rid in rids:
-                request, events[rid] = token_request(
-                    rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-                )
-                core.add(request)
-            run_until_idle(core)
-            return {rid: event_tokens(e) for rid, e in events.items()}
-
         alone = {}
         for rid in lengths:  # each on its own, exact shapes (no bucket): mlx_vlm.generate's
-            alone.update(run(engine(0), [rid]))
+            alone.update(_run(engine(0), prompts, [rid]))
         pieces_rows.clear()
         core = engine(16)
         text_model = type(model.language_model.model)
@@ -73,7 +90,7 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, 
 
         text_model.__call__ = recorded
         try:
-            together = run(core, list(lengths))
+            together = _run(core, prompts, list(lengths))
         finally:
             text_model.__call__ = forward
         if lengths is SHORT:  # one forward of the four, at the bucketed length (none row by row)
@@ -98,18 +115,13 @@ def test_a_state_row_prefilled_into_the_pool_that_its_join_cannot_pay_for_steps_
     it gives alone."""
     from vlmserve.engine.core import EngineCore
     from vlmserve.engine.runner.model_runner import ModelRunner
-    from vlmserve.engine.runner.tokenizer import TextCodec
-    from vlmserve.models.registry import load_model_adapter, model_type_of
     from vlmserve.protocol import FinishReason
 
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    load = _family(family, tmp_path_factory)
     refused = []
 
     def work():
-        codec = TextCodec(path)
-        model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
+        model, codec = load()
         vocab = model.info.vocab_size
         prompts = {"A": list(range(20, 30)), "B": [(7 * i + 3) % (vocab // 2) + 20 for i in range(100)]}
         lengths = {"A": 30, "B": 8}
@@ -162,36 +174,20 @@ def test_state_rows_leaving_the_pool_midway_give_their_tokens_alone(family, faul
     from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache
     from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
     from vlmserve.engine.runner.model_runner import ModelRunner
-    from vlmserve.engine.runner.tokenizer import TextCodec
-    from vlmserve.models.registry import load_model_adapter, model_type_of
 
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    load = _family(family, tmp_path_factory)
     seen = []  # joins that took a row's own blocks back (last_piece_alone), or the failed forward
 
     def work():
-        codec = TextCodec(path)
-        model = load_model_adapter(path, model_type_of(path), codec.eos_token_ids)
-        vocab = model.info.vocab_size
-        prompts = {rid: [(7 * i + 31 * ord(rid)) % (vocab // 2) + 20 for i in range(n)] for rid, n in LONG.items()}
+        model, codec = load()
+        prompts = _prompts(model, LONG)
 
         def engine(bucket: int) -> EngineCore:
             return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefill_bucket=bucket)
 
-        def run(core: EngineCore, rids) -> dict[str, list[int]]:
-            events = {}
-            for rid in rids:
-                request, events[rid] = token_request(
-                    rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-                )
-                core.add(request)
-            run_until_idle(core)
-            return {rid: event_tokens(e) for rid, e in events.items()}
-
         alone = {}
         for rid in LONG:
-            alone.update(run(engine(0), [rid]))
+            alone.update(_run(engine(0), prompts, [rid]))
         if fault == "last_piece_alone":
             forwards, join = ModelRunner._pieces_forwards, PagedDecodeBatch.join
 
@@ -227,7 +223,7 @@ def test_state_rows_leaving_the_pool_midway_give_their_tokens_alone(family, faul
 
             monkeypatch.setattr(text_model, "__call__", fails_once)
         core = engine(16)
-        together = run(core, list(LONG))
+        together = _run(core, prompts, list(LONG))
         pools = core.runner.batches.pools.values()
         return alone, together, core.sched.kv_budget.used, all(pool.used == 0 for pool in pools)
 
