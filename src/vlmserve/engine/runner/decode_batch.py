@@ -94,11 +94,13 @@ def _state_step_agrees(model) -> bool:
         return types.SimpleNamespace(cache_len=len(ids) - 1, prompt=prompt, blocks=[], prefix_hit=None)
 
     token = mx.array(ids[-1:], dtype=mx.int32)
+    stage = "prefilling a prompt to check the pool with"
     try:
         own = prefilled()
         positions = model.decode_positions([own])
         expected = model.decode(token, model.merge_caches([own.prompt.cache]), positions)
         row = prefilled()
+        stage = "a decode step over the paged KV pool"
         pool = BlockPool(layers, kv_shape, dtype, block_size=16, blocks=2)
         batch = PagedDecodeBatch(model, DecodeSteps(model, 16, False, layout), pool, 1 << 20, RowStates(layout, dtype))
         batch.join([row], model.merge_caches([row.prompt.cache]))
@@ -106,11 +108,7 @@ def _state_step_agrees(model) -> bool:
         scale = mx.abs(expected).max()
         agrees = bool((mx.abs(logits - expected).max() <= PROBE_TOLERANCE * scale).item())
     except Exception:  # noqa: BLE001 - its own batch caches serve it (PaddedDecodeBatch)
-        log.warning(
-            "%s: a decode step over the paged KV pool failed; one padded batch serves it",
-            model.info.model_type,
-            exc_info=True,
-        )
+        log.warning("%s: %s failed; one padded batch serves it", model.info.model_type, stage, exc_info=True)
         return False
     if not agrees:
         log.warning(
