@@ -50,7 +50,7 @@ def test_the_state_of_every_slot_comes_off_the_budget(family, tmp_path_factory):
     assert "--max-num-seqs" in refused and "--kv-cache-memory" in refused
 
 
-@pytest.mark.parametrize("fault", ["raises", "differs"])
+@pytest.mark.parametrize("fault", ["raises", "differs", "pieces_keep_padding"])
 def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(fault, tmp_path_factory):
     import mlx.core as mx
 
@@ -73,7 +73,19 @@ def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(fault, tm
                         c.cache = [None if a is None else mx.zeros_like(a) for a in c.cache]
             return decode(tokens, caches, positions)
 
-        model.decode = over_views
+        if fault == "pieces_keep_padding":  # state layers that take no piece lengths keep the padding
+            caches = model._pieces_caches
+
+            def without_lengths(states, lengths):
+                made = caches(states, lengths)
+                for cache in made:
+                    if hasattr(cache, "write_back"):
+                        cache.lengths = None
+                return made
+
+            model._pieces_caches = without_lengths
+        else:
+            model.decode = over_views
         batches = DecodeBatches(model, compiled=False, block_size=16, context_length=256, initial_blocks=8)
         return before, pages_kv(model), batches.paged, type(batches.new()).__name__
 

@@ -59,9 +59,9 @@ def buckets_up_to(n: int, buckets: tuple[int, ...]) -> list[int]:
 
 def pages_kv(model) -> bool:
     """Whether this model decodes on the paged KV pool: its caches are plain KV, or plain KV and
-    fixed-size state (kv_caches.pageable) where a step over the pool gives what the model's own
-    caches give (a family's forward may read what mlx_vlm's caches have and the pool's views
-    lack: it keeps its own caches, in one padded batch)."""
+    fixed-size state (kv_caches.pageable) where a step over the pool, and a shared pieces
+    forward, give what the model's own caches give (a family's forward may read what mlx_vlm's
+    caches have and the pool's views lack: it keeps its own caches, in one padded batch)."""
     caches = vlm_cache.make_prompt_cache(model.language_model)
     if not kv_caches.pageable(caches):
         return False
@@ -81,7 +81,9 @@ PROBE_TOLERANCE = 0.02  # of the logits' largest magnitude: another batch's summ
 def _state_step_agrees(model) -> bool:
     """A three-token prompt prefilled into its own caches, then one decode step through mlx_vlm's
     batch caches and one through the pool (the prompt joined as a prefilled row does): the same
-    logits, to rounding."""
+    logits, to rounding. And where the model prefills pieces of several prompts in one
+    right-padded forward, two prompts so (one padded) give the logits each gives alone: a state
+    layer that kept the padding in its state would not."""
     from vlmserve.protocol import PreparedRequest
 
     layout = model.state_layout()
@@ -105,18 +107,44 @@ def _state_step_agrees(model) -> bool:
         batch = PagedDecodeBatch(model, DecodeSteps(model, 16, False, layout), pool, 1 << 20, RowStates(layout, dtype))
         batch.join([row], model.merge_caches([row.prompt.cache]))
         logits = batch.forward(token, batch.layout())
-        scale = mx.abs(expected).max()
-        agrees = bool((mx.abs(logits - expected).max() <= PROBE_TOLERANCE * scale).item())
+        agrees = _close(logits, expected)
+        if agrees and model.prefills_pieces:
+            stage = "prefilling two prompts' pieces in one forward"
+            agrees = _pieces_agree(model, [ids, np.concatenate([ids, ids[:2]])])
     except Exception:  # noqa: BLE001 - its own batch caches serve it (PaddedDecodeBatch)
         log.warning("%s: %s failed; one padded batch serves it", model.info.model_type, stage, exc_info=True)
         return False
     if not agrees:
         log.warning(
-            "%s: a decode step over the paged KV pool gave other logits than the model's own caches; "
-            "one padded batch serves it",
+            "%s: %s gave other logits than the model's own caches; one padded batch serves it",
             model.info.model_type,
+            stage,
         )
     return agrees
+
+
+def _close(logits: mx.array, expected: mx.array) -> bool:
+    return bool((mx.abs(logits - expected).max() <= PROBE_TOLERANCE * mx.abs(expected).max()).item())
+
+
+def _pieces_agree(model, prompts: list[np.ndarray]) -> bool:
+    """Prompts of several lengths prefilled but for their last token in one right-padded pieces
+    forward, then that token alone, give the logits each gives prefilled alone: their caches
+    (their state) hold their own positions only (a forward that raises turns the pieces forward
+    off itself: the pool still serves, as it then does rows one at a time)."""
+    from vlmserve.protocol import PreparedRequest
+
+    def embedded(ids):
+        return model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0]
+
+    alone = [model.prefill(embedded(ids), 0, len(ids)) for ids in prompts]
+    states = [embedded(ids) for ids in prompts]
+    try:
+        model.prefill_pieces(states, [(0, len(ids) - 1) for ids in prompts])
+    except Exception:  # noqa: BLE001 - logged there, and pieces go one at a time from now on
+        return True
+    after = [model.prefill(state, len(ids) - 1, len(ids)) for state, ids in zip(states, prompts)]
+    return all(_close(a, b) for a, b in zip(after, alone))
 
 
 def make_decode_step(decode: Callable, block_size: int, compiled: bool, kinds: list[int] | None = None) -> Callable:
