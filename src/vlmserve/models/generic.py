@@ -711,7 +711,7 @@ class GenericModel:
         only, where others hold fixed-size state: `state_layout`), read off a one-token forward."""
         if self._kv_layout is None:
             caches = self._one_token_caches()
-            kv = [c for c in caches if not kv_caches.is_state(c)]
+            kv = kv_caches.kv_layers(caches)
             k, v = kv[0].state
             self._kv_layout = (len(kv), (k.shape[1], k.shape[3], v.shape[3]), k.dtype)
             self._state_layout = [

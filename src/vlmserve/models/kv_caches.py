@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 
@@ -21,6 +22,27 @@ def is_state(cache: Any) -> bool:
     """Whether a layer's cache is fixed-size state (mlx_vlm's ArraysCache: a convolution window,
     a recurrent state) rather than KV that grows with the context."""
     return type(cache) is ArraysCache
+
+
+def kv_layers(caches: list[Any]) -> list[Any]:
+    """The caches of the layers that keep KV (those the paged pool holds)."""
+    return [c for c in caches if not is_state(c)]
+
+
+def state_layers(caches: list[Any]) -> list[Any]:
+    """The caches of the layers that keep fixed-size state."""
+    return [c for c in caches if is_state(c)]
+
+
+def states_side_by_side(rows: list[Any]) -> list[mx.array | None]:
+    """One state layer's caches of several rows (a row each): per state array, the rows' states
+    one after another (a row with none set yet: zeros, as mlx_vlm's layers start from; None
+    where no row has one)."""
+    out = []
+    for parts in zip(*(row.cache for row in rows)):
+        known = next((p for p in parts if p is not None), None)
+        out.append(None if known is None else mx.concatenate([mx.zeros_like(known) if p is None else p for p in parts]))
+    return out
 
 
 def pageable(caches: list[Any]) -> bool:

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache
 
 from vlmserve.engine.ops.paged_prefill_cache import pieces_mask, pieces_width
+from vlmserve.models import kv_caches
 
 
 class RaggedLayerCache:
@@ -79,11 +80,7 @@ class RaggedStateCache(ArraysCache):
     def __init__(self, rows: list[Any], lengths: list[int]):
         super().__init__(len(rows[0].cache))
         self.rows = rows
-        for i in range(len(self.cache)):
-            parts = [row.cache[i] for row in rows]
-            known = next((p for p in parts if p is not None), None)
-            if known is not None:
-                self.cache[i] = mx.concatenate([mx.zeros_like(known) if p is None else p for p in parts])
+        self.cache = kv_caches.states_side_by_side(rows)
         self.lengths = mx.array(lengths, dtype=mx.int32)
 
     def write_back(self) -> None:

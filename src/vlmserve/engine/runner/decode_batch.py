@@ -84,14 +84,12 @@ def _state_step_agrees(model) -> bool:
     logits, to rounding. And where the model prefills pieces of several prompts in one
     right-padded forward, two prompts so (one padded) give the logits each gives alone: a state
     layer that kept the padding in its state would not."""
-    from vlmserve.protocol import PreparedRequest
-
     layout = model.state_layout()
     layers, kv_shape, dtype = model.kv_layout()
     ids = (np.arange(3, dtype=np.int32) * 7 + 11) % model.info.vocab_size
 
     def prefilled():
-        prompt = model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0]
+        prompt = _embedded(model, ids)
         model.prefill(prompt, 0, len(ids) - 1)
         return types.SimpleNamespace(cache_len=len(ids) - 1, prompt=prompt, blocks=[], prefix_hit=None)
 
@@ -123,6 +121,13 @@ def _state_step_agrees(model) -> bool:
     return agrees
 
 
+def _embedded(model, ids: np.ndarray):
+    """A text prompt of these ids, embedded (its caches empty)."""
+    from vlmserve.protocol import PreparedRequest
+
+    return model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0]
+
+
 def _close(logits: mx.array, expected: mx.array) -> bool:
     return bool((mx.abs(logits - expected).max() <= PROBE_TOLERANCE * mx.abs(expected).max()).item())
 
@@ -132,13 +137,8 @@ def _pieces_agree(model, prompts: list[np.ndarray]) -> bool:
     forward, then that token alone, give the logits each gives prefilled alone: their caches
     (their state) hold their own positions only (a forward that raises turns the pieces forward
     off itself: the pool still serves, as it then does rows one at a time)."""
-    from vlmserve.protocol import PreparedRequest
-
-    def embedded(ids):
-        return model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0]
-
-    alone = [model.prefill(embedded(ids), 0, len(ids)) for ids in prompts]
-    states = [embedded(ids) for ids in prompts]
+    alone = [model.prefill(_embedded(model, ids), 0, len(ids)) for ids in prompts]
+    states = [_embedded(model, ids) for ids in prompts]
     try:
         model.prefill_pieces(states, [(0, len(ids) - 1) for ids in prompts])
     except Exception:  # noqa: BLE001 - logged there, and pieces go one at a time from now on
@@ -292,7 +292,7 @@ class PagedDecodeBatch:
         first ones, shared, and writes only what follows. Every row's positions go into the pool
         with one gather and one scatter a layer (a copy per row and layer would be thousands of
         launches for a group of 32 prompts)."""
-        kv_cache = [c for c in rows_cache if not kv_caches.is_state(c)]
+        kv_cache = kv_caches.kv_layers(rows_cache)
         end = kv_cache[0]._idx if kv_cache else 0
         batch_rows, cache_positions, slots = [], [], []  # per written position: its row, where it is, where it goes
         placed: list[tuple[int, int]] = []  # (slot, row in rows_cache) of each owner
@@ -315,8 +315,8 @@ class PagedDecodeBatch:
                 layer_kv = [(c.keys.swapaxes(1, 2)[b, p], c.values.swapaxes(1, 2)[b, p]) for c in kv_cache]
                 self.pool.write_at(mx.array(np.concatenate(slots)), layer_kv)
             if self.states is not None and placed:
-                state_cache = [c for c in rows_cache if kv_caches.is_state(c)]
-                self.states.put([s for s, _ in placed], RowStates.of_rows(state_cache, [r for _, r in placed]))
+                rows_state = kv_caches.state_layers(rows_cache)
+                self.states.put([s for s, _ in placed], RowStates.of_rows(rows_state, [r for _, r in placed]))
         except BaseException:
             self._none_join(owners)
             raise
@@ -333,8 +333,8 @@ class PagedDecodeBatch:
                 owner.blocks = self.pool.cover(owner.blocks, owner.cache_len + 1)
                 slots.append(self._place(owner))
             if self.states is not None and owners:  # their state, from their own caches: a scatter an array
-                own = [[c for c in owner.prompt.cache if kv_caches.is_state(c)] for owner in owners]
-                self.states.put(slots, RowStates.side_by_side(own))
+                own = [kv_caches.state_layers(owner.prompt.cache) for owner in owners]
+                self.states.put(slots, [a for layer in zip(*own) for a in kv_caches.states_side_by_side(layer)])
         except BaseException:
             self._none_join(owners)
             raise
@@ -373,11 +373,11 @@ class PagedDecodeBatch:
         """The last `length` positions of row `row` of a prefill's batch cache (rows left-padded,
         ending together, as `join` takes them), and its state layers' state, copied to the host
         as `evict` gives a row out: a prefilled row that steps aside before its join."""
-        kv_cache = [c for c in rows_cache if not kv_caches.is_state(c)]
-        state_cache = [c for c in rows_cache if kv_caches.is_state(c)]
+        kv_cache = kv_caches.kv_layers(rows_cache)
         span = slice(kv_cache[0]._idx - length, kv_cache[0]._idx)
         kv = [[c.keys[row, :, span].swapaxes(0, 1), c.values[row, :, span].swapaxes(0, 1)] for c in kv_cache]
-        return host_arrays.to_host(kv), host_arrays.to_host([RowStates.of_rows(state_cache, [row])])[0]
+        states = RowStates.of_rows(kv_caches.state_layers(rows_cache), [row])
+        return host_arrays.to_host(kv), host_arrays.to_host([states])[0]
 
     def grow(self) -> None:
         """Give each row the block its next position needs (the runner counted them in its budget)."""
@@ -450,7 +450,7 @@ def _dtype_name(dtype) -> str:
 
 def kv_dtype(rows_cache: list[Any]):
     """The dtype of the KV a prefill produced (None for an empty one)."""
-    kv = [c for c in rows_cache if not kv_caches.is_state(c)]
+    kv = kv_caches.kv_layers(rows_cache)
     keys = getattr(kv[0], "keys", None) if kv else None
     return None if keys is None else keys.dtype
 
@@ -507,8 +507,8 @@ class DtypeGroupedBatch:
     def states_of(prompt_cache: list[Any]) -> list:
         """A prefilling row's state layers' state (its own caches), copied to the host as `evict`
         gives it out (none for a model whose layers are all KV)."""
-        state_cache = [c for c in prompt_cache if kv_caches.is_state(c)]
-        return host_arrays.to_host([RowStates.of_rows(state_cache, [0])])[0] if state_cache else []
+        own = kv_caches.state_layers(prompt_cache)
+        return host_arrays.to_host([RowStates.of_rows(own, [0])])[0] if own else []
 
     def pool_of(self, owner: Any) -> BlockPool:
         """The pool a running row's blocks are in."""

@@ -349,12 +349,12 @@ class ModelRunner:
                 self.stats.batched_prefills += 1
                 if pool is not None:
                     for seq in moved:  # its KV is in the pool now: its own cache lets go of it
-                        for layer in pool_prefill.kv_layers(seq.prompt.cache):
+                        for layer in kv_caches.kv_layers(seq.prompt.cache):
                             layer.keys = layer.values = None
                             layer.offset = 0
                     # And the rows' new state in their own caches: left lazy, it would hold the
                     # forward's per-layer inputs until the next step reads it.
-                    states = [c.state for s, _ in todo for c in s.prompt.cache if kv_caches.is_state(c)]
+                    states = [c.state for s, _ in todo for c in kv_caches.state_layers(s.prompt.cache)]
                     mx.async_eval(pool.arrays(), *[a for arrays in states for a in arrays if a is not None])
                 else:
                     mx.async_eval([c.state for s, _ in todo for c in s.prompt.cache])

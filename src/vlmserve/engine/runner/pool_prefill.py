@@ -26,11 +26,6 @@ from vlmserve.models import kv_caches
 from vlmserve.models.ragged_cache import RaggedStateCache
 
 
-def kv_layers(cache: list) -> list:
-    """A prompt's own caches of its KV layers (those the pool holds)."""
-    return [c for c in cache if not kv_caches.is_state(c)]
-
-
 def pieces_caches(pool: BlockPool, todo: list[tuple[Sequence, tuple[int, int]]]) -> list:
     """The layer caches of a pieces forward whose rows' KV lives in `pool`: each row's blocks
     (its prompt's KV so far moved in, the first time) then cover its piece; a state layer's
@@ -62,7 +57,7 @@ def move_in(seq: Sequence, pool: BlockPool) -> None:
         seq.prefill_blocks = pool.cover(blocks, n)
         layers = [
             (c.keys[0, :, start:n, :].swapaxes(0, 1), c.values[0, :, start:n, :].swapaxes(0, 1))
-            for c in kv_layers(seq.prompt.cache)
+            for c in kv_caches.kv_layers(seq.prompt.cache)
         ]
         pool.write(seq.prefill_blocks, layers, n, start)
 
@@ -91,7 +86,7 @@ def back_to_own_cache(seq: Sequence) -> None:
     next move into the pool, takes back instead of copying them."""
     pool, blocks = seq.prefill_pool, seq.prefill_blocks
     if seq.prefilled:
-        own = kv_layers(seq.prompt.cache)
+        own = kv_caches.kv_layers(seq.prompt.cache)
         pool.fill(own, blocks, seq.prefilled, seq.num_prompt)
         mx.async_eval([c.state for c in own])
     hit = PrefixHit.holding(pool, blocks, seq.prefilled)

@@ -70,17 +70,6 @@ class RowStates:
         return host_arrays.to_host([self.take(slot)])[0]
 
     @staticmethod
-    def side_by_side(own: list[list[Any]]) -> list[mx.array | None]:
-        """Per state array, the states of several rows' own state caches (a row each), one row
-        after another (a row with none set yet: zeros; None where no row has one)."""
-        out = []
-        for arrays in zip(*[[a for c in caches for a in c.state] for caches in own]):
-            known = next((a for a in arrays if a is not None), None)
-            rows = None if known is None else [mx.zeros_like(known) if a is None else a for a in arrays]
-            out.append(None if rows is None else mx.concatenate(rows))
-        return out
-
-    @staticmethod
     def of_rows(rows_cache: list[Any], rows: list[int]) -> list[mx.array | None]:
         """Per state array, the states of `rows` of a prefill's caches (their state layers)."""
         index = mx.array(rows, dtype=mx.int32)
