@@ -698,11 +698,14 @@ def test_a_step_trace_records_every_step_with_its_phases(monkeypatch, tmp_path):
             assert c.post("/v1/chat/completions", json=body).status_code == 200
         _wait_idle(server)
         deadline = time.monotonic() + 10
-        while len(path.read_text().splitlines()) < server.engine.core.stats.steps:  # the last step ends
+        while True:  # the last step ends (a step that starts meanwhile counts before its line is written)
+            counted = server.engine.core.stats.steps
+            steps = [json.loads(line) for line in path.read_text().splitlines()]
+            if len(steps) >= counted and server.engine.core.stats.steps == counted:
+                break
             assert time.monotonic() < deadline, "a step left no trace line"
             time.sleep(0.01)
-        steps = [json.loads(line) for line in path.read_text().splitlines()]
-        assert len(steps) == server.engine.core.stats.steps
+        assert len(steps) == counted
         phases = ("admit_ms", "embed_ms", "prefill_ms", "stage_ms", "decode_ms")
         # (each figure rounded to the microsecond)
         assert all(all(s[p] >= 0 for p in phases) and s["step_ms"] + 0.01 >= sum(s[p] for p in phases) for s in steps)
