@@ -91,3 +91,30 @@ def test_a_model_whose_step_fails_over_the_pool_keeps_one_padded_batch(fault, tm
 
     before, after, paged, batch = on_own_thread(work)
     assert before and not after and not paged and batch == "PaddedDecodeBatch"
+
+
+def test_a_model_whose_own_paths_differ_by_rounding_still_pages(tmp_path_factory):
+    """The pool check allows the rounding the model's own caches show between two paths to one
+    position (a wide bfloat16 model on CUDA: 3-4% of the largest logit), not just a fixed 2%."""
+    import mlx.core as mx
+
+    from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+    from vlmserve.engine.runner.decode_batch import PROBE_TOLERANCE, pages_kv
+
+    load = _model("lfm2_vl", tmp_path_factory)
+
+    def work():
+        model = load()
+        decode = model.decode
+
+        def rounded_off(tokens, caches, positions):  # the own caches' step: 1.5x the fixed tolerance off
+            logits = decode(tokens, caches, positions)
+            if any(isinstance(c, PagedLayerCache) for c in caches):
+                return logits
+            signs = mx.where(mx.arange(logits.shape[-1]) % 2 == 0, 1.0, -1.0).astype(logits.dtype)
+            return logits + 1.5 * PROBE_TOLERANCE * mx.abs(logits).max() * signs
+
+        model.decode = rounded_off
+        return pages_kv(model)
+
+    assert on_own_thread(work)

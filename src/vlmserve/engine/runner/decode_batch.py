@@ -76,6 +76,12 @@ def pages_kv(model) -> bool:
 
 _STATE_STEP_AGREES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PROBE_TOLERANCE = 0.02  # of the logits' largest magnitude: another batch's summation order, not another function
+# A wide bfloat16 model's own two paths to one position's logits (its prompt prefilled whole, or
+# all but its last token and then that token decoded) differ by more than that: 3-4% of the
+# largest logit for a 1.6B hybrid model on CUDA, where the pool's step differed from its own by ~2%.
+# The check allows NOISE_FACTOR times what the model's own paths differ by; another function
+# (padding kept in a state, a mask misread) differs by the logits' own scale.
+NOISE_FACTOR = 2.0
 
 
 def _state_step_agrees(model) -> bool:
@@ -99,24 +105,28 @@ def _state_step_agrees(model) -> bool:
         own = prefilled()
         positions = model.decode_positions([own])
         expected = model.decode(token, model.merge_caches([own.prompt.cache]), positions)
+        whole = model.prefill(_embedded(model, ids), 0, len(ids))
+        tolerance = max(PROBE_TOLERANCE, NOISE_FACTOR * _deviation(expected, whole))
         row = prefilled()
         stage = "a decode step over the paged KV pool"
         pool = BlockPool(layers, kv_shape, dtype, block_size=16, blocks=2)
         batch = PagedDecodeBatch(model, DecodeSteps(model, 16, False, layout), pool, 1 << 20, RowStates(layout, dtype))
         batch.join([row], model.merge_caches([row.prompt.cache]))
         logits = batch.forward(token, batch.layout())
-        agrees = _close(logits, expected)
+        agrees = _deviation(logits, expected) <= tolerance
         if agrees and model.prefills_pieces:
             stage = "prefilling two prompts' pieces in one forward"
-            agrees = _pieces_agree(model, [ids, np.concatenate([ids, ids[:2]])])
+            agrees = _pieces_agree(model, [ids, np.concatenate([ids, ids[:2]])], tolerance)
     except Exception:  # noqa: BLE001 - its own batch caches serve it (PaddedDecodeBatch)
         log.warning("%s: %s failed; one padded batch serves it", model.info.model_type, stage, exc_info=True)
         return False
     if not agrees:
         log.warning(
-            "%s: %s gave other logits than the model's own caches; one padded batch serves it",
+            "%s: %s gave other logits than the model's own caches (past %.1f%% of the largest); "
+            "one padded batch serves it",
             model.info.model_type,
             stage,
+            100 * tolerance,
         )
     return agrees
 
@@ -128,11 +138,13 @@ def _embedded(model, ids: np.ndarray):
     return model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0]
 
 
-def _close(logits: mx.array, expected: mx.array) -> bool:
-    return bool((mx.abs(logits - expected).max() <= PROBE_TOLERANCE * mx.abs(expected).max()).item())
+def _deviation(logits: mx.array, expected: mx.array) -> float:
+    """The largest difference, as a fraction of the expected logits' largest magnitude."""
+    logits, expected = logits.astype(mx.float32).reshape(-1), expected.astype(mx.float32).reshape(-1)
+    return (mx.abs(logits - expected).max() / mx.maximum(mx.abs(expected).max(), 1e-30)).item()
 
 
-def _pieces_agree(model, prompts: list[np.ndarray]) -> bool:
+def _pieces_agree(model, prompts: list[np.ndarray], tolerance: float) -> bool:
     """Prompts of several lengths prefilled but for their last token in one right-padded pieces
     forward, then that token alone, give the logits each gives prefilled alone: their caches
     (their state) hold their own positions only (a forward that raises turns the pieces forward
@@ -144,7 +156,7 @@ def _pieces_agree(model, prompts: list[np.ndarray]) -> bool:
     except Exception:  # noqa: BLE001 - logged there, and pieces go one at a time from now on
         return True
     after = [model.prefill(state, len(ids) - 1, len(ids)) for state, ids in zip(states, prompts)]
-    return all(_close(a, b) for a, b in zip(after, alone))
+    return all(_deviation(a, b) <= tolerance for a, b in zip(after, alone))
 
 
 def make_decode_step(decode: Callable, block_size: int, compiled: bool, kinds: list[int] | None = None) -> Callable:
