@@ -25,6 +25,7 @@ from mlx_vlm.utils import load_model
 from vlmserve.engine.ops import (
     cuda_kernels,
     decode_attention,
+    depthwise_conv,
     fused_projections,
     many_row_dequantized,
     rope_rotation,
@@ -259,6 +260,7 @@ class GenericModel:
         fused_projections.install(self.language_model)
         rope_rotation.install()
         decode_attention.install()
+        depthwise_conv.install(self.language_model)
         if cuda_kernels.enabled():  # elsewhere MLX's quantized matmul stays (and mlx_vlm's outputs, bit for bit)
             many_row_dequantized.install(self.model)
             many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile
