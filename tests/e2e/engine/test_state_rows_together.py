@@ -230,3 +230,32 @@ def test_state_rows_leaving_the_pool_midway_give_their_tokens_alone(family, faul
     alone, together, used, pools_empty = on_own_thread(work)
     assert seen and used == 0 and pools_empty
     assert together == alone
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_plan_free_convolutions_give_the_tokens_of_mlx_s(family, tmp_path_factory):
+    """With the depthwise convolutions swapped for CUDA's plan-free ones (engine/ops/depthwise_conv),
+    prompts prefilled together (in one forward and in pieces into the pool) and decoded by the
+    compiled step give the tokens each gives alone through MLX's convolution."""
+    from vlmserve.engine.core import EngineCore
+    from vlmserve.engine.ops import depthwise_conv
+
+    load = _family(family, tmp_path_factory)
+    lengths = {**SHORT, **LONG}
+
+    def work():
+        model, codec = load()
+        prompts = _prompts(model, lengths)
+
+        def engine(bucket: int) -> EngineCore:
+            return EngineCore(model, codec, max_num_seqs=8, prefill_chunk=32, prefill_budget=128, prefill_bucket=bucket)
+
+        alone = {}
+        for rid in lengths:
+            alone.update(_run(engine(0), prompts, [rid]))
+        swapped = depthwise_conv.install(model.language_model, force=True)
+        return alone, _run(engine(16), prompts, list(lengths)), swapped
+
+    alone, together, swapped = on_own_thread(work)
+    assert swapped > 0
+    assert together == alone and all(len(tokens) == 6 for tokens in alone.values())
