@@ -32,8 +32,9 @@ from vlmserve.engine.ops import (
     tower_attention,
 )
 from vlmserve.engine.ops.attention_plans import AttentionPlans
-from vlmserve.models import kv_caches
+from vlmserve.models import kv_caches, output_rows
 from vlmserve.models.image_rows import ImageRows
+from vlmserve.models.output_rows import rows_at
 from vlmserve.models.ragged_cache import RaggedLayerCache, RaggedStateCache
 from vlmserve.protocol import ModelInfo, PreparedRequest
 
@@ -269,6 +270,7 @@ class GenericModel:
         self.routes_tower_attention = self.attention_plans is None and tower_attention.available()
         if self.routes_tower_attention:
             self.attention_plans = AttentionPlans()
+        output_rows.install(self.language_model)  # prompt forwards' logits at the rows read only
 
     def row_memory(self) -> tuple[int, int] | None:
         """What one request's caches hold on the device: bytes per position (the keys and values of
@@ -611,8 +613,11 @@ class GenericModel:
     ) -> mx.array:
         """The language model over prompt positions, into `cache`: its logits, (rows, L, V), or with
         `last` (a position per row) each row's there, (rows, V). Lazy: unread, never computed."""
-        logits = self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
-        return logits if last is None else rows_at(logits, last)
+        if last is None:
+            return self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
+        with output_rows.at(last) as selection:  # the output layer over these positions only
+            logits = self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
+        return logits[:, 0] if selection.taken else rows_at(logits, last)
 
     @property
     def prefills_pieces(self) -> bool:
@@ -762,11 +767,6 @@ class GenericModel:
             kwargs["mask"] = batch_cache[0].make_mask(1, return_array=True)
         out = self.language_model(tokens[:, None], cache=batch_cache, **kwargs)
         return out.logits[:, -1, :]
-
-
-def rows_at(x: mx.array, positions: list[int]) -> mx.array:
-    """(rows, L, ...) -> (rows, ...): each row's entry at its own position."""
-    return x[mx.arange(len(positions)), mx.array(positions)]
 
 
 def mrope_decode_positions(positions: mx.array) -> mx.array:
