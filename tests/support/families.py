@@ -75,3 +75,10 @@ def image_prompt(path: Path, sizes=((80, 64),)):
         return pre.encode(pre.render(ChatRequest([ChatMessage("user", parts)], SamplingParams())), images)
     finally:
         pre.close()
+
+
+def session_checkpoint(name: str, fmt: str, tmp_path_factory) -> Path:
+    """`checkpoint` built once per test session, under its base temporary directory."""
+    cache_dir = tmp_path_factory.getbasetemp() / "families"
+    cache_dir.mkdir(exist_ok=True)
+    return checkpoint(name, fmt, cache_dir)

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import chat_body, data_uri, images
 from support.server import start_server
 from vlmserve.engine.core import kv_block_bytes
@@ -42,9 +42,7 @@ async def _post_all(server, bodies: list[dict]) -> list[httpx.Response]:
 
 
 def test_prompts_that_embed_longer_than_their_ids_are_not_failed_under_a_tight_budget(tmp_path_factory):
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    model = str(checkpoint("llava_next", "float32", cache_dir))
+    model = str(session_checkpoint("llava_next", "float32", tmp_path_factory))
     settings = dict(max_num_seqs=6, prefill_chunk=32, prefix_cache_tokens=0, warmup_image_sizes=())
     server = start_server(model, **settings)
     try:  # each answer alone, and what a block of KV takes

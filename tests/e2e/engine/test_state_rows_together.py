@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import event_tokens, on_own_thread, refuse_join_once, run_until_idle, token_request
 from vlmserve.protocol import SamplingParams
 
@@ -21,9 +21,7 @@ LONG = {"E": 70, "F": 45, "G": 101, "H": 20}  # most longer than a chunk: pieces
 
 def _family(family: str, tmp_path_factory):
     """The family's float32 test checkpoint: a loader of (model, codec) for the worker thread."""
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    path = session_checkpoint(family, "float32", tmp_path_factory)
 
     def load():
         from vlmserve.engine.runner.tokenizer import TextCodec
@@ -52,10 +50,25 @@ def _run(core, prompts: dict[str, list[int]], rids) -> dict[str, list[int]]:
     return {rid: event_tokens(e) for rid, e in events.items()}
 
 
+def _engines(model, codec, **options):
+    """A maker of engines over this model with these options, by prefill bucket."""
+    from vlmserve.engine.core import EngineCore
+
+    return lambda bucket: EngineCore(model, codec, prefill_bucket=bucket, **options)
+
+
+def _alone(engine, prompts: dict[str, list[int]], rids) -> dict[str, list[int]]:
+    """Each request's greedy tokens on an engine of its own at exact shapes (`engine(0)`: no
+    bucket), as mlx_vlm.generate runs it."""
+    alone = {}
+    for rid in rids:
+        alone.update(_run(engine(0), prompts, [rid]))
+    return alone
+
+
 @pytest.mark.parametrize("lengths", [SHORT, LONG], ids=["short", "long"])
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
 def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, tmp_path_factory):
-    from vlmserve.engine.core import EngineCore
 
     load = _family(family, tmp_path_factory)
 
@@ -73,12 +86,9 @@ def test_state_rows_prefilled_together_give_their_tokens_alone(family, lengths, 
 
         model.prefill_pieces = counted
 
-        def engine(bucket: int) -> EngineCore:
-            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=32, prefill_budget=128, prefill_bucket=bucket)
+        engine = _engines(model, codec, max_num_seqs=6, prefill_chunk=32, prefill_budget=128)
 
-        alone = {}
-        for rid in lengths:  # each on its own, exact shapes (no bucket): mlx_vlm.generate's
-            alone.update(_run(engine(0), prompts, [rid]))
+        alone = _alone(engine, prompts, lengths)
         pieces_rows.clear()
         core = engine(16)
         text_model = type(model.language_model.model)
@@ -170,7 +180,6 @@ def test_state_rows_leaving_the_pool_midway_give_their_tokens_alone(family, faul
     alone (its KV back from the pool, its full blocks a prefix its join takes), or a pieces
     forward into the pool fails once (every row then goes on one at a time). Their state never
     left their own caches: each gives the tokens it gives alone, and no block stays held."""
-    from vlmserve.engine.core import EngineCore
     from vlmserve.engine.ops.paged_prefill_cache import PagedPiecesCache
     from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
     from vlmserve.engine.runner.model_runner import ModelRunner
@@ -182,12 +191,9 @@ def test_state_rows_leaving_the_pool_midway_give_their_tokens_alone(family, faul
         model, codec = load()
         prompts = _prompts(model, LONG)
 
-        def engine(bucket: int) -> EngineCore:
-            return EngineCore(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64, prefill_bucket=bucket)
+        engine = _engines(model, codec, max_num_seqs=6, prefill_chunk=16, prefill_budget=64)
 
-        alone = {}
-        for rid in LONG:
-            alone.update(_run(engine(0), prompts, [rid]))
+        alone = _alone(engine, prompts, LONG)
         if fault == "last_piece_alone":
             forwards, join = ModelRunner._pieces_forwards, PagedDecodeBatch.join
 
@@ -237,7 +243,8 @@ def test_plan_free_convolutions_give_the_tokens_of_mlx_s(family, tmp_path_factor
     """With the depthwise convolutions swapped for CUDA's plan-free ones (engine/ops/depthwise_conv),
     prompts prefilled together (in one forward and in pieces into the pool) and decoded by the
     compiled step give the tokens each gives alone through MLX's convolution."""
-    from vlmserve.engine.core import EngineCore
+    import mlx.nn as nn
+
     from vlmserve.engine.ops import depthwise_conv
 
     load = _family(family, tmp_path_factory)
@@ -246,15 +253,15 @@ def test_plan_free_convolutions_give_the_tokens_of_mlx_s(family, tmp_path_factor
     def work():
         model, codec = load()
         prompts = _prompts(model, lengths)
+        for _, module in model.language_model.named_modules():  # on CUDA the load swapped them
+            if type(module) is depthwise_conv.PlanFreeDepthwiseConv1d:
+                module.__class__ = nn.Conv1d
 
-        def engine(bucket: int) -> EngineCore:
-            return EngineCore(model, codec, max_num_seqs=8, prefill_chunk=32, prefill_budget=128, prefill_bucket=bucket)
-
-        alone = {}
-        for rid in lengths:
-            alone.update(_run(engine(0), prompts, [rid]))
+        options = {"max_num_seqs": 8, "prefill_chunk": 32, "prefill_budget": 128}
+        alone = _alone(_engines(model, codec, **options), prompts, lengths)
         swapped = depthwise_conv.install(model.language_model, force=True)
-        return alone, _run(engine(16), prompts, list(lengths)), swapped
+        compiled = _engines(model, codec, compile_decode=True, **options)  # the swapped modules traced
+        return alone, _run(compiled(16), prompts, list(lengths)), swapped
 
     alone, together, swapped = on_own_thread(work)
     assert swapped > 0

@@ -14,7 +14,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import chat_body, data_uri, images
 from support.server import start_server
 from vlmserve.engine.ops import cuda_kernels
@@ -25,9 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def _paligemma_4bit(tmp_path_factory) -> str:
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    return str(checkpoint("paligemma", "4bit", cache_dir))
+    return str(session_checkpoint("paligemma", "4bit", tmp_path_factory))
 
 
 async def _answers(server, body: dict, n: int) -> list[httpx.Response]:
@@ -195,9 +193,7 @@ def test_pools_shrink_while_prompts_prefill_into_them_and_answers_stay_those_giv
     bfloat16 pool (and hit its cached prefixes) while float32 image rows take room in their own
     pool. The bfloat16 pool is compacted under its running rows (and, as timing has it, prompts
     prefilling into it); every answer is the one given alone."""
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    model = str(checkpoint("kimi_vl", "4bit", cache_dir))
+    model = str(session_checkpoint("kimi_vl", "4bit", tmp_path_factory))
     server = start_server(
         model, max_num_seqs=8, warmup_image_sizes=(), prefill_chunk=16, kv_cache_memory_gb=160 * 8192 / 2**30
     )

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import chat_body
 from support.server import start_server
 
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_compiled_decode_step_traces_and_matches_eager(tmp_path_factory):
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = str(checkpoint("ministral3", "float32", cache_dir))
+    path = str(session_checkpoint("ministral3", "float32", tmp_path_factory))
     settings = dict(max_num_seqs=4, prefix_cache_tokens=0)
     compiled = start_server(path, compile_decode="on", **settings)
     eager = start_server(path, compile_decode="off", **settings)

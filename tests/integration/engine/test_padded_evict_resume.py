@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import on_own_thread
 
 STEPS = 8  # decode steps each row takes
@@ -58,9 +58,7 @@ def _run(model, lengths: tuple[int, ...], victim: int | None) -> dict[int, list[
 def test_an_evicted_row_resumes_with_the_logits_it_gives_uninterrupted(family, tmp_path_factory):
     from vlmserve.models.registry import load_model_adapter
 
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    path = session_checkpoint(family, "float32", tmp_path_factory)
 
     def work():
         model = load_model_adapter(path, family)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import on_own_thread
 
 pytestmark = pytest.mark.slow
@@ -17,9 +17,7 @@ pytestmark = pytest.mark.slow
 def _model(family: str, tmp_path_factory):
     from vlmserve.models.registry import load_model_adapter
 
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    path = session_checkpoint(family, "float32", tmp_path_factory)
     return lambda: load_model_adapter(path, family)
 
 
@@ -118,3 +116,34 @@ def test_a_model_whose_own_paths_differ_by_rounding_still_pages(tmp_path_factory
         return pages_kv(model)
 
     assert on_own_thread(work)
+
+
+def test_own_paths_that_differ_past_rounding_do_not_loosen_the_check(tmp_path_factory):
+    """A model whose own two paths to one position differ by far more than rounding (half the
+    largest logit) cannot widen the check past its ceiling: a pool step without the rows' state
+    still falls back to one padded batch."""
+    import mlx.core as mx
+
+    from vlmserve.engine.ops.paged_layer_cache import PagedLayerCache
+    from vlmserve.engine.runner.decode_batch import pages_kv
+
+    load = _model("lfm2_vl", tmp_path_factory)
+
+    def work():
+        model = load()
+        decode = model.decode
+
+        def both_off(tokens, caches, positions):
+            if any(isinstance(c, PagedLayerCache) for c in caches):  # the pool's step: no state
+                for c in caches:
+                    if not isinstance(c, PagedLayerCache):
+                        c.cache = [None if a is None else mx.zeros_like(a) for a in c.cache]
+                return decode(tokens, caches, positions)
+            logits = decode(tokens, caches, positions)  # the own caches' step: another function
+            signs = mx.where(mx.arange(logits.shape[-1]) % 2 == 0, 1.0, -1.0).astype(logits.dtype)
+            return logits + 0.5 * mx.abs(logits).max() * signs
+
+        model.decode = both_off
+        return pages_kv(model)
+
+    assert not on_own_thread(work)

@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import on_own_thread
 
 STEPS = 8
@@ -102,9 +102,7 @@ def _alone(model, compiled: bool, n: int, steps: int) -> list[np.ndarray]:
 def test_state_rows_on_the_pool_keep_their_own_state(family, compiled, tmp_path_factory):
     from vlmserve.models.registry import load_model_adapter
 
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    path = session_checkpoint(family, "float32", tmp_path_factory)
 
     def work():
         model = load_model_adapter(path, family)

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import chat_body, metric_value
 from support.server import start_server
 
@@ -22,9 +22,7 @@ BUDGET_BLOCKS = 12  # holds any one request below, grown, but not all four
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
 def test_state_rows_preempted_for_the_budget_resume_with_the_same_tokens(family, tmp_path_factory):
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    path = session_checkpoint(family, "float32", tmp_path_factory)
     probe = start_server(str(path), max_num_seqs=4, prefix_cache_tokens=0)
     try:
         core = probe.engine.core

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.server import start_server
 
 pytestmark = pytest.mark.slow
@@ -17,9 +17,7 @@ GRIDS = [(1, 16, 16), (1, 8, 12), (2, 4, 4), (1, 6, 10)]
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_the_host_indexed_tower_call_equals_mlx_vlms(family, tmp_path_factory):
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    server = start_server(str(checkpoint(family, "float32", cache_dir)), warmup_image_sizes=())
+    server = start_server(str(session_checkpoint(family, "float32", tmp_path_factory)), warmup_image_sizes=())
     try:
         tower = server.state.engine.core.model.model.vision_tower
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.families import checkpoint
+from support.families import session_checkpoint
 from support.helpers import on_own_thread
 
 pytestmark = pytest.mark.slow
@@ -35,9 +35,7 @@ def _logits(lm, prompts: list[list[int]], steps: int = 3) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
 def test_plan_free_depthwise_convolutions_give_mlx_vlm_logits(family, tmp_path_factory):
-    cache_dir = tmp_path_factory.getbasetemp() / "families"
-    cache_dir.mkdir(exist_ok=True)
-    path = checkpoint(family, "float32", cache_dir)
+    path = session_checkpoint(family, "float32", tmp_path_factory)
 
     def work():
         from mlx_vlm.utils import load_model
