@@ -26,6 +26,8 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.arra
         x = mx.pad(x, [(0, 0), (padding, padding), (0, 0)])
     taps = weight.shape[1]
     length = x.shape[1] - taps + 1
+    if length < 1:  # as mx.conv1d: slices would broadcast to an empty result instead
+        raise ValueError(f"a {taps}-tap filter needs at least {taps} positions, not {x.shape[1]}")
     w = weight[:, :, 0].astype(mx.float32)
     out = x[:, :length].astype(mx.float32) * w[:, 0]
     for k in range(1, taps):

@@ -77,3 +77,23 @@ def test_off_cuda_nothing_is_swapped():
 
     on_cuda, count = on_own_thread(work)
     assert count == (1 if on_cuda else 0)
+
+
+def test_an_input_shorter_than_the_filter_is_refused_as_by_conv1d():
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.ops.depthwise_conv import depthwise_conv1d
+
+        x, w = mx.zeros((1, 2, 8)), mx.zeros((8, 4, 1))
+        refused = []
+        for conv in (lambda: mx.conv1d(x, w, groups=8), lambda: depthwise_conv1d(x, w)):
+            try:
+                mx.eval(conv())
+            except ValueError:
+                refused.append(True)
+            else:
+                refused.append(False)
+        return refused
+
+    assert on_own_thread(work) == [True, True]
