@@ -82,3 +82,17 @@ def session_checkpoint(name: str, fmt: str, tmp_path_factory) -> Path:
     cache_dir = tmp_path_factory.getbasetemp() / "families"
     cache_dir.mkdir(exist_ok=True)
     return checkpoint(name, fmt, cache_dir)
+
+
+def adapter_loader(name: str, fmt: str, tmp_path_factory):
+    """A loader of the family's (ModelAdapter, TextCodec), for the worker thread to call."""
+    path = session_checkpoint(name, fmt, tmp_path_factory)
+
+    def load():
+        from vlmserve.engine.runner.tokenizer import TextCodec
+        from vlmserve.models.registry import load_model_adapter, model_type_of
+
+        codec = TextCodec(path)
+        return load_model_adapter(path, model_type_of(path), codec.eos_token_ids), codec
+
+    return load

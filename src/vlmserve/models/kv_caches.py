@@ -34,6 +34,16 @@ def state_layers(caches: list[Any]) -> list[Any]:
     return [c for c in caches if is_state(c)]
 
 
+def put_states(caches: list[Any], arrays: list[mx.array | None]) -> None:
+    """A row's state layers' caches take `arrays` (per state array in layer order, as
+    `state_layers` lists them and their `state` gives them)."""
+    rest = list(arrays)
+    for cache in state_layers(caches):
+        cache.cache, rest = rest[: len(cache.cache)], rest[len(cache.cache) :]
+    if rest:
+        raise ValueError(f"{len(rest)} state arrays left over: not this model's layout")
+
+
 def states_side_by_side(rows: list[Any]) -> list[mx.array | None]:
     """One state layer's caches of several rows (a row each): per state array, the rows' states
     one after another (a row with none set yet: zeros, as mlx_vlm's layers start from; None

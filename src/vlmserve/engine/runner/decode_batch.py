@@ -343,6 +343,14 @@ class PagedDecodeBatch:
             self._none_join(owners)
             raise
 
+    def state_of(self, owner: Any) -> list[mx.array] | None:
+        """A copy of a running row's state (one row per state array), as its next step reads it
+        (None: every layer is KV)."""
+        if self.states is None:
+            return None
+        index = mx.array([self.rows.index(owner)], dtype=mx.int32)
+        return [a[index] for a in self.states.arrays]  # a gather: the row's own copy, not a view
+
     def adopt(self, owners: list[Any]) -> None:
         """Rows whose prompts were prefilled into this pool (their `prefill_blocks`) join with
         those blocks, and the one their next position needs."""
@@ -531,6 +539,9 @@ class DtypeGroupedBatch:
         gives it out (none for a model whose layers are all KV)."""
         own = kv_caches.state_layers(prompt_cache)
         return host_arrays.to_host([RowStates.of_rows(own, [0])])[0] if own else []
+
+    def state_of(self, owner: Any) -> list[mx.array] | None:
+        return self.groups[owner.kv_dtype].state_of(owner)
 
     def pool_of(self, owner: Any) -> BlockPool:
         """The pool a running row's blocks are in."""

@@ -25,7 +25,7 @@ import numpy as np
 from vlmserve.engine.runner import pool_prefill
 from vlmserve.engine.runner.block_pool import BlockPool
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
-from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed
+from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed, restore_states
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -57,6 +57,12 @@ def _joined(arrays: list[mx.array]) -> mx.array:
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
 
 
+def _position_bytes(model) -> int:
+    """Bytes of KV one position takes (every KV layer's keys and values)."""
+    layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
+    return layers * heads * (dim_k + dim_v) * dtype.size
+
+
 @dataclass
 class StepStats:
     steps: int = 0
@@ -83,12 +89,6 @@ class ModelRunner:
         self.hooks = hooks
         self.budget = sched.kv_budget
 
-        def cache(on: bool) -> PrefixCache | None:
-            return PrefixCache(prefix_cache_tokens) if on and prefix_cache_tokens > 0 else None
-
-        self.prefix_cache = cache(True)
-        # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
-        self.mm_prefix_cache = cache(mm_cache)
         self.eos = set(model.info.eos_token_ids) | set(tokenizer.eos_token_ids)
         self.context_length = model.info.context_length
         self.batch = None  # the running rows' KV caches (decode_batch.py); None while nothing runs
@@ -105,6 +105,17 @@ class ModelRunner:
             renumber=self._renumber_cached,
             holders=self._holders_in,
         )
+        # A model whose layers keep state beside their KV, on the pool: its entries carry it.
+        whole_keys = self.batches.state_layout is not None
+
+        def cache(on: bool) -> PrefixCache | None:
+            if not on or prefix_cache_tokens <= 0:
+                return None
+            return PrefixCache(prefix_cache_tokens, whole_keys, _position_bytes(model) if whole_keys else 1)
+
+        self.prefix_cache = cache(True)
+        # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
+        self.mm_prefix_cache = cache(mm_cache)
         self.stats = StepStats()
         self.inflight = None  # (rows, tokens, logprobs, t0) of the launched, unread decode step
         # Host time, in ms, spent launching decode steps (graphs built and queued) and handing out
@@ -185,9 +196,9 @@ class ModelRunner:
         seq.prompt = prompt
         seq.embedded_len = int(prompt.embeds.shape[1])
         seq.last_in_prefill = prompt.last_from_prompt or (self.model.samples_in_prefill and not self.model.prefix_lm)
-        # Plain KV, or state layers beside it where they decode on the pool (their prefixes are not
-        # reused: `_prefix_cache`); a padded batch's rows join one at a time.
-        shares = PrefixCache.supports(prompt.cache) or self.batches.state_layout is not None
+        # Plain KV, or state layers beside it where they decode on the pool; a padded batch's rows
+        # join one at a time.
+        shares = kv_caches.all_plain(prompt.cache) or self.batches.state_layout is not None
         seq.batchable = self.model.can_batch and shares and not prompt.last_from_prompt
         seq.whole_prompt = self.model.prefix_lm
         seq.req.staged_inputs = None  # the prompt holds what it needs of them
@@ -202,6 +213,7 @@ class ModelRunner:
             found = cache.find(key, least, pool) if pool is not None else None
             if found is not None:  # its pieces go into the pool: the prefix stays there, shared
                 pool_prefill.hit_in(seq, pool, *found)
+                restore_states(prompt.cache, found[0])  # state layers: the entry's, in its own caches
             else:
                 seq.prefix_hit = cache.lookup(key, prompt.cache, least)
                 seq.prefilled = seq.prefix_hit.length if seq.prefix_hit else 0
@@ -209,7 +221,7 @@ class ModelRunner:
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0, prepared.has_pixels)
         # A hit's copy reads the pool's arrays of this moment: queued now, it lets them go.
-        copied = [c.state for c in prompt.cache] if seq.cached_tokens and seq.prefill_pool is None else []
+        copied = [c.state for c in prompt.cache] if seq.cached_tokens else []
         mx.async_eval(prompt.embeds, *copied, *(seq.prefill_pool.arrays() if seq.prefill_pool is not None else []))
         if self.hooks and prepared.has_pixels:
             self.hooks.on_vision(seconds)
@@ -489,10 +501,11 @@ class ModelRunner:
         Text-only prompts: the token-keyed cache. Prompts with images: the multimodal one, keyed
         by tokens and image content, where the embedded prompt has the ids' length (a merge
         that changes it would shift every position after an image). Never prompts attended to
-        as a whole: a prefix's KV there depends on what follows it."""
+        as a whole: a prefix's KV there depends on what follows it. A model whose layers keep
+        state beside their KV: only on the pool, where its entries carry that state
+        (`PrefixCache.whole_keys`)."""
         prepared = seq.req.prepared
-        if self.model.prefix_lm or seq.num_prompt <= 1 or self.batches.state_layout is not None:
-            # (nor a model whose layers keep state: a prefix's KV alone does not resume its prompt)
+        if self.model.prefix_lm or seq.num_prompt <= 1:
             return None, None
         if not prepared.has_pixels:
             return self.prefix_cache, prepared.prompt_ids
@@ -502,10 +515,19 @@ class ModelRunner:
         return (self.mm_prefix_cache, key) if key is not None else (None, None)
 
     def _store_prompt(self, seq: Sequence) -> None:
-        """A row that joined: its prompt's KV, now in its blocks, goes into its prefix cache."""
+        """A row that joined: its prompt's KV, now in its blocks, goes into its prefix cache (and
+        where the model's layers keep state, that state, as its first step will read it)."""
         store, key = self._prefix_cache(seq)
-        if store is not None and seq.blocks and seq.kv_reusable:
-            self._keep(seq, lambda: store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks))
+        if store is None or not seq.blocks or not seq.kv_reusable:
+            return
+        if store.whole_keys and seq.cache_len != seq.num_prompt - 1:  # its state is past the key's end
+            return
+
+        def keep() -> None:
+            states = self.batch.state_of(seq) if store.whole_keys else None
+            store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks, states)
+
+        self._keep(seq, keep)
 
     def _store_sequence(self, seq: Sequence) -> None:
         """A finished row's prompt and output KV goes into its prefix cache: a chat's next turn
@@ -513,7 +535,8 @@ class ModelRunner:
         if self.batch is None or not self.batch.paged or seq not in self.sched.running:
             return
         store, key = self._prefix_cache(seq)
-        if store is None or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
+        # (not a row whose layers keep state: a step may be under way past cache_len already)
+        if store is None or store.whole_keys or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
         self._keep(seq, lambda: store.store(ids, self.batch.pool_of(seq), seq.blocks))

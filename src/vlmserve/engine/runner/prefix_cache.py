@@ -15,6 +15,12 @@ the pixels). The multimodal one (unless --no-mm-cache): its keys are the token i
 image's placeholder tokens replaced by a marker of that image's content (`content_keyed`), so
 a prefix matches only where its text and its images both do; a different image behind the
 same text matches only the text before it.
+
+A model whose layers keep fixed-size state beside their KV (convolution windows, recurrent
+state) resumes a prefix only where that state is known: its entries hold the row's state at
+their key's end too (`whole_keys`), and a lookup takes the longest entry whose whole key the
+prompt starts with, never part of one. Each state counts in the cache's size as the positions
+of KV its bytes would hold.
 """
 
 from __future__ import annotations
@@ -47,11 +53,15 @@ def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, .
 
 @dataclass(eq=False)
 class PooledKV:
-    """The first `length` positions of KV held in `blocks` of `pool` (one hold per block)."""
+    """The first `length` positions of KV held in `blocks` of `pool` (one hold per block), and
+    where the model's layers keep state, the row's state after those positions (a copy, per
+    state array in layer order)."""
 
     pool: BlockPool
     blocks: list[int]
     length: int
+    states: list | None = None
+    size: int = 0  # what it counts in its cache's size: positions, and its states' bytes in positions
 
     def release(self) -> None:
         self.pool.release(self.blocks)
@@ -90,10 +100,15 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """An LRU of prompt (and answer) KV in the pool, at most `max_tokens` in all."""
+    """An LRU of prompt (and answer) KV in the pool, at most `max_tokens` in all.
 
-    def __init__(self, max_tokens: int):
+    `whole_keys`: entries carry the row's state at their end, and only a whole key is reused
+    (`state_position_bytes`: the bytes of KV one position takes, to count a state's size)."""
+
+    def __init__(self, max_tokens: int, whole_keys: bool = False, state_position_bytes: int = 1):
         self.max_tokens = max_tokens
+        self.whole_keys = whole_keys
+        self.state_position_bytes = max(1, state_position_bytes)
         # key -> its KV, least recently used first. A plain dict: it keeps its keys' hashes, where
         # an OrderedDict's iteration hashed every key again (a tuple of the key's length each).
         self._entries: dict[tuple[int, ...], PooledKV] = {}
@@ -109,9 +124,8 @@ class PrefixCache:
         """Distinct pool blocks the entries hold (some also held by rows)."""
         return len(self._held)
 
-    @staticmethod
-    def supports(cache: list[Any]) -> bool:
-        return kv_caches.all_plain(cache)
+    def supports(self, cache: list[Any]) -> bool:
+        return kv_caches.pageable(cache) if self.whole_keys else kv_caches.all_plain(cache)
 
     def find(self, tokens: np.ndarray, least: int = 1, pool: BlockPool | None = None) -> tuple[PooledKV, int] | None:
         """The entry holding the longest cached prefix of `tokens` (leaving >= 1 token to run), if
@@ -120,12 +134,23 @@ class PrefixCache:
         (a shorter match there is not looked for)."""
         if not self._entries:
             return None
-        found = self._index.longest(np.asarray(tokens).tolist(), len(tokens) - 1)
+        if self.whole_keys:
+            found = self._longest_whole(tokens)
+        else:
+            found = self._index.longest(np.asarray(tokens).tolist(), len(tokens) - 1)
         if found is None or found[1] < least or (pool is not None and self._entries[found[0]].pool is not pool):
             return None
         best_key, best_n = found
         kv = self._entries[best_key] = self._entries.pop(best_key)
         return kv, best_n
+
+    def _longest_whole(self, tokens: np.ndarray) -> tuple[tuple[int, ...], int] | None:
+        """The longest key that is a proper prefix of `tokens`, whole, and its length."""
+        keys = self._index.prefixes_of(tuple(np.asarray(tokens).tolist()))
+        if not keys:
+            return None
+        best = max(keys, key=len)
+        return best, len(best)
 
     def lookup(self, tokens: np.ndarray, fresh_cache: list[Any], least: int = 1) -> PrefixHit | None:
         """Fill `fresh_cache` with the longest cached prefix (leaving >= 1 token to run) if it holds
@@ -137,34 +162,40 @@ class PrefixCache:
         if found is None:
             return None
         kv, best_n = found
-        kv.pool.fill(fresh_cache, kv.blocks, best_n, len(tokens))
+        kv.pool.fill(kv_caches.kv_layers(fresh_cache), kv.blocks, best_n, len(tokens))
+        restore_states(fresh_cache, kv)
         hit = PrefixHit.holding(kv.pool, kv.blocks, best_n)
         if hit.shared is not None:
             kv.pool.retain(hit.shared.blocks)
         return hit
 
-    def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int]) -> None:
+    def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int], states: list | None = None) -> None:
         """Keep the KV of `tokens`, the first positions of a row's `blocks` in `pool` (the entry
-        holds them too). Entries whose keys it extends go: it serves their lookups; if a cached
-        key extends it, that entry serves it and nothing is added."""
+        holds them too), and with `whole_keys` the row's `states` after them. Entries whose keys
+        it extends go: it serves their lookups; if a cached key extends it, that entry serves it
+        and nothing is added (not with `whole_keys`: a longer entry's state is not this one's)."""
         n = len(tokens)
-        if not n or n > self.max_tokens:
+        if self.whole_keys and states is None:
+            return
+        size = n + (-(-sum(a.nbytes for a in states) // self.state_position_bytes) if self.whole_keys else 0)
+        if not n or size > self.max_tokens:
             return
         key = tuple(np.asarray(tokens).tolist())
         if key in self._entries:
             self._entries[key] = self._entries.pop(key)
             return
-        longer = self._index.extension_of(key)
-        if longer is not None:  # a longer entry serves its lookups
-            self._entries[longer] = self._entries.pop(longer)
-            return
-        for old in self._index.prefixes_of(key):
-            self._remove(old)
+        if not self.whole_keys:
+            longer = self._index.extension_of(key)
+            if longer is not None:  # a longer entry serves its lookups
+                self._entries[longer] = self._entries.pop(longer)
+                return
+            for old in self._index.prefixes_of(key):
+                self._remove(old)
         held = blocks[: -(-n // pool.block_size)]
         pool.retain(held)
-        self._entries[key] = PooledKV(pool, held, n)
+        self._entries[key] = PooledKV(pool, held, n, states if self.whole_keys else None, size)
         self._index.add(key)
-        self._tokens += n
+        self._tokens += size
         self._held.update((id(pool), b) for b in held)
         while self._tokens > self.max_tokens:
             self._evict_oldest()
@@ -175,7 +206,7 @@ class PrefixCache:
     def _remove(self, key: tuple[int, ...]) -> None:
         kv = self._entries.pop(key)
         self._index.remove(key)
-        self._tokens -= len(key)
+        self._tokens -= kv.size
         self._unhold(kv)
         kv.release()
 
@@ -220,3 +251,9 @@ class PrefixCache:
     def clear(self) -> None:
         while self._entries:
             self._evict_oldest()
+
+
+def restore_states(cache: list[Any], kv: PooledKV) -> None:
+    """A prompt's own caches resume an entry's end: its state layers take the entry's state."""
+    if kv.states is not None:
+        kv_caches.put_states(cache, kv.states)

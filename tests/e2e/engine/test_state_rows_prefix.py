@@ -1,0 +1,67 @@
+"""A prompt that starts with a cached one, of a model whose layers keep state beside their KV
+(LFM2-VL: convolution windows; Qwen3.5: those and a recurrent state), resumes that prompt's KV
+and state and gives the tokens it gives with nothing cached; a prompt that shares only part of
+a cached one reuses nothing (no state is known there). Both ways a hit resumes: its pieces
+going into the pool, and its own caches filled from the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.families import adapter_loader
+from support.helpers import event_tokens, on_own_thread, run_until_idle, token_request
+from vlmserve.protocol import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _run(core, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    """A request's greedy tokens (6) and how many of its prompt tokens came from the cache."""
+    request, events = token_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    core.add(request)
+    run_until_idle(core)
+    return event_tokens(events), events[-1].cached_tokens
+
+
+@pytest.mark.parametrize("route", ["pool", "own_caches"])
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_a_prompt_continuing_a_cached_one_resumes_its_state(family, route, tmp_path_factory, monkeypatch):
+    from vlmserve.engine.core import EngineCore
+
+    load = adapter_loader(family, "float32", tmp_path_factory)
+
+    def work():
+        model, codec = load()
+        if route == "own_caches":  # no pieces forward: a hit fills the prompt's own caches
+            monkeypatch.setattr(type(model), "prefills_pieces", property(lambda self: False))
+        vocab = model.info.vocab_size
+        first = [(7 * i + 3) % (vocab // 2) + 20 for i in range(40)]
+        prompts = {  # the next token right after the cached state, and a longer continuation
+            "continues_by_two": first + [(5 * i + 1) % (vocab // 2) + 20 for i in range(2)],
+            "continues": first + [(13 * i + 4) % (vocab // 2) + 20 for i in range(25)],
+            "shares_part": first[:30] + [(11 * i + 2) % (vocab // 2) + 20 for i in range(20)],
+        }
+
+        def engine(cached: int) -> EngineCore:
+            return EngineCore(
+                model,
+                codec,
+                max_num_seqs=4,
+                prefill_chunk=16,
+                prefill_budget=64,
+                prefill_bucket=16,
+                prefix_cache_tokens=cached,
+            )
+
+        alone = {rid: _run(engine(0), rid, p)[0] for rid, p in prompts.items()}
+        core = engine(65536)
+        _run(core, "first", first)
+        after = {rid: _run(core, rid, p) for rid, p in prompts.items()}
+        return alone, after, len(first)
+
+    alone, after, n_first = on_own_thread(work)
+    # the first prompt's KV and state (its last token rode a decode step)
+    assert after["continues"][1] == after["continues_by_two"][1] == n_first - 1
+    assert after["shares_part"][1] == 0
+    for rid, (tokens, _) in after.items():
+        assert tokens == alone[rid], rid
