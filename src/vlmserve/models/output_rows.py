@@ -51,7 +51,15 @@ def _selecting(base: type) -> type:
     if base not in _CLASSES:
 
         def __call__(self, *args, **kwargs):
-            return _selected(base.__call__(self, *args, **kwargs))
+            # The outermost call selects, once: a text model that calls itself (Qwen3.5 runs a
+            # one-row batch cache, and each row of a left-padded batch, through `self(...)`)
+            # gets every position back from those calls.
+            token = _SELECTION.set(None)
+            try:
+                h = base.__call__(self, *args, **kwargs)
+            finally:
+                _SELECTION.reset(token)
+            return _selected(h)
 
         _CLASSES[base] = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
     return _CLASSES[base]

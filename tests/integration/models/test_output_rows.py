@@ -1,6 +1,7 @@
 """A prompt forward's output layer over the rows read only (models/output_rows.py) gives the
-logits the full projection gives there, for every tiny family: one prompt, and two of different
-lengths in one left-padded forward, and in one right-padded pieces forward."""
+logits the full projection gives there, for every tiny family: one prompt, two of different
+lengths in one left-padded forward, one alone in a left-padded forward, and two in one
+right-padded pieces forward."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("family", families())
 def test_the_rows_read_get_the_full_projections_logits(family, tmp_path_factory, monkeypatch):
     from vlmserve.models import output_rows
+    from vlmserve.models.generic import GenericModel
     from vlmserve.models.registry import load_model_adapter
     from vlmserve.protocol import PreparedRequest
 
@@ -40,6 +42,12 @@ def test_the_rows_read_get_the_full_projections_logits(family, tmp_path_factory,
             if model.can_batch:
                 fresh = [model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0] for ids in prompts]
                 out.append(model.prefill_batch(fresh, [len(ids) - 1 for ids in prompts])[1])
+                # one row alone in a left-padded batch (a lone prompt of a bucketed step), unpadded
+                # and padded, through the generic path an adapter may fall back to: Qwen3.5's text
+                # model runs such a row through a call of itself
+                for bucket in (1, 16):
+                    fresh = [model.embed_prompts([PreparedRequest(prompt_ids=prompts[0])])[0]]
+                    out.append(GenericModel.prefill_batch(model, fresh, [len(prompts[0]) - 1], bucket)[1])
             if model.prefills_pieces:  # right-padded: each row's last position is its own
                 fresh = [model.embed_prompts([PreparedRequest(prompt_ids=ids)])[0] for ids in prompts]
                 out.append(model.prefill_pieces(fresh, [(0, len(ids) - 1) for ids in prompts]))
