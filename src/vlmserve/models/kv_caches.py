@@ -3,7 +3,8 @@ kept and attended causally. Rotating and quantized caches keep their model's own
 padded batch, no paged pool, no prefix reuse, no pieces forward), but for the sliding-window
 layers of a model that masks their window itself (`plain_for_windows`). Recurrent and
 convolution state (ArraysCache) beside plain KV layers takes the paged pool (the state kept
-per row beside it) and the pieces forward (`pageable`), but no prefix reuse."""
+per row beside it) and the pieces forward (`pageable`), and prefix reuse of whole cached
+prompts only (their entries keep the state at their end: engine/runner/prefix_cache.py)."""
 
 from __future__ import annotations
 

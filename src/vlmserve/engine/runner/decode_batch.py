@@ -349,7 +349,11 @@ class PagedDecodeBatch:
         if self.states is None:
             return None
         index = mx.array([self.rows.index(owner)], dtype=mx.int32)
-        return [a[index] for a in self.states.arrays]  # a gather: the row's own copy, not a view
+        copies = [a[index] for a in self.states.arrays]  # a gather: the row's own copy, not a view
+        # Computed now: unread, a gather keeps its whole input (every slot's state of this moment)
+        # alive, and a cached prefix's copy may never be read.
+        mx.async_eval(copies)
+        return copies
 
     def adopt(self, owners: list[Any]) -> None:
         """Rows whose prompts were prefilled into this pool (their `prefill_blocks`) join with

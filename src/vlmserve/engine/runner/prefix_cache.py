@@ -99,16 +99,23 @@ class PrefixHit:
             self.shared = None
 
 
+STATE_SHARE = 0.25  # of a whole-keys cache's size, the most its entries' states may take
+
+
 class PrefixCache:
     """An LRU of prompt (and answer) KV in the pool, at most `max_tokens` in all.
 
     `whole_keys`: entries carry the row's state at their end, and only a whole key is reused
-    (`state_position_bytes`: the bytes of KV one position takes, to count a state's size)."""
+    (`state_position_bytes`: the bytes of KV one position takes, to count a state's size).
+    Those states live outside the KV pool: they take at most STATE_SHARE of the cache's size,
+    the oldest entries going first past it."""
 
     def __init__(self, max_tokens: int, whole_keys: bool = False, state_position_bytes: int = 1):
         self.max_tokens = max_tokens
         self.whole_keys = whole_keys
         self.state_position_bytes = max(1, state_position_bytes)
+        self.max_state_bytes = int(STATE_SHARE * max_tokens * self.state_position_bytes)
+        self.state_bytes = 0  # the entries' states (device memory beside the pool's blocks)
         # key -> its KV, least recently used first. A plain dict: it keeps its keys' hashes, where
         # an OrderedDict's iteration hashed every key again (a tuple of the key's length each).
         self._entries: dict[tuple[int, ...], PooledKV] = {}
@@ -177,8 +184,9 @@ class PrefixCache:
         n = len(tokens)
         if self.whole_keys and states is None:
             return
-        size = n + (-(-sum(a.nbytes for a in states) // self.state_position_bytes) if self.whole_keys else 0)
-        if not n or size > self.max_tokens:
+        state_bytes = sum(a.nbytes for a in states) if self.whole_keys else 0
+        size = n + -(-state_bytes // self.state_position_bytes)
+        if not n or size > self.max_tokens or state_bytes > self.max_state_bytes:
             return
         key = tuple(np.asarray(tokens).tolist())
         if key in self._entries:
@@ -196,6 +204,9 @@ class PrefixCache:
         self._entries[key] = PooledKV(pool, held, n, states if self.whole_keys else None, size)
         self._index.add(key)
         self._tokens += size
+        self.state_bytes += state_bytes
+        while self.state_bytes > self.max_state_bytes:
+            self._evict_oldest()
         self._held.update((id(pool), b) for b in held)
         while self._tokens > self.max_tokens:
             self._evict_oldest()
@@ -207,6 +218,8 @@ class PrefixCache:
         kv = self._entries.pop(key)
         self._index.remove(key)
         self._tokens -= kv.size
+        if kv.states is not None:
+            self.state_bytes -= sum(a.nbytes for a in kv.states)
         self._unhold(kv)
         kv.release()
 

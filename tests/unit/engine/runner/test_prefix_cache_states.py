@@ -47,3 +47,59 @@ def test_only_whole_keys_are_taken_with_their_state():
     assert shorter == (20, 20, 20.0)
     assert no_token_left is None and part is None
     assert size == 20 + 1 + 40 + 1  # positions, and each state's 32 bytes as one position
+
+
+def test_a_rows_state_copy_holds_that_row_only():
+    """PagedDecodeBatch.state_of's copy is computed at once: a lazy gather would keep every slot's
+    state of that moment (the whole arrays, which the next step replaces) alive until it is
+    read, and a cached entry may never be read."""
+
+    def work():
+        import gc
+
+        import mlx.core as mx
+
+        from vlmserve.engine.runner.decode_batch import PagedDecodeBatch
+        from vlmserve.engine.runner.row_states import RowStates
+
+        gc.collect()
+        mx.synchronize()
+        before = mx.get_active_memory()  # what earlier tests left
+        states = RowStates([None, [((64, 64, 64), mx.float32)]])  # 1 MiB a row
+        states.arrays = states.zeros(16)
+        mx.eval(states.arrays)
+        batch = PagedDecodeBatch(None, None, None, 0, states)
+        row = object()
+        batch.rows = [None] * 16
+        batch.rows[3] = row
+        states.put([3], [mx.full((1, 64, 64, 64), 3.0)])
+        copy = batch.state_of(row)
+        states.arrays = states.zeros(16)  # the next step's arrays take their place
+        mx.eval(states.arrays)
+        mx.synchronize()
+        held = mx.get_active_memory() - before - states.arrays[0].nbytes  # the copy's, and what it keeps
+        return held, copy[0].shape, copy[0].min().item(), copy[0].max().item()
+
+    held, shape, low, high = on_own_thread(work)
+    assert shape == (1, 64, 64, 64) and low == high == 3.0
+    assert held < 4 << 20, f"{held / 2**20:.1f} MiB held for a 1 MiB row"
+
+
+def test_states_take_at_most_their_share_of_the_cache_the_oldest_going_first():
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.runner.block_pool import BlockPool
+        from vlmserve.engine.runner.prefix_cache import STATE_SHARE, PrefixCache
+
+        pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=16)
+        blocks = pool.allocate(2)
+        pc = PrefixCache(max_tokens=64, whole_keys=True, state_position_bytes=32)  # states: 512 bytes
+        assert pc.max_state_bytes == int(STATE_SHARE * 64 * 32)
+        for first in range(4):  # 192 bytes each: two fit
+            pc.store(np.arange(first, first + 10), pool, blocks, [mx.zeros((48,), mx.float32)])
+        return pc.state_bytes, [k[0] for k in pc._entries], pc.size_tokens
+
+    state_bytes, kept, size = on_own_thread(work)
+    assert state_bytes == 2 * 192 and kept == [2, 3]  # the two latest
+    assert size == 2 * (10 + 6)
