@@ -65,3 +65,53 @@ def test_a_prompt_continuing_a_cached_one_resumes_its_state(family, route, tmp_p
     assert after["shares_part"][1] == 0
     for rid, (tokens, _) in after.items():
         assert tokens == alone[rid], rid
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_prompts_cached_from_a_shared_forward_beside_a_decoding_row_resume_their_own_state(family, tmp_path_factory):
+    """Prompts prefilled together (one forward) join while another row decodes, so each one's
+    state comes from its own decode slot; continuations of each resume that row's state."""
+    from vlmserve.engine.core import EngineCore
+
+    load = adapter_loader(family, "float32", tmp_path_factory)
+
+    def work():
+        model, codec = load()
+        vocab = model.info.vocab_size
+
+        def ids(seed: int, n: int) -> list[int]:
+            return [(seed * i + 3 * seed + 1) % (vocab // 2) + 20 for i in range(n)]
+
+        firsts = {f"first{k}": ids(7 + k, 12 + 5 * k) for k in range(3)}
+        nexts = {f"next{k}": firsts[f"first{k}"] + ids(19 + k, 3) for k in range(3)}
+
+        def engine(cached: int) -> EngineCore:
+            return EngineCore(
+                model,
+                codec,
+                max_num_seqs=6,
+                prefill_chunk=32,
+                prefill_budget=128,
+                prefill_bucket=16,
+                prefix_cache_tokens=cached,
+            )
+
+        alone = {rid: _run(engine(0), rid, p)[0] for rid, p in nexts.items()}
+        core = engine(65536)
+        busy, _ = token_request("busy", ids(5, 9), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        core.add(busy)
+        core.step()
+        core.step()  # "busy" decodes in slot 0
+        for rid, prompt in firsts.items():
+            request, _ = token_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            core.add(request)
+        run_until_idle(core)
+        batched = core.runner.stats.batched_prefills
+        return alone, {rid: _run(core, rid, p) for rid, p in nexts.items()}, firsts, batched
+
+    alone, after, firsts, batched = on_own_thread(work)
+    assert batched >= 1  # the firsts shared a forward
+    for k in range(3):
+        tokens, cached = after[f"next{k}"]
+        assert cached == len(firsts[f"first{k}"]) - 1
+        assert tokens == alone[f"next{k}"], k
