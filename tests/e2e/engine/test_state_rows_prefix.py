@@ -23,11 +23,16 @@ def _run(core, rid: str, prompt: list[int]) -> tuple[list[int], int]:
     return event_tokens(events), events[-1].cached_tokens
 
 
+def _engines(model, codec, **options):
+    """A maker of engines over this model, by prefix cache size (0: nothing cached)."""
+    from vlmserve.engine.core import EngineCore
+
+    return lambda cached: EngineCore(model, codec, prefill_bucket=16, prefix_cache_tokens=cached, **options)
+
+
 @pytest.mark.parametrize("route", ["pool", "own_caches"])
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
 def test_a_prompt_continuing_a_cached_one_resumes_its_state(family, route, tmp_path_factory, monkeypatch):
-    from vlmserve.engine.core import EngineCore
-
     load = adapter_loader(family, "float32", tmp_path_factory)
 
     def work():
@@ -42,17 +47,7 @@ def test_a_prompt_continuing_a_cached_one_resumes_its_state(family, route, tmp_p
             "shares_part": first[:30] + [(11 * i + 2) % (vocab // 2) + 20 for i in range(20)],
         }
 
-        def engine(cached: int) -> EngineCore:
-            return EngineCore(
-                model,
-                codec,
-                max_num_seqs=4,
-                prefill_chunk=16,
-                prefill_budget=64,
-                prefill_bucket=16,
-                prefix_cache_tokens=cached,
-            )
-
+        engine = _engines(model, codec, max_num_seqs=4, prefill_chunk=16, prefill_budget=64)
         alone = {rid: _run(engine(0), rid, p)[0] for rid, p in prompts.items()}
         core = engine(65536)
         _run(core, "first", first)
@@ -71,8 +66,6 @@ def test_a_prompt_continuing_a_cached_one_resumes_its_state(family, route, tmp_p
 def test_prompts_cached_from_a_shared_forward_beside_a_decoding_row_resume_their_own_state(family, tmp_path_factory):
     """Prompts prefilled together (one forward) join while another row decodes, so each one's
     state comes from its own decode slot; continuations of each resume that row's state."""
-    from vlmserve.engine.core import EngineCore
-
     load = adapter_loader(family, "float32", tmp_path_factory)
 
     def work():
@@ -85,17 +78,7 @@ def test_prompts_cached_from_a_shared_forward_beside_a_decoding_row_resume_their
         firsts = {f"first{k}": ids(7 + k, 12 + 5 * k) for k in range(3)}
         nexts = {f"next{k}": firsts[f"first{k}"] + ids(19 + k, 3) for k in range(3)}
 
-        def engine(cached: int) -> EngineCore:
-            return EngineCore(
-                model,
-                codec,
-                max_num_seqs=6,
-                prefill_chunk=32,
-                prefill_budget=128,
-                prefill_bucket=16,
-                prefix_cache_tokens=cached,
-            )
-
+        engine = _engines(model, codec, max_num_seqs=6, prefill_chunk=32, prefill_budget=128)
         alone = {rid: _run(engine(0), rid, p)[0] for rid, p in nexts.items()}
         core = engine(65536)
         busy, _ = token_request("busy", ids(5, 9), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
