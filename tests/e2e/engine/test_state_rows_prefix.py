@@ -98,3 +98,26 @@ def test_prompts_cached_from_a_shared_forward_beside_a_decoding_row_resume_their
         tokens, cached = after[f"next{k}"]
         assert cached == len(firsts[f"first{k}"]) - 1
         assert tokens == alone[f"next{k}"], k
+
+
+@pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
+def test_a_next_turn_sending_the_answer_back_resumes_past_it(family, tmp_path_factory):
+    """A finished row's prompt and answer are cached with the state after them: a prompt that
+    sends that answer back and goes on resumes past the answer, with the tokens it gives with
+    nothing cached."""
+    load = adapter_loader(family, "float32", tmp_path_factory)
+
+    def work():
+        model, codec = load()
+        vocab = model.info.vocab_size
+        first = [(7 * i + 3) % (vocab // 2) + 20 for i in range(30)]
+        engine = _engines(model, codec, max_num_seqs=4, prefill_chunk=16, prefill_budget=64)
+        core = engine(65536)
+        answer, _ = _run(core, "first", first)
+        turn = first + answer + [(5 * i + 2) % (vocab // 2) + 20 for i in range(2)]
+        alone, _ = _run(engine(0), "turn", turn)
+        return _run(core, "turn", turn), alone, len(first), len(answer)
+
+    (tokens, cached), alone, n_first, n_answer = on_own_thread(work)
+    assert n_first + n_answer - 1 <= cached <= n_first + n_answer  # past the answer (its last token fed or not)
+    assert tokens == alone

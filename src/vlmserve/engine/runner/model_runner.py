@@ -531,15 +531,25 @@ class ModelRunner:
 
     def _store_sequence(self, seq: Sequence) -> None:
         """A finished row's prompt and output KV goes into its prefix cache: a chat's next turn
-        sends this very answer back, and finds it computed (as far as its tokens match)."""
+        sends this very answer back, and finds it computed (as far as its tokens match).
+
+        Where the model's layers keep state, that state goes with it: the state of the last
+        step launched, which `cache_len` counts (a step under way when the row finishes fed
+        its last token, and counted it)."""
         if self.batch is None or not self.batch.paged or seq not in self.sched.running:
             return
         store, key = self._prefix_cache(seq)
-        # (not a row whose layers keep state: a step may be under way past cache_len already)
-        if store is None or store.whole_keys or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
+        if store is None or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
-        self._keep(seq, lambda: store.store(ids, self.batch.pool_of(seq), seq.blocks))
+        if store.whole_keys and len(ids) != seq.cache_len:  # the state is past the tokens known
+            return
+
+        def keep() -> None:
+            states = self.batch.state_of(seq) if store.whole_keys else None
+            store.store(ids, self.batch.pool_of(seq), seq.blocks, states)
+
+        self._keep(seq, keep)
 
     @staticmethod
     def _keep(seq: Sequence, store: Callable[[], None]) -> None:
