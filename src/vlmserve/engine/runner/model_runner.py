@@ -542,7 +542,8 @@ class ModelRunner:
         if store is None or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
-        if store.whole_keys and len(ids) != seq.cache_len:  # the state is past the tokens known
+        # Steps feed only tokens already out, so the ids cover cache_len; kept as the state's guard.
+        if store.whole_keys and len(ids) != seq.cache_len:
             return
 
         def keep() -> None:
