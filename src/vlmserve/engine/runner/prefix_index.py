@@ -145,7 +145,13 @@ class PrefixIndex:
                 if node is None:
                     break
             start = d * CHUNK
-            for end in range(start, min(start + CHUNK, len(key))):  # tails are shorter than a chunk
+            ends = range(start, min(start + CHUNK, len(key)))  # tails are shorter than a chunk
+            if len(node.tails) < len(ends):  # most nodes hold few keys' ends: compare those
+                found += [
+                    node.by_tail[t] for t in node.tails if start + len(t) in ends and key[start : start + len(t)] == t
+                ]
+                continue
+            for end in ends:
                 other = node.by_tail.get(key[start:end])
                 if other is not None:
                     found.append(other)
