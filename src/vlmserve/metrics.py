@@ -65,7 +65,8 @@ class Metrics:
         self.device_memory = Gauge(
             "vlmserve:device_memory_bytes",
             "MLX device memory: active, cache (freed buffers kept), peak (since start), kv_pool (KV block pools), "
-            "row_states (convolution or recurrent state of the running rows' decode slots)",
+            "row_states (convolution or recurrent state of the running rows' decode slots), "
+            "prefix_states (that state kept with cached prefixes)",
             m + ["kind"],
             registry=r,
         )

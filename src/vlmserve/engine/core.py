@@ -366,6 +366,7 @@ class EngineCore:
                 "peak": mx.get_peak_memory(),
                 "kv_pool": self.runner.batches.pool_bytes(),
                 "row_states": self.runner.batch.state_bytes() if self.runner.batch is not None else 0,
+                "prefix_states": sum(cache.state_bytes for cache in self.runner.prefix_caches()),
             }
 
     def _drop_cancelled(self) -> None:

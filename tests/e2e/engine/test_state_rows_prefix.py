@@ -53,9 +53,13 @@ def test_a_prompt_continuing_a_cached_one_resumes_its_state(family, route, tmp_p
         core = engine(65536)
         _run(core, "first", first)
         after = {rid: _run(core, rid, p) for rid, p in prompts.items()}
-        return alone, after, len(first)
+        core._memory_read = 0.0  # the gauges' next read is now
+        core._read_memory()
+        held = sum(c.state_bytes for c in core.runner.prefix_caches())
+        return alone, after, len(first), (core._memory["prefix_states"], held)
 
-    alone, after, n_first = on_own_thread(work)
+    alone, after, n_first, (gauge, held) = on_own_thread(work)
+    assert gauge == held > 0  # the memory gauge shows the cached prefixes' states
     # the first prompt's KV and state (its last token rode a decode step)
     assert after["continues"][1] == after["continues_by_two"][1] == n_first - 1
     assert after["shares_part"][1] == 0
