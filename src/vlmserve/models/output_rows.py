@@ -9,8 +9,9 @@ FLOPs (2 x hidden x vocab a position against ~2 x the parameters), computed to b
 Within `at(positions)` the text model (`language_model.model`) hands the code after it (its
 output layer and whatever the family does to logits) each row's hidden state at its position
 only. Each logit stays its row's dot product over the same values; the model's code is not
-copied. A language model without such an inner model keeps its full logits (`Selection.taken`
-says which happened).
+copied. A language model that runs its layers itself hands them on from its final norm, which
+works per position; one with neither keeps its full logits (`Selection.taken` says which
+happened).
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def _selecting(base: type) -> type:
 
 
 def install(language_model: nn.Module) -> bool:
-    """Let `at` select the rows `language_model`'s inner text model hands on; False where it has none."""
+    """Let `at` select the rows `language_model`'s inner text model hands on (or, for one that
+    runs its layers itself, its final norm: Idefics3's); False where it has neither."""
     inner = getattr(language_model, "model", None)
+    if not isinstance(inner, nn.Module) and isinstance(getattr(language_model, "layers", None), list):
+        inner = getattr(language_model, "norm", None)
     if not isinstance(inner, nn.Module):
         return False
     if type(inner) not in _CLASSES.values():

@@ -58,13 +58,12 @@ def test_the_rows_read_get_the_full_projections_logits(family, tmp_path_factory,
         with monkeypatch.context() as m:
             m.setattr(output_rows, "_selected", lambda h: h)  # every position projected, then rows read
             full = logits()
-        inner = getattr(model.language_model, "model", None)  # idefics3 runs its layers itself
-        return selected, full, [s.taken for s in made[:forwards]], inner is not None
+        return selected, full, [s.taken for s in made[:forwards]]
 
     monkeypatch.setattr(output_rows, "Selection", Recorded)
-    selected, full, taken, has_inner_model = on_own_thread(work)
-    # each forward through the generic path projected its rows only, where the model has a text model to hook
-    assert taken and all(t == has_inner_model for t in taken)
+    selected, full, taken = on_own_thread(work)
+    # each forward through the generic path projected its rows only (idefics3's from its final norm)
+    assert taken and all(taken)
     for got, want in zip(selected, full):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
