@@ -617,7 +617,7 @@ class GenericModel:
             return self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
         with output_rows.at(last) as selection:  # the output layer over these positions only
             logits = self.language_model(ids, inputs_embeds=embeds, cache=cache, **kwargs).logits
-        return logits[:, 0] if selection.taken else rows_at(logits, last)
+        return logits[:, 0] if selection.taken and logits.shape[1] == 1 else rows_at(logits, last)
 
     @property
     def prefills_pieces(self) -> bool:

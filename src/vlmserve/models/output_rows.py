@@ -42,8 +42,10 @@ def rows_at(x: mx.array, positions: list[int]) -> mx.array:
 
 def _selected(h):
     selection = _SELECTION.get()
-    if selection is None or not isinstance(h, mx.array) or h.ndim != 3 or h.shape[0] != len(selection.positions):
-        return h
+    if selection is None or selection.taken or not isinstance(h, mx.array) or h.ndim != 3:
+        return h  # (once a forward: a second call's input would be the rows already)
+    if h.shape[0] != len(selection.positions) or max(selection.positions) >= h.shape[1]:
+        return h  # not the forward's positions: MLX's gather would read past them unchecked
     selection.taken = True
     return rows_at(h, selection.positions)[:, None, :]
 

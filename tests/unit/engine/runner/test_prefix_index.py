@@ -70,3 +70,55 @@ def test_removing_every_key_leaves_an_empty_index():
     assert index.longest(keys[0], len(keys[0])) is None
     root = index._root
     assert not root.children and not root.tails and not root.through
+
+
+def _ends_compared(index: PrefixIndex, query: tuple[int, ...]) -> list[tuple[int, bool, bool]]:
+    """For each trie node a lookup of `query`'s prefixes visits: its depth, whether it holds
+    fewer tails than the positions to check there (prefixes_of compares those tails), and
+    whether one of them is a proper prefix of `query`."""
+    out, node = [], index._root
+    for d in range(len(query) // CHUNK + 1):
+        if d:
+            node = node.children.get(query[(d - 1) * CHUNK : d * CHUNK])
+            if node is None:
+                break
+        start = d * CHUNK
+        ends = range(start, min(start + CHUNK, len(query)))
+        hit = any(start + len(t) in ends and query[start : start + len(t)] == t for t in node.tails)
+        out.append((d, len(node.tails) < len(ends), hit))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefixes_of_finds_keys_ending_in_any_chunk_at_nodes_with_few_or_many_key_ends(seed):
+    """Keys that are prefixes of a few long sequences, some chunks holding every length (a node
+    with a tail per position: each position looked up) and some one or two (those tails
+    compared), chunk-aligned keys (an empty tail) among them; queries ending inside a chunk or
+    on its edge, and equal to a key (not its own prefix)."""
+    rng = random.Random(seed)
+    bases = [tuple(rng.randrange(3) for _ in range(6 * CHUNK + rng.randrange(CHUNK))) for _ in range(3)]
+    bases.append(bases[0][: 2 * CHUNK + 3] + tuple(rng.randrange(3, 6) for _ in range(3 * CHUNK)))  # a branch
+    index, keys = PrefixIndex(), set()
+    for base in bases:
+        for d in range(len(base) // CHUNK + 1):
+            dense = rng.random() < 0.4  # a chunk whose every length is a key, else one or two of them
+            span = range(d * CHUNK, min((d + 1) * CHUNK, len(base) + 1))
+            for n in span if dense else rng.sample(span, min(len(span), rng.choice((1, 2)))):
+                if base[:n] not in keys:
+                    index.add(base[:n])
+                    keys.add(base[:n])
+    seen, aligned = set(), set()
+    for _ in range(300):
+        base = rng.choice(bases)
+        query = base[: rng.randrange(len(base) + 1)]
+        if rng.random() < 0.3:
+            query = query + (rng.randrange(3),)
+        want = sorted(k for k in keys if len(k) < len(query) and query[: len(k)] == k)
+        assert sorted(index.prefixes_of(query)) == want, query
+        assert query not in index.prefixes_of(query)
+        seen.update((few, hit) for d, few, hit in _ends_compared(index, query) if d)
+        aligned.update(k for k in want if k and len(k) % CHUNK == 0)
+    # past the root (the test above covers it) both ways of comparing found keys and found none,
+    # and keys of whole chunks were found
+    assert seen == {(few, hit) for few in (False, True) for hit in (False, True)}
+    assert aligned
