@@ -23,6 +23,7 @@ from vlmserve.config import ServerConfig
 from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
 from vlmserve.engine.ops import kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.ops.cuda_kernels import on_cuda
+from vlmserve.engine.runner.block_pool import kv_block_bytes
 from vlmserve.engine.runner.decode_batch import ROW_BUCKETS, pages_kv, round_up
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -42,12 +43,6 @@ SIDE_BUILD_WAIT_S = 20.0  # warm-up waits at most this long for the kernels side
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 SLOW_STEP_S = 1.0  # a step at least this long is logged with what it ran
 IDLE_PIECE_MAX_S = 0.25  # idle warm-up runs no prompt piece longer than this (an arriving request waits)
-
-
-def kv_block_bytes(model, block_size: int) -> int:
-    """Bytes of one KV block: `block_size` positions of every layer's keys and values."""
-    layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
-    return layers * block_size * heads * (dim_k + dim_v) * dtype.size
 
 
 def state_reserve_bytes(model, max_num_seqs: int) -> int:

@@ -31,6 +31,12 @@ from vlmserve.engine.runner import host_arrays
 log = logging.getLogger(__name__)
 
 
+def kv_block_bytes(model, block_size: int) -> int:
+    """Bytes of one KV block: `block_size` positions of every layer's keys and values."""
+    layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
+    return layers * block_size * heads * (dim_k + dim_v) * dtype.size
+
+
 class BlockPool:
     def __init__(
         self,

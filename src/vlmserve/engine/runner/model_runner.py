@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from vlmserve.engine.runner import pool_prefill
-from vlmserve.engine.runner.block_pool import BlockPool
+from vlmserve.engine.runner.block_pool import BlockPool, kv_block_bytes
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
 from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed, restore_states
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
@@ -55,12 +55,6 @@ def _by_embedding_dtype(items: list, row_of: Callable[[Any], Sequence]) -> list[
 
 def _joined(arrays: list[mx.array]) -> mx.array:
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
-
-
-def _position_bytes(model) -> int:
-    """Bytes of KV one position takes (every KV layer's keys and values)."""
-    layers, (heads, dim_k, dim_v), dtype = model.kv_layout()
-    return layers * heads * (dim_k + dim_v) * dtype.size
 
 
 @dataclass
@@ -111,7 +105,7 @@ class ModelRunner:
         def cache(on: bool) -> PrefixCache | None:
             if not on or prefix_cache_tokens <= 0:
                 return None
-            return PrefixCache(prefix_cache_tokens, whole_keys, _position_bytes(model) if whole_keys else 1)
+            return PrefixCache(prefix_cache_tokens, whole_keys, kv_block_bytes(model, 1) if whole_keys else 1)
 
         self.prefix_cache = cache(True)
         # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
