@@ -516,12 +516,7 @@ class ModelRunner:
             return
         if store.whole_keys and seq.cache_len != seq.num_prompt - 1:  # its state is past the key's end
             return
-
-        def keep() -> None:
-            states = self.batch.state_of(seq) if store.whole_keys else None
-            store.store(key[: seq.num_prompt - 1], self.batch.pool_of(seq), seq.blocks, states)
-
-        self._keep(seq, keep)
+        self._keep(seq, store, key[: seq.num_prompt - 1])
 
     def _store_sequence(self, seq: Sequence) -> None:
         """A finished row's prompt and output KV goes into its prefix cache: a chat's next turn
@@ -539,17 +534,14 @@ class ModelRunner:
         # Steps feed only tokens already out, so the ids cover cache_len; kept as the state's guard.
         if store.whole_keys and len(ids) != seq.cache_len:
             return
+        self._keep(seq, store, ids)
 
-        def keep() -> None:
+    def _keep(self, seq: Sequence, store: PrefixCache, ids: np.ndarray) -> None:
+        """A running row's KV of `ids` (its first positions) into `store`, with the row's state
+        where the store's entries carry it."""
+        try:
             states = self.batch.state_of(seq) if store.whole_keys else None
             store.store(ids, self.batch.pool_of(seq), seq.blocks, states)
-
-        self._keep(seq, keep)
-
-    @staticmethod
-    def _keep(seq: Sequence, store: Callable[[], None]) -> None:
-        try:
-            store()
         except Exception:  # noqa: BLE001 - a cache entry is never worth a request
             log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 
