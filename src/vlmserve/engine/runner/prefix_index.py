@@ -136,16 +136,23 @@ class PrefixIndex:
                 return node.by_tail[tail]
         return None
 
-    def prefixes_of(self, key: Key) -> list[Key]:
-        """The listed keys that are proper prefixes of `key`."""
-        found, node = [], self._root
+    def _path(self, key: Key):
+        """(node, start, ends) for each node along `key`'s full chunks, from the root: a key whose
+        tail ends there is `start` + the tail's length long, a proper prefix of `key` only where
+        that length is in `ends` (tails are shorter than a chunk; none reaches `key`'s end)."""
+        node = self._root
         for d in range(len(key) // CHUNK + 1):
             if d:
                 node = node.children.get(key[(d - 1) * CHUNK : d * CHUNK])
                 if node is None:
-                    break
+                    return
             start = d * CHUNK
-            ends = range(start, min(start + CHUNK, len(key)))  # tails are shorter than a chunk
+            yield node, start, range(start, min(start + CHUNK, len(key)))
+
+    def prefixes_of(self, key: Key) -> list[Key]:
+        """The listed keys that are proper prefixes of `key`."""
+        found = []
+        for node, start, ends in self._path(key):
             if len(node.tails) < len(ends):  # most nodes hold few keys' ends: compare those
                 found += [
                     node.by_tail[t] for t in node.tails if start + len(t) in ends and key[start : start + len(t)] == t

@@ -76,16 +76,10 @@ def _ends_compared(index: PrefixIndex, query: tuple[int, ...]) -> list[tuple[int
     """For each trie node a lookup of `query`'s prefixes visits: its depth, whether it holds
     fewer tails than the positions to check there (prefixes_of compares those tails), and
     whether one of them is a proper prefix of `query`."""
-    out, node = [], index._root
-    for d in range(len(query) // CHUNK + 1):
-        if d:
-            node = node.children.get(query[(d - 1) * CHUNK : d * CHUNK])
-            if node is None:
-                break
-        start = d * CHUNK
-        ends = range(start, min(start + CHUNK, len(query)))
+    out = []
+    for node, start, ends in index._path(query):
         hit = any(start + len(t) in ends and query[start : start + len(t)] == t for t in node.tails)
-        out.append((d, len(node.tails) < len(ends), hit))
+        out.append((start // CHUNK, len(node.tails) < len(ends), hit))
     return out
 
 
