@@ -538,7 +538,7 @@ class DtypeGroupedBatch:
     host_row = staticmethod(PagedDecodeBatch.host_row)
 
     @staticmethod
-    def states_of(prompt_cache: list[Any]) -> list:
+    def host_states(prompt_cache: list[Any]) -> list:
         """A prefilling row's state layers' state (its own caches), copied to the host as `evict`
         gives it out (none for a model whose layers are all KV)."""
         own = kv_caches.state_layers(prompt_cache)

@@ -794,7 +794,7 @@ class ModelRunner:
             seq.host_kv = self.batch.host_row(rows_cache, row, seq.cache_len)
         else:
             # As `evict` gives a row out: its KV from the pool, its state layers' from its own caches.
-            states = self.batch.states_of(seq.prompt.cache)
+            states = self.batch.host_states(seq.prompt.cache)
             seq.host_kv = (seq.prefill_pool.to_host(seq.prefill_blocks, seq.cache_len), states)
             pool_prefill.leave(seq)
         seq.kv_dtype = dtype if dtype is not None or not self.batches.paged else self.model.kv_layout()[2]
