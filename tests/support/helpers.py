@@ -136,3 +136,18 @@ def refuse_join_once(request_id: str, refused: list):
         return take(self, seq, positions, dtype)
 
     return take_positions
+
+
+def pool_holding_positions(positions: int, blocks: int):
+    """A one-layer KV pool of `blocks` blocks of 8 positions whose first blocks hold `positions`
+    positions of known KV (keys counting up, values their negation): (pool, their blocks, keys).
+    MLX work: call it on the thread that owns it."""
+    import mlx.core as mx
+
+    from vlmserve.engine.runner.block_pool import BlockPool
+
+    pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=blocks)
+    held = pool.allocate(-(-positions // 8))
+    kv = mx.arange(positions * 4, dtype=mx.float32).reshape(positions, 1, 4)
+    pool.write(held, [(kv, -kv)], positions)
+    return pool, held, kv

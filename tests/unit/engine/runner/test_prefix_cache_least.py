@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from support.helpers import on_own_thread
+from support.helpers import on_own_thread, pool_holding_positions
 
 
 def test_a_match_shorter_than_least_is_not_taken():
@@ -13,13 +13,9 @@ def test_a_match_shorter_than_least_is_not_taken():
         import mlx.core as mx
         from mlx_vlm.models.cache import KVCache
 
-        from vlmserve.engine.runner.block_pool import BlockPool
         from vlmserve.engine.runner.prefix_cache import PrefixCache
 
-        pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=8)
-        blocks = pool.allocate(5)
-        kv = mx.arange(40 * 4, dtype=mx.float32).reshape(40, 1, 4)
-        pool.write(blocks, [(kv, -kv)], 40)
+        pool, blocks, kv = pool_holding_positions(40, blocks=8)
         pc = PrefixCache(max_tokens=1000)
         stored = np.arange(40, dtype=np.int64)
         pc.store(stored, pool, blocks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from support.helpers import on_own_thread
+from support.helpers import on_own_thread, pool_holding_positions
 
 
 def test_only_whole_keys_are_taken_with_their_state():
@@ -15,13 +15,9 @@ def test_only_whole_keys_are_taken_with_their_state():
         import mlx.core as mx
         from mlx_vlm.models.cache import ArraysCache, KVCache
 
-        from vlmserve.engine.runner.block_pool import BlockPool
         from vlmserve.engine.runner.prefix_cache import PrefixCache
 
-        pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=16)
-        blocks = pool.allocate(5)
-        kv = mx.arange(40 * 4, dtype=mx.float32).reshape(40, 1, 4)
-        pool.write(blocks, [(kv, -kv)], 40)
+        pool, blocks, _ = pool_holding_positions(40, blocks=16)
         pc = PrefixCache(max_tokens=1000, whole_keys=True, state_position_bytes=32)
         ids = np.arange(40, dtype=np.int64)
         state_at = {n: [mx.full((1, 2, 4), float(n))] for n in (20, 40)}  # 32 bytes: one position
