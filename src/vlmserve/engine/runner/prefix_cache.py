@@ -12,9 +12,10 @@ they never cost a row its place.
 The engine keeps two. The text one: requests carrying pixel values never read or write it
 (image placeholder tokens are identical for every image, so a token key says nothing about
 the pixels). The multimodal one (unless --no-mm-cache): its keys are the token ids with every
-image's placeholder tokens replaced by a marker of that image's content (`content_keyed`), so
-a prefix matches only where its text and its images both do; a different image behind the
-same text matches only the text before it.
+image's placeholder tokens replaced by a marker of that image's content (of the prompt's
+images together where an image's placeholders come in several runs: `content_keyed`), so a
+prefix matches only where its text and its images both do; a different image behind the same
+text matches only the text before it.
 
 A model whose layers keep fixed-size state beside their KV (convolution windows, recurrent
 state) resumes a prefix only where that state is known: its entries hold the row's state at
@@ -25,6 +26,7 @@ of KV its bytes would hold.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,18 +39,33 @@ from vlmserve.models import kv_caches
 
 
 def content_keyed(ids: np.ndarray, image_token: int | None, hashes: tuple[str, ...]) -> np.ndarray | None:
-    """`ids` with each image's run of placeholder tokens replaced by a negative marker of its
-    content hash (no token id is negative); None when the runs and the hashes do not pair up."""
+    """`ids` with each image's placeholder tokens replaced by a negative marker of its content
+    hash (no token id is negative); None when the prompt has no placeholder or no hash.
+
+    Where each image is one run of placeholders, each run takes its image's marker. Where the
+    runs and the images do not pair up (an image split into tiles, with separator tokens
+    between them), every placeholder takes one marker of the prompt's images together, in
+    order: keys equal up to a position then still mean the same images there, and a prompt
+    that adds an image to earlier ones matches them only up to the first image."""
     if image_token is None or not hashes:
         return None
     is_image = ids == image_token
     starts = is_image & ~np.concatenate([[False], is_image[:-1]])
-    if int(starts.sum()) != len(hashes):
+    runs = int(starts.sum())
+    if runs == 0:
         return None
-    markers = np.array([-(int(h[:15], 16) + 1) for h in hashes], dtype=np.int64)
     key = ids.astype(np.int64)
-    key[is_image] = markers[(np.cumsum(starts) - 1)[is_image]]
+    if runs == len(hashes):
+        markers = np.array([_marker(h) for h in hashes], dtype=np.int64)
+        key[is_image] = markers[(np.cumsum(starts) - 1)[is_image]]
+    else:
+        key[is_image] = _marker(hashlib.sha256("|".join(hashes).encode()).hexdigest())
     return key
+
+
+def _marker(content_hash: str) -> int:
+    """A negative id from a hex content hash (60 bits of it)."""
+    return -(int(content_hash[:15], 16) + 1)
 
 
 @dataclass(eq=False)
