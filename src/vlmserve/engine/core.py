@@ -26,6 +26,7 @@ from vlmserve.engine.ops.cuda_kernels import on_cuda
 from vlmserve.engine.runner.block_pool import kv_block_bytes
 from vlmserve.engine.runner.decode_batch import ROW_BUCKETS, pages_kv, round_up
 from vlmserve.engine.runner.model_runner import PIECES_MAX_PAIRS, ModelRunner
+from vlmserve.engine.runner.prefix_cache import state_limit_bytes
 from vlmserve.engine.runner.tokenizer import TextCodec
 from vlmserve.engine.sched.kv_budget import KVBudget
 from vlmserve.engine.sched.request import EngineRequest, Sequence
@@ -188,20 +189,24 @@ class EngineCore:
         # Layers of fixed-size state keep it a row per decode slot beside the pool (RowStates): that
         # of every slot a full batch takes comes off the budget first.
         states = state_reserve_bytes(model, config.max_num_seqs)
-        if states and budget - states < block_bytes:
+        # And the states cached prefixes keep at their ends (outside the pool, prefix_cache.py).
+        cached = state_limit_bytes(max(0, config.prefix_cache_tokens), kv_block_bytes(model, 1)) if states else 0
+        if states and budget - states - cached < block_bytes:
             raise ValueError(
                 f"the KV budget ({budget / 1e9:.2f} GB) does not hold the recurrent or convolution state "
-                f"of --max-num-seqs {config.max_num_seqs} rows ({states / 1e9:.2f} GB) and a block of KV: "
-                "raise --kv-cache-memory or --gpu-memory-utilization, or lower --max-num-seqs"
+                f"of --max-num-seqs {config.max_num_seqs} rows ({states / 1e9:.2f} GB), that of cached "
+                f"prefixes ({cached / 1e9:.2f} GB) and a block of KV: raise --kv-cache-memory or "
+                "--gpu-memory-utilization, or lower --max-num-seqs or --prefix-cache-tokens"
             )
-        blocks = max(1, (budget - states) // block_bytes)
+        blocks = max(1, (budget - states - cached) // block_bytes)
         log.info(
-            "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)%s",
+            "KV budget: %.2f GB, %d blocks of %d positions (%d tokens)%s%s",
             blocks * block_bytes / 1e9,
             blocks,
             config.kv_block_size,
             blocks * config.kv_block_size,
             f", and {states / 1e9:.2f} GB for the state of {config.max_num_seqs} rows" if states else "",
+            f", {cached / 1e9:.2f} GB for cached prefixes' states" if cached else "",
         )
         return KVBudget(blocks, config.kv_block_size)
 

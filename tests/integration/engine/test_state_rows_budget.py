@@ -22,9 +22,10 @@ def _model(family: str, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
-def test_the_state_of_every_slot_comes_off_the_budget(family, tmp_path_factory):
+def test_the_state_of_every_slot_and_of_cached_prefixes_comes_off_the_budget(family, tmp_path_factory):
     from vlmserve.config import ServerConfig
     from vlmserve.engine.core import EngineCore, kv_block_bytes, state_reserve_bytes
+    from vlmserve.engine.runner.prefix_cache import STATE_SHARE
 
     load = _model(family, tmp_path_factory)
 
@@ -32,19 +33,29 @@ def test_the_state_of_every_slot_comes_off_the_budget(family, tmp_path_factory):
         model = load()
         row = state_reserve_bytes(model, 1)
         block = kv_block_bytes(model, 32)
-        config = ServerConfig(max_num_seqs=5, kv_cache_memory_gb=(8 * row + 20 * block) / (1 << 30))
-        budget = EngineCore.kv_budget(model, config)
+
+        def blocks(memory: int, cached_tokens: int = 0):
+            config = ServerConfig(
+                max_num_seqs=5, kv_cache_memory_gb=memory / (1 << 30), prefix_cache_tokens=cached_tokens
+            )
+            budget = EngineCore.kv_budget(model, config)
+            return budget.total, budget.row_blocks
+
+        plain = blocks(8 * row + 20 * block)
+        # a prefix cache of 32 blocks' positions: its states may take a quarter of their KV's bytes
+        with_cache = blocks(8 * row + 20 * block, 32 * 32)
         try:  # too little for five rows' state (eight slots) and a block
-            EngineCore.kv_budget(model, ServerConfig(max_num_seqs=5, kv_cache_memory_gb=8 * row / (1 << 30)))
+            blocks(8 * row)
         except ValueError as exc:
             refused = str(exc)
         else:
             refused = ""
-        return row, state_reserve_bytes(model, 5), budget.total, budget.row_blocks, refused
+        return row, state_reserve_bytes(model, 5), plain, with_cache, refused
 
-    row, five, blocks, row_blocks, refused = on_own_thread(work)
+    row, five, plain, with_cache, refused = on_own_thread(work)
     assert row > 0 and five == 8 * row  # five rows take the row bucket of eight slots
-    assert blocks == 20 and row_blocks == 0
+    assert plain == (20, 0)
+    assert with_cache == (20 - int(STATE_SHARE * 32), 0)
     assert "--max-num-seqs" in refused and "--kv-cache-memory" in refused
 
 

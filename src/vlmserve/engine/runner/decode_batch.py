@@ -345,15 +345,12 @@ class PagedDecodeBatch:
 
     def state_of(self, owner: Any) -> list[mx.array] | None:
         """A copy of a running row's state (one row per state array), as its next step reads it
-        (None: every layer is KV)."""
+        (None: every layer is KV). Lazy: a copy kept must be evaluated soon (`mx.async_eval`),
+        as an unread gather keeps its whole input (every slot's state of this moment) alive."""
         if self.states is None:
             return None
         index = mx.array([self.rows.index(owner)], dtype=mx.int32)
-        copies = [a[index] for a in self.states.arrays]  # a gather: the row's own copy, not a view
-        # Computed now: unread, a gather keeps its whole input (every slot's state of this moment)
-        # alive, and a cached prefix's copy may never be read.
-        mx.async_eval(copies)
-        return copies
+        return [a[index] for a in self.states.arrays]  # a gather: the row's own copy, not a view
 
     def adopt(self, owners: list[Any]) -> None:
         """Rows whose prompts were prefilled into this pool (their `prefill_blocks`) join with

@@ -25,7 +25,13 @@ import numpy as np
 from vlmserve.engine.runner import pool_prefill
 from vlmserve.engine.runner.block_pool import BlockPool, kv_block_bytes
 from vlmserve.engine.runner.decode_batch import DecodeBatches, kv_dtype
-from vlmserve.engine.runner.prefix_cache import PrefixCache, content_keyed, restore_states
+from vlmserve.engine.runner.prefix_cache import (
+    PrefixCache,
+    StateBudget,
+    content_keyed,
+    restore_states,
+    state_limit_bytes,
+)
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -101,11 +107,14 @@ class ModelRunner:
         )
         # A model whose layers keep state beside their KV, on the pool: its entries carry it.
         whole_keys = self.batches.state_layout is not None
+        position_bytes = kv_block_bytes(model, 1) if whole_keys else 1
+        # Both caches' states within one limit: the one the KV budget set aside (EngineCore.kv_budget).
+        states = StateBudget(state_limit_bytes(prefix_cache_tokens, position_bytes))
 
         def cache(on: bool) -> PrefixCache | None:
             if not on or prefix_cache_tokens <= 0:
                 return None
-            return PrefixCache(prefix_cache_tokens, whole_keys, kv_block_bytes(model, 1) if whole_keys else 1)
+            return PrefixCache(prefix_cache_tokens, whole_keys, position_bytes, states)
 
         self.prefix_cache = cache(True)
         # Requests with images: keys that carry each image's content (prefix_cache.content_keyed).
@@ -540,8 +549,9 @@ class ModelRunner:
         """A running row's KV of `ids` (its first positions) into `store`, with the row's state
         where the store's entries carry it."""
         try:
-            states = self.batch.state_of(seq) if store.whole_keys else None
-            store.store(ids, self.batch.pool_of(seq), seq.blocks, states)
+            states = self.batch.state_of(seq) if store.whole_keys else None  # lazy: computed if kept
+            if store.store(ids, self.batch.pool_of(seq), seq.blocks, states) and states:
+                mx.async_eval(states)
         except Exception:  # noqa: BLE001 - a cache entry is never worth a request
             log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 

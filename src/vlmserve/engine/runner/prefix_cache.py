@@ -116,7 +116,21 @@ class PrefixHit:
             self.shared = None
 
 
-STATE_SHARE = 0.25  # of a whole-keys cache's size, the most its entries' states may take
+STATE_SHARE = 0.25  # of the prefix cache's size, the most its entries' states may take
+
+
+def state_limit_bytes(max_tokens: int, position_bytes: int) -> int:
+    """The device memory cached prefixes' states may take: STATE_SHARE of `max_tokens`
+    positions of KV (`position_bytes` each). The engine's KV budget sets it aside."""
+    return int(STATE_SHARE * max_tokens * position_bytes)
+
+
+@dataclass
+class StateBudget:
+    """The device memory the entries' states of one or more whole-keys caches take together."""
+
+    limit: int
+    used: int = 0
 
 
 class PrefixCache:
@@ -124,15 +138,21 @@ class PrefixCache:
 
     `whole_keys`: entries carry the row's state at their end, and only a whole key is reused
     (`state_position_bytes`: the bytes of KV one position takes, to count a state's size).
-    Those states live outside the KV pool: they take at most STATE_SHARE of the cache's size,
-    the oldest entries going first past it."""
+    Those states live outside the KV pool, within `states` (shared by the engine's caches; by
+    default STATE_SHARE of this cache's size), the oldest entries going first past it."""
 
-    def __init__(self, max_tokens: int, whole_keys: bool = False, state_position_bytes: int = 1):
+    def __init__(
+        self,
+        max_tokens: int,
+        whole_keys: bool = False,
+        state_position_bytes: int = 1,
+        states: StateBudget | None = None,
+    ):
         self.max_tokens = max_tokens
         self.whole_keys = whole_keys
         self.state_position_bytes = max(1, state_position_bytes)
-        self.max_state_bytes = int(STATE_SHARE * max_tokens * self.state_position_bytes)
-        self.state_bytes = 0  # the entries' states (device memory beside the pool's blocks)
+        self.states = states or StateBudget(state_limit_bytes(max_tokens, self.state_position_bytes))
+        self.state_bytes = 0  # this cache's entries' states (device memory beside the pool's blocks)
         # key -> its KV, least recently used first. A plain dict: it keeps its keys' hashes, where
         # an OrderedDict's iteration hashed every key again (a tuple of the key's length each).
         self._entries: dict[tuple[int, ...], PooledKV] = {}
@@ -193,40 +213,45 @@ class PrefixCache:
             kv.pool.retain(hit.shared.blocks)
         return hit
 
-    def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int], states: list | None = None) -> None:
+    def store(self, tokens: np.ndarray, pool: BlockPool, blocks: list[int], states: list | None = None) -> bool:
         """Keep the KV of `tokens`, the first positions of a row's `blocks` in `pool` (the entry
         holds them too), and with `whole_keys` the row's `states` after them. Entries whose keys
         it extends go: it serves their lookups; if a cached key extends it, that entry serves it
-        and nothing is added (not with `whole_keys`: a longer entry's state is not this one's)."""
+        and nothing is added (not with `whole_keys`: a longer entry's state is not this one's).
+        Returns whether the entry was added (False: cached already, or past the limits)."""
         n = len(tokens)
         if self.whole_keys and states is None:
-            return
+            return False
         state_bytes = sum(a.nbytes for a in states) if self.whole_keys else 0
         size = n + -(-state_bytes // self.state_position_bytes)
-        if not n or size > self.max_tokens or state_bytes > self.max_state_bytes:
-            return
+        if not n or size > self.max_tokens or state_bytes > self.states.limit:
+            return False
         key = tuple(np.asarray(tokens).tolist())
         if key in self._entries:
             self._entries[key] = self._entries.pop(key)
-            return
+            return False
         if not self.whole_keys:
             longer = self._index.extension_of(key)
             if longer is not None:  # a longer entry serves its lookups
                 self._entries[longer] = self._entries.pop(longer)
-                return
+                return False
             for old in self._index.prefixes_of(key):
                 self._remove(old)
         held = blocks[: -(-n // pool.block_size)]
         pool.retain(held)
         self._entries[key] = PooledKV(pool, held, n, states if self.whole_keys else None, size)
         self._index.add(key)
+        self._held.update((id(pool), b) for b in held)
         self._tokens += size
         self.state_bytes += state_bytes
-        while self.state_bytes > self.max_state_bytes:
+        self.states.used += state_bytes
+        # Past the shared limit this cache gives up its oldest states, the new one last of all
+        # (where the other cache's hold the rest).
+        while self.states.used > self.states.limit and self._entries:
             self._evict_oldest()
-        self._held.update((id(pool), b) for b in held)
         while self._tokens > self.max_tokens:
             self._evict_oldest()
+        return key in self._entries
 
     def _evict_oldest(self) -> None:
         self._remove(next(iter(self._entries)))
@@ -236,7 +261,9 @@ class PrefixCache:
         self._index.remove(key)
         self._tokens -= kv.size
         if kv.states is not None:
-            self.state_bytes -= sum(a.nbytes for a in kv.states)
+            freed = sum(a.nbytes for a in kv.states)
+            self.state_bytes -= freed
+            self.states.used -= freed
         self._unhold(kv)
         kv.release()
 

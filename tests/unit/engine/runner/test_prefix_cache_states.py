@@ -45,10 +45,10 @@ def test_only_whole_keys_are_taken_with_their_state():
     assert size == 20 + 1 + 40 + 1  # positions, and each state's 32 bytes as one position
 
 
-def test_a_rows_state_copy_holds_that_row_only():
-    """PagedDecodeBatch.state_of's copy is computed at once: a lazy gather would keep every slot's
-    state of that moment (the whole arrays, which the next step replaces) alive until it is
-    read, and a cached entry may never be read."""
+def test_a_rows_state_copy_once_evaluated_holds_that_row_only():
+    """PagedDecodeBatch.state_of's copy, evaluated as the runner does with one it keeps: left
+    lazy, its gather would keep every slot's state of that moment (the whole arrays, which the
+    next step replaces) alive until it is read, and a cached entry may never be read."""
 
     def work():
         import gc
@@ -70,6 +70,7 @@ def test_a_rows_state_copy_holds_that_row_only():
         batch.rows[3] = row
         states.put([3], [mx.full((1, 64, 64, 64), 3.0)])
         copy = batch.state_of(row)
+        mx.async_eval(copy)
         states.arrays = states.zeros(16)  # the next step's arrays take their place
         mx.eval(states.arrays)
         mx.synchronize()
@@ -91,7 +92,7 @@ def test_states_take_at_most_their_share_of_the_cache_the_oldest_going_first():
         pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=16)
         blocks = pool.allocate(2)
         pc = PrefixCache(max_tokens=64, whole_keys=True, state_position_bytes=32)  # states: 512 bytes
-        assert pc.max_state_bytes == int(STATE_SHARE * 64 * 32)
+        assert pc.states.limit == int(STATE_SHARE * 64 * 32)
         for first in range(4):  # 192 bytes each: two fit
             pc.store(np.arange(first, first + 10), pool, blocks, [mx.zeros((48,), mx.float32)])
         return pc.state_bytes, [k[0] for k in pc._entries], pc.size_tokens
@@ -99,3 +100,30 @@ def test_states_take_at_most_their_share_of_the_cache_the_oldest_going_first():
     state_bytes, kept, size = on_own_thread(work)
     assert state_bytes == 2 * 192 and kept == [2, 3]  # the two latest
     assert size == 2 * (10 + 6)
+
+
+def test_the_caches_states_share_one_limit_and_a_refused_entry_leaves_nothing_held():
+    """The text and image caches take their states from one StateBudget (what the KV budget set
+    aside): past it a cache gives up its own oldest states, and the new entry itself where the
+    other cache holds the rest, its blocks then held by no entry."""
+
+    def work():
+        import mlx.core as mx
+
+        from vlmserve.engine.runner.block_pool import BlockPool
+        from vlmserve.engine.runner.prefix_cache import PrefixCache, StateBudget
+
+        pool = BlockPool(1, (1, 4, 4), mx.float32, block_size=8, blocks=16)
+        blocks = pool.allocate(2)
+        shared = StateBudget(limit=400)
+        text, image = (PrefixCache(1000, True, 32, shared) for _ in range(2))
+        state = [mx.zeros((48,), mx.float32)]  # 192 bytes
+        kept = [text.store(np.arange(10), pool, blocks, state), text.store(np.arange(1, 11), pool, blocks, state)]
+        again = text.store(np.arange(10), pool, blocks, state)  # cached already: not added
+        kept.append(image.store(np.arange(5, 15), pool, blocks, state))  # over the limit: its own goes
+        return kept, again, shared.used, text.state_bytes, image.state_bytes, image.blocks_held(), pool.refs[blocks[0]]
+
+    kept, again, used, text_bytes, image_bytes, image_blocks, refs = on_own_thread(work)
+    assert kept == [True, True, False] and again is False
+    assert used == text_bytes == 2 * 192 and image_bytes == 0 and image_blocks == 0
+    assert refs == 3  # the row's and the text cache's two entries'
