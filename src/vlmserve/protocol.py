@@ -34,6 +34,9 @@ class ModelInfo:
     # The dtype the model casts pixel_values to before any arithmetic ("bfloat16", "float16"),
     # where it does: preprocessing may then ship them in it (half the bytes to copy). None: as is.
     pixel_dtype: str | None = None
+    # Prefix reuse takes whole cached prompts only (layers that keep state beside their KV), so
+    # preprocessing marks where a next turn's prompt parts from each one (turn_prefix).
+    whole_prefixes: bool = False
 
 
 @dataclass
@@ -114,6 +117,10 @@ class PreparedRequest:
     # One content hash per image, in prompt order (the pixels as the processor got them): the
     # keys of vision-feature and multimodal prefix reuse. Empty: nothing may be reused by content.
     image_hashes: tuple[str, ...] = ()
+    # Where the model reuses only whole cached prompts: the prompt positions a next turn's prompt
+    # shares with this one, where fewer than all (the chat template renders that turn's history
+    # otherwise than this prompt's generation prompt). 0: all, or not known.
+    turn_prefix: int = 0
 
     @property
     def has_pixels(self) -> bool:

@@ -106,6 +106,8 @@ class EngineCore:
             hooks=hooks,
         )
         self.stats = self.runner.stats
+        # What preprocessing needs to know of the prefix caches: whether they reuse whole prompts only.
+        self.model.info.whole_prefixes = any(c.whole_keys for c in self.runner.prefix_caches())
         self.idle_release_s = idle_release_s  # idle this long before MLX's buffer cache is handed back
         self._idle_since: float | None = None  # when the last step ran out of work (None: busy, or released)
         self._memory: dict[str, int] = {}  # MLX's memory figures, read on the worker (step_memory)

@@ -37,6 +37,7 @@ def _start_process(
     config: ServerConfig,
     pixel_dtype: str | None,
     model_type: str | None,
+    whole_prefixes: bool,
     server_pid: int,
 ) -> None:
     global _preprocessor
@@ -51,7 +52,9 @@ def _start_process(
     from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
     from vlmserve.models.processor import load_processor  # loads files only; no MLX work
 
-    _preprocessor = Preprocessor(load_processor(Path(model_path)), context_length, config, pixel_dtype, model_type)
+    _preprocessor = Preprocessor(
+        load_processor(Path(model_path)), context_length, config, pixel_dtype, model_type, whole_prefixes
+    )
     if config.warmup:  # first use (template compile, decoder plugins) on start-up's time, not a request's
         for _, chat in warmup_chats(config.warmup_image_sizes):
             _preprocessor.prepare_sync(chat)
@@ -82,10 +85,11 @@ class PreprocessProcesses:
         config: ServerConfig,
         pixel_dtype: str | None,
         model_type: str | None = None,
+        whole_prefixes: bool = False,
     ):
-        """`model_type` (ModelInfo.model_type): as for Preprocessor."""
+        """`model_type`, `whole_prefixes` (ModelInfo's): as for Preprocessor."""
         self.processes = config.preprocess_processes
-        self._args = (str(model_path), context_length, config, pixel_dtype, model_type, os.getpid())
+        self._args = (str(model_path), context_length, config, pixel_dtype, model_type, whole_prefixes, os.getpid())
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:

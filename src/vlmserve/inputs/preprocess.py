@@ -15,6 +15,7 @@ import inspect
 import io
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,12 @@ class Preprocessor:
         config: ServerConfig,
         pixel_dtype: str | None = None,
         model_type: str | None = None,
+        whole_prefixes: bool = False,
     ):
-        """`model_type` (ModelInfo.model_type) picks the family's ProcessorAdapter; None: the generic one."""
+        """`model_type` (ModelInfo.model_type) picks the family's ProcessorAdapter; None: the generic
+        one. `whole_prefixes` (ModelInfo's): requests get their `turn_prefix`."""
         self.config = config
+        self.whole_prefixes = whole_prefixes
         self.context_length = context_length
         self.pixel_dtype = pixel_dtype  # ModelInfo.pixel_dtype: ship pixel_values already cast
         self.adapter: ProcessorAdapter = processor_adapter(model_type or "")
@@ -203,17 +207,44 @@ class Preprocessor:
         template_messages = to_template_messages(chat.messages)
         if not self.chat_template:
             return plain_prompt(self.processor, template_messages)  # a prompt-only model
-        extra = {}
-        if chat.tools and chat.tool_choice != "none":
-            extra["tools"] = [{"type": "function", "function": t} for t in chat.tools]
         try:
-            return self.template_owner.apply_chat_template(
-                template_messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False, **extra
-            )
+            return self._apply_template(chat, template_messages)
         except jinja2.TemplateError as exc:  # the template refuses these messages (raise_exception)
             raise EngineError(
                 f"the model's chat template rejected these messages: {exc}", code="invalid_messages", param="messages"
             ) from None
+
+    def _apply_template(self, chat: ChatRequest, template_messages: list[dict[str, Any]]) -> str:
+        extra = {}
+        if chat.tools and chat.tool_choice != "none":
+            extra["tools"] = [{"type": "function", "function": t} for t in chat.tools]
+        return self.template_owner.apply_chat_template(
+            template_messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False, **extra
+        )
+
+    def turn_prefix(self, chat: ChatRequest, prompt: str, ids: np.ndarray) -> int:
+        """The positions of `ids` (of `prompt`, rendered from `chat`) that the prompt of the
+        chat's next turn starts with, where fewer than all: templates of thinking models end the
+        generation prompt with the opening of the thinking, which the next turn's history does
+        not hold (it renders the answer without it). 0: all of them, or not known.
+
+        The next turn is rendered with a stand-in answer and question; the text after the two
+        renderings part must be the prompt's last tokens, tokenized alone."""
+        if chat.raw_prompt or not self.chat_template:
+            return 0
+        after = [ChatMessage(role="assistant", parts=[("text", "A")]), ChatMessage(role="user", parts=[("text", "B")])]
+        try:
+            following = self._apply_template(chat, to_template_messages(chat.messages + after))
+        except Exception:  # noqa: BLE001 - a template that refuses the stand-in turn: nothing known
+            return 0
+        tail = prompt[len(os.path.commonprefix([prompt, following])) :]
+        if not tail:
+            return 0
+        tail_ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        n = len(tail_ids)
+        if not 0 < n < len(ids) or ids[-n:].tolist() != list(tail_ids):
+            return 0
+        return len(ids) - n
 
     def check_text_length(self, chat: ChatRequest) -> None:
         """400 when the text alone cannot fit the context (limits.check_text_length)."""
@@ -229,8 +260,11 @@ class Preprocessor:
         """A request's PreparedRequest; 400 (context_length_exceeded) if it cannot fit the context."""
         if chat.min_pixels or chat.max_pixels:
             images = [self.adapter.fit_pixels(im, chat.min_pixels, chat.max_pixels) for im in images]
-        prepared = self.encode(self.render(chat), images)
+        prompt = self.render(chat)
+        prepared = self.encode(prompt, images)
         check_context(chat, prepared.num_prompt_tokens, self.context_length)
+        if self.whole_prefixes:
+            prepared.turn_prefix = self.turn_prefix(chat, prompt, prepared.prompt_ids)
         return prepared
 
     def encode(self, prompt: str, images: list[Image.Image]) -> PreparedRequest:

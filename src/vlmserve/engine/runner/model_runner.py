@@ -32,6 +32,7 @@ from vlmserve.engine.runner.prefix_cache import (
     restore_states,
     state_limit_bytes,
 )
+from vlmserve.engine.runner.row_states import RowStates
 from vlmserve.engine.runner.sampling import RowSampler, log_softmax, sample_batch
 from vlmserve.engine.runner.text_stream import TextStream
 from vlmserve.engine.runner.tokenizer import TextCodec
@@ -223,6 +224,14 @@ class ModelRunner:
             seq.cached_tokens = seq.prefilled
             if self.hooks:
                 self.hooks.on_prefix_lookup(seq.cached_tokens > 0, prepared.has_pixels)
+            # Where a next turn's prompt parts from this one before its end (a template whose
+            # generation prompt opens what the next turn's history renders otherwise), a cache of
+            # whole keys has no state there to resume: the prefill stops there once, and the pieces
+            # forward that goes on keeps it (_keep_checkpoints).
+            at = prepared.turn_prefix
+            splits = cache.whole_keys and seq.batchable and self.model.prefills_pieces
+            if splits and max(seq.prefilled + 1, MIN_PREFIX_HIT) <= at < seq.prefill_end:
+                seq.checkpoint = at
         # A hit's copy reads the pool's arrays of this moment: queued now, it lets them go.
         copied = [c.state for c in prompt.cache] if seq.cached_tokens else []
         mx.async_eval(prompt.embeds, *copied, *(seq.prefill_pool.arrays() if seq.prefill_pool is not None else []))
@@ -253,7 +262,7 @@ class ModelRunner:
         if seq.prefill_pool is not None:  # its KV so far is in the pool: back into its own cache
             pool_prefill.back_to_own_cache(seq)
         target = seq.prefill_end
-        end = min(target, seq.prefilled + budget)
+        end = min(seq.piece_end, seq.prefilled + budget)
         logits = None
         if end > seq.prefilled:
             t0 = time.perf_counter()
@@ -351,6 +360,8 @@ class ModelRunner:
             moved = [seq for seq, _ in todo if pool is not None and seq.prefill_pool is None]
             try:
                 caches = pool_prefill.pieces_caches(pool, todo) if pool is not None else None
+                if pool is not None:
+                    self._keep_checkpoints(todo, pool)
                 logits = self.model.prefill_pieces(
                     [s.prompt for s, _ in todo], [span for _, span in todo], padded, caches=caches
                 )
@@ -544,6 +555,24 @@ class ModelRunner:
         if store.whole_keys and len(ids) != seq.cache_len:
             return
         self._keep(seq, store, ids)
+
+    def _keep_checkpoints(self, todo: list[tuple[Sequence, tuple[int, int]]], pool: BlockPool) -> None:
+        """Rows whose piece starts at their checkpoint: their KV so far, in `pool` now, and their
+        state before this forward (their own caches') go into their prefix cache."""
+        for seq, (start, _) in todo:
+            if start != seq.checkpoint or not seq.checkpoint or not seq.kv_reusable:
+                continue
+            store, key = self._prefix_cache(seq)
+            if store is None or not store.whole_keys:
+                continue
+            states = RowStates.of_rows(kv_caches.state_layers(seq.prompt.cache), [0])
+            if any(a is None for a in states):
+                continue
+            try:
+                if store.store(key[:start], pool, seq.prefill_blocks, states):
+                    mx.async_eval(states)
+            except Exception:  # noqa: BLE001 - a cache entry is never worth a request
+                log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 
     def _keep(self, seq: Sequence, store: PrefixCache, ids: np.ndarray) -> None:
         """A running row's KV of `ids` (its first positions) into `store`, with the row's state

@@ -52,6 +52,9 @@ class Sequence:
     host_kv: Any = None  # its KV while preempted, copied out of the pool
     prefix_hit: Any = None  # the cached prefix its prompt cache starts with (runner's PrefixHit), until it joins
     kv_reusable: bool = True  # its KV may go into a prefix cache (not once kernels since replaced made it)
+    # A prompt position its prefill stops at once, where a next turn's prompt parts from this one
+    # and a cache of whole keys keeps the row's state (the runner's; 0: none).
+    checkpoint: int = 0
 
     @property
     def num_prompt(self) -> int:
@@ -64,9 +67,14 @@ class Sequence:
         step (as mlx_vlm.generate splits a prompt), unless prefill must run that one too."""
         return self.num_prompt if self.last_in_prefill else self.num_prompt - 1
 
+    @property
+    def piece_end(self) -> int:
+        """Where its next pieces stop: its checkpoint until prefilled that far, then `prefill_end`."""
+        return self.checkpoint if self.prefilled < self.checkpoint else self.prefill_end
+
     def next_piece(self, budget: int) -> tuple[int, int]:
         """The prompt positions [start, end) its next piece of at most `budget` tokens covers."""
-        return self.prefilled, min(self.prefill_end, self.prefilled + budget)
+        return self.prefilled, min(self.piece_end, self.prefilled + budget)
 
     @property
     def embedded(self) -> bool:

@@ -230,8 +230,9 @@ class Scheduler:
             except Exception as exc:  # one bad request ends only itself
                 plan.failed.append((seq, exc))
                 continue
-            remaining = seq.prefill_end - seq.prefilled
-            batchable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.batchable
+            remaining = seq.piece_end - seq.prefilled
+            # (a prompt with a checkpoint before its end stops there: not in the new prompts' forward)
+            batchable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.batchable and not seq.checkpoint
             if batchable and remaining <= min(budget, self.prefill_chunk):
                 plan.group.append(seq)
                 budget -= remaining

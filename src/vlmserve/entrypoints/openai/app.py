@@ -196,6 +196,7 @@ class ServerState:
                 self.config,
                 pixel_dtype=self.engine.info.pixel_dtype,
                 model_type=self.engine.info.model_type,
+                whole_prefixes=self.engine.info.whole_prefixes,
             )
             _start_threads(self.preprocessor.pool, self.config.preprocess_workers)
             _start_threads(self.preprocessor.fetch_pool, self.preprocessor.fetch_workers)
@@ -208,6 +209,7 @@ class ServerState:
                     self.config,
                     self.engine.info.pixel_dtype,
                     self.engine.info.model_type,
+                    self.engine.info.whole_prefixes,
                 )
                 label = f"{self.config.preprocess_processes} preprocessing processes up"
                 jobs.append(self._timed(label, self.preprocess_processes.start()))

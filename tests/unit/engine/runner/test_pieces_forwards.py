@@ -13,7 +13,7 @@ from vlmserve.engine.sched.request import Sequence
 
 
 def _row(name: str, prefilled: int, end: int, pool=None):
-    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end, prefill_pool=pool)
+    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end, piece_end=end, prefill_pool=pool)
     row.next_piece = partial(Sequence.next_piece, row)  # the real method, over these counts
     return row
 

@@ -1,0 +1,79 @@
+"""A model whose layers keep state beside their KV reuses only whole cached prompts. Where its
+chat template ends the generation prompt with what the next turn's history renders otherwise
+(Qwen3.5's opens the thinking; the answer goes back without it), the prefill stops once where
+the two part, so that the row's state there is cached too: a later turn resumes the earlier
+prompt up to that point and answers as a server without reuse."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import httpx
+import pytest
+from PIL import Image
+
+from support.families import session_checkpoint
+from support.server import start_server
+from vlmserve.entrypoints.openai.chat_request import parse_chat_request
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ("Describe the scene in a few words, please, and say what stands out. " * 4, "Why?", "And then?")
+
+
+def _image() -> str:
+    image = Image.new("RGB", (224, 224), (40, 160, 40))
+    image.paste((200, 30, 30), (40, 40, 120, 120))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _turns(server, image: str | None) -> list[dict]:
+    async def post(body):
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    messages, replies = [], []
+    for question in QUESTIONS:
+        content = [{"type": "text", "text": question}]
+        if image and not messages:
+            content.insert(0, {"type": "image_url", "image_url": {"url": image}})
+        messages.append({"role": "user", "content": content})
+        body = {"model": server.model_id, "messages": messages, "max_tokens": 6, "temperature": 0}
+        replies.append(asyncio.run(post(body)))
+        messages.append({"role": "assistant", "content": replies[-1]["choices"][0]["message"]["content"]})
+    return replies
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model = str(session_checkpoint("qwen3_5", "float32", tmp_path_factory))
+    reuse = start_server(model, warmup_image_sizes=())
+    strict = start_server(model, warmup_image_sizes=(), prefix_cache_tokens=0, mm_cache=False)
+    yield reuse, strict
+    reuse.stop()
+    strict.stop()
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_later_turns_resume_the_earlier_prompt_up_to_where_the_next_turn_parts(servers, with_image):
+    reuse, strict = servers
+    image = _image() if with_image else None
+    body = {"model": reuse.model_id, "messages": [{"role": "user", "content": QUESTIONS[0]}]}
+    prepared = reuse.state.preprocessor.prepare_sync(parse_chat_request(body, reuse.config, {reuse.model_id}, 4096))
+    parts_at = prepared.turn_prefix
+    assert reuse.engine.info.whole_prefixes and 0 < parts_at < prepared.num_prompt_tokens  # the case under test
+
+    with_reuse, without = _turns(reuse, image), _turns(strict, image)
+    text = [r["choices"][0]["message"]["content"] for r in with_reuse]
+    assert text == [r["choices"][0]["message"]["content"] for r in without]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in with_reuse]
+    assert cached[0] == 0
+    gap = prepared.num_prompt_tokens - parts_at  # what the generation prompt adds past the part
+    for earlier, later in zip(with_reuse, cached[1:]):
+        assert later >= earlier["usage"]["prompt_tokens"] - gap
