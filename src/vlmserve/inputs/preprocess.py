@@ -240,9 +240,14 @@ class Preprocessor:
         tail = prompt[len(os.path.commonprefix([prompt, following])) :]
         if not tail:
             return 0
-        tail_ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        try:
+            tail_ids = list(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
+        except Exception:  # noqa: BLE001 - a tokenizer that will not take the text alone: nothing known
+            log.debug("turn_prefix: the tokenizer refused the prompt's tail %r", tail, exc_info=True)
+            return 0
         n = len(tail_ids)
-        if not 0 < n < len(ids) or ids[-n:].tolist() != list(tail_ids):
+        if not 0 < n < len(ids) or ids[-n:].tolist() != tail_ids:
+            log.debug("turn_prefix: the prompt's tail %r is not its last tokens alone", tail)
             return 0
         return len(ids) - n
 

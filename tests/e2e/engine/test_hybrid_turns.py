@@ -31,13 +31,17 @@ def _image() -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _turns(server, image: str | None) -> list[dict]:
-    async def post(body):
+def _post(server, body: dict) -> dict:
+    async def post():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             r = await client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             return r.json()
 
+    return asyncio.run(post())
+
+
+def _turns(server, image: str | None) -> list[dict]:
     messages, replies = [], []
     for question in QUESTIONS:
         content = [{"type": "text", "text": question}]
@@ -45,7 +49,7 @@ def _turns(server, image: str | None) -> list[dict]:
             content.insert(0, {"type": "image_url", "image_url": {"url": image}})
         messages.append({"role": "user", "content": content})
         body = {"model": server.model_id, "messages": messages, "max_tokens": 6, "temperature": 0}
-        replies.append(asyncio.run(post(body)))
+        replies.append(_post(server, body))
         messages.append({"role": "assistant", "content": replies[-1]["choices"][0]["message"]["content"]})
     return replies
 
@@ -69,7 +73,10 @@ def test_later_turns_resume_the_earlier_prompt_up_to_where_the_next_turn_parts(s
     parts_at = prepared.turn_prefix
     assert reuse.engine.info.whole_prefixes and 0 < parts_at < prepared.num_prompt_tokens  # the case under test
 
+    caches = reuse.engine.core.runner.prefix_caches()
+    entries = sum(len(c._entries) for c in caches)
     with_reuse, without = _turns(reuse, image), _turns(strict, image)
+    assert sum(len(c._entries) for c in caches) == entries + len(QUESTIONS)  # one a turn: its checkpoint's
     text = [r["choices"][0]["message"]["content"] for r in with_reuse]
     assert text == [r["choices"][0]["message"]["content"] for r in without]
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in with_reuse]
@@ -77,3 +84,7 @@ def test_later_turns_resume_the_earlier_prompt_up_to_where_the_next_turn_parts(s
     gap = prepared.num_prompt_tokens - parts_at  # what the generation prompt adds past the part
     for earlier, later in zip(with_reuse, cached[1:]):
         assert later >= earlier["usage"]["prompt_tokens"] - gap
+    if not with_image:  # the first turn again: all but the generation prompt's tail is cached
+        again = _post(reuse, {**body, "max_tokens": 6, "temperature": 0})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == parts_at
+        assert again["choices"][0]["message"]["content"] == text[0]

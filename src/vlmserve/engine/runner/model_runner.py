@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # A prefix hit this short is not taken by a row that could join a batched prefill (ModelRunner._embedded).
 MIN_PREFIX_HIT = 64
+SHORT_PIECE = 16  # pieces this short go apart from long ones (_short_pieces_apart)
 # Query-key pairs one forward of prompt pieces may attend over (its attention is not fused: the
 # scores are materialized, ~1 GB in bf16 at this bound for a model with 16 heads): 16 pieces of 512
 # tokens over 4k tokens of context. Longer contexts split into more forwards.
@@ -58,6 +59,20 @@ def _by_embedding_dtype(items: list, row_of: Callable[[Any], Sequence]) -> list[
     for item in items:
         groups.setdefault(row_of(item).prompt.embeds.dtype, []).append(item)
     return list(groups.values())
+
+
+def _short_pieces_apart(rows: list[tuple[Sequence, int]], together: bool) -> list:
+    """A pieces forward runs every row at its longest piece: pieces of a few tokens (a prompt's
+    rest after its checkpoint) beside long ones go into a forward of their own where their
+    padding would cost more than one more long row."""
+    if not together:
+        return [(rows, together)]
+    lengths = [max(1, min(seq.piece_end, seq.prefilled + budget) - seq.prefilled) for seq, budget in rows]
+    longest = max(lengths)
+    short = [row for row, n in zip(rows, lengths) if n <= SHORT_PIECE]
+    if not short or len(short) == len(rows) or len(short) * (longest - SHORT_PIECE) <= longest:
+        return [(rows, together)]
+    return [([row for row, n in zip(rows, lengths) if n > SHORT_PIECE], True), (short, True)]
 
 
 def _joined(arrays: list[mx.array]) -> mx.array:
@@ -229,8 +244,11 @@ class ModelRunner:
             # whole keys has no state there to resume: the prefill stops there once, and the pieces
             # forward that goes on keeps it (_keep_checkpoints).
             at = prepared.turn_prefix
-            splits = cache.whole_keys and seq.batchable and self.model.prefills_pieces
-            if splits and max(seq.prefilled + 1, MIN_PREFIX_HIT) <= at < seq.prefill_end:
+            keeps = cache.whole_keys and seq.batchable and self.model.prefills_pieces and seq.kv_reusable
+            # (the pieces forward writes the pool of the model's KV dtype: a prompt embedded in
+            # another goes on in its own cache, where nothing is kept)
+            keeps = keeps and prompt.embeds.dtype == self.model.kv_layout()[2]
+            if keeps and max(seq.prefilled + 1, MIN_PREFIX_HIT) <= at < seq.prefill_end:
                 seq.checkpoint = at
         # A hit's copy reads the pool's arrays of this moment: queued now, it lets them go.
         copied = [c.state for c in prompt.cache] if seq.cached_tokens else []
@@ -328,7 +346,7 @@ class ModelRunner:
             longest, width = max(longest, n), max(width, end)
         if current:
             forwards.append((current, True))
-        return forwards
+        return [part for forward in forwards for part in _short_pieces_apart(*forward)]
 
     def prefill_alone(self, seq: Sequence, budget: int) -> None:
         """`prefill_single`; a failure ends only that request."""
@@ -536,6 +554,8 @@ class ModelRunner:
             return
         if store.whole_keys and seq.cache_len != seq.num_prompt - 1:  # its state is past the key's end
             return
+        if seq.checkpoint:  # its checkpoint's entry is the one a next turn takes (and a retry too)
+            return
         self._keep(seq, store, key[: seq.num_prompt - 1])
 
     def _store_sequence(self, seq: Sequence) -> None:
@@ -549,6 +569,8 @@ class ModelRunner:
             return
         store, key = self._prefix_cache(seq)
         if store is None or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
+            return
+        if seq.checkpoint:  # a next turn's prompt parts from this one before its answer
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
         # Steps feed only tokens already out, so the ids cover cache_len; kept as the state's guard.

@@ -12,8 +12,8 @@ from vlmserve.engine.runner.model_runner import ModelRunner
 from vlmserve.engine.sched.request import Sequence
 
 
-def _row(name: str, prefilled: int, end: int, pool=None):
-    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end, piece_end=end, prefill_pool=pool)
+def _row(name: str, prefilled: int, end: int, pool=None, stop: int | None = None):
+    row = SimpleNamespace(name=name, prefilled=prefilled, prefill_end=end, piece_end=stop or end, prefill_pool=pool)
     row.next_piece = partial(Sequence.next_piece, row)  # the real method, over these counts
     return row
 
@@ -44,4 +44,24 @@ def test_a_row_whose_kv_is_in_the_pool_goes_past_the_bound_alone_too(monkeypatch
         (["pooled"], False),
         (["own"], False),
         (["short"], True),
+    ]
+
+
+def test_short_pieces_beside_long_ones_go_into_a_forward_of_their_own():
+    """A pieces forward runs every row at its longest piece: the one-token rests of prompts that
+    stopped at their checkpoint would each cost a long row there."""
+    rests = [(_row(f"rest{i}", 100, 101), 512) for i in range(3)]
+    long = (_row("long", 0, 5000), 512)
+    forwards = ModelRunner._pieces_forwards([rests[0], long, *rests[1:]])
+    assert [([r.name for r, _ in f], together) for f, together in forwards] == [
+        (["long"], True),
+        (["rest0", "rest1", "rest2"], True),
+    ]
+    # one short piece beside a long one pads less than a second long row: they stay together
+    assert len(ModelRunner._pieces_forwards([rests[0], long])) == 1
+    # a piece that stops at its checkpoint counts to it
+    stopping = (_row("stops", 0, 5000, stop=8), 512)
+    assert [[r.name for r, _ in f] for f, _ in ModelRunner._pieces_forwards([stopping, long, *rests])] == [
+        ["long"],
+        ["stops", "rest0", "rest1", "rest2"],
     ]
