@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import socket
 import threading
 import time
@@ -45,6 +46,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def boxed_image_uri(size: tuple[int, int], colour: tuple, box: tuple, box_colour: tuple) -> str:
+    """A PNG data URI of one colour with a box of another: images that differ by pixels only."""
+    from PIL import Image
+
+    image = Image.new("RGB", size, colour)
+    image.paste(box_colour, box)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def data_uri(path: Path) -> str:

@@ -7,14 +7,12 @@ prompt up to that point and answers as a server without reuse."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 
 import httpx
 import pytest
-from PIL import Image
 
 from support.families import session_checkpoint
+from support.helpers import boxed_image_uri
 from support.server import start_server
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
 
@@ -24,11 +22,7 @@ QUESTIONS = ("Describe the scene in a few words, please, and say what stands out
 
 
 def _image() -> str:
-    image = Image.new("RGB", (224, 224), (40, 160, 40))
-    image.paste((200, 30, 30), (40, 40, 120, 120))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return boxed_image_uri((224, 224), (40, 160, 40), (40, 40, 120, 120), (200, 30, 30))
 
 
 def _post(server, body: dict) -> dict:

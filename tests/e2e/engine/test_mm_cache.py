@@ -6,13 +6,11 @@ before it."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 
 import httpx
 import pytest
-from PIL import Image
 
+from support.helpers import boxed_image_uri
 from support.reference import mlx_vlm_chat_text
 from support.server import start_server
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
@@ -23,11 +21,7 @@ MAX_TOKENS = 12
 
 def _image(colour) -> str:
     """A 112x84 PNG of one colour with a stripe: same size, different pixels per colour."""
-    image = Image.new("RGB", (112, 84), colour)
-    image.paste((255 - colour[0], colour[1], 90), (10, 20, 60, 40))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return boxed_image_uri((112, 84), colour, (10, 20, 60, 40), (255 - colour[0], colour[1], 90))
 
 
 RED, BLUE = _image((200, 30, 30)), _image((30, 30, 200))

@@ -5,15 +5,13 @@ hybrid model's state with it, and answers as a server without reuse."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 
 from support.families import session_checkpoint
+from support.helpers import boxed_image_uri
 from support.server import start_server
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
 
@@ -21,11 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def _image() -> str:
-    image = Image.new("RGB", (1024, 768), (200, 40, 40))
-    image.paste((30, 30, 200), (100, 200, 600, 400))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return boxed_image_uri((1024, 768), (200, 40, 40), (100, 200, 600, 400), (30, 30, 200))
 
 
 def _three_turns(server, image: str) -> list[dict]:
