@@ -82,3 +82,52 @@ def test_later_turns_resume_the_earlier_prompt_up_to_where_the_next_turn_parts(s
         again = _post(reuse, {**body, "max_tokens": 6, "temperature": 0})
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == parts_at
         assert again["choices"][0]["message"]["content"] == text[0]
+
+
+def test_chats_whose_first_turns_were_prefilled_together_resume_them(servers, monkeypatch):
+    """First turns arriving together share the new prompts' forward, which stops each at its
+    checkpoint (its rows of the batch's cache go on alone); their second turns resume them."""
+    from vlmserve.engine.runner.model_runner import ModelRunner
+
+    reuse, strict = servers
+    stopped_in_group = []
+    together = ModelRunner._prefill_together
+
+    def spy(self, group, bucket):
+        stopped_in_group.extend(s.checkpoint for s in group if s.checkpoint and not s.prefilled)
+        return together(self, group, bucket)
+
+    monkeypatch.setattr(ModelRunner, "_prefill_together", spy)
+    firsts = [[{"role": "user", "content": f"Chat {i}: tell me about the number {i}, at length please. " * 3}]
+              for i in range(4)]  # fmt: skip
+
+    async def gather(server, conversations):
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            bodies = [
+                {"model": server.model_id, "messages": m, "max_tokens": 5, "temperature": 0} for m in conversations
+            ]
+            replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+            assert all(r.status_code == 200 for r in replies)
+            return [r.json() for r in replies]
+
+    def two_turns(server):
+        first = asyncio.run(gather(server, firsts))
+        seconds = [
+            m
+            + [
+                {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Go on."},
+            ]
+            for m, r in zip(firsts, first)
+        ]
+        return first, asyncio.run(gather(server, seconds))
+
+    (first, second), (first_strict, second_strict) = two_turns(reuse), two_turns(strict)
+    assert stopped_in_group  # the case under test: rows that stopped at their checkpoint in the shared forward
+    text = lambda replies: [r["choices"][0]["message"]["content"] for r in replies]  # noqa: E731
+    assert text(first) == text(first_strict) and text(second) == text(second_strict)
+    for messages, later in zip(firsts, second):
+        body = {"model": reuse.model_id, "messages": messages}
+        chat = parse_chat_request(body, reuse.config, {reuse.model_id}, 4096)
+        parts_at = reuse.state.preprocessor.prepare_sync(chat).turn_prefix
+        assert parts_at > 0 and later["usage"]["prompt_tokens_details"]["cached_tokens"] >= parts_at

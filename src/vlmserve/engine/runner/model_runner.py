@@ -507,15 +507,26 @@ class ModelRunner:
 
     def _prefill_together(self, group: list[Sequence], bucket: int) -> None:
         t0 = time.perf_counter()
-        cache, logits = self.model.prefill_batch(
-            [s.prompt for s in group], [s.prefill_end for s in group], max(1, bucket)
-        )
+        ends = [s.piece_end for s in group]  # a row with a checkpoint stops there
+        cache, logits = self.model.prefill_batch([s.prompt for s in group], ends, max(1, bucket))
         self.stats.batched_prefills += 1
         mx.async_eval([c.state for c in cache])
         if self.hooks:
             self.hooks.on_prefill(time.perf_counter() - t0)
-        for seq in group:
-            seq.prefilled = seq.prefill_end
+        for seq, end in zip(group, ends):
+            seq.prefilled = end
+        stopped = {i for i, s in enumerate(group) if s.prefilled < s.prefill_end}
+        if stopped:  # those go on in pieces, from caches of their own: their rows of the batch's
+            for i in stopped:
+                group[i].prompt.cache = [layer.extract(i) for layer in cache]
+                mx.async_eval([c.state for c in group[i].prompt.cache])
+            keep = [i for i in range(len(group)) if i not in stopped]
+            if keep:
+                index = mx.array(keep, dtype=mx.int32)
+                for layer in cache:
+                    layer.filter(index)
+                logits = logits[index]
+            group = [group[i] for i in keep]
         sampling = [i for i, s in enumerate(group) if s.last_in_prefill]
         if sampling:
             going = {id(s) for s in self._first_tokens([group[i] for i in sampling], logits[mx.array(sampling)])}

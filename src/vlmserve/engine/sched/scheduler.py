@@ -230,9 +230,8 @@ class Scheduler:
             except Exception as exc:  # one bad request ends only itself
                 plan.failed.append((seq, exc))
                 continue
-            remaining = seq.piece_end - seq.prefilled
-            # (a prompt with a checkpoint before its end stops there: not in the new prompts' forward)
-            batchable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.batchable and not seq.checkpoint
+            remaining = seq.piece_end - seq.prefilled  # (a prompt with a checkpoint stops there first)
+            batchable = seq.prefilled == 0 and seq.num_prompt > 1 and seq.batchable
             if batchable and remaining <= min(budget, self.prefill_chunk):
                 plan.group.append(seq)
                 budget -= remaining

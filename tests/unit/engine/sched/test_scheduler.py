@@ -78,13 +78,14 @@ def test_short_new_prompts_share_one_forward_within_the_budget():
     assert calls == ["a", "b", "c"]
 
 
-def test_a_prompt_with_a_checkpoint_stops_there_once_outside_the_new_prompts_forward():
+def test_a_prompt_with_a_checkpoint_stops_there_once():
     sched = Scheduler(max_num_seqs=8, prefill_chunk=64, prefill_budget=100, prefill_bucket=16)
-    a, b = admitted(sched, request("a", 41), request("b", 41))
+    a, b, c = admitted(sched, request("a", 41), request("b", 41), request("c", 41))
     b.checkpoint = 30  # where a next turn's prompt parts from b's (the runner sets it at embedding)
     plan = sched.plan_prefill(embedder([]))
-    assert [s.req.request_id for s in plan.group] == ["a"]
-    assert [(s.req.request_id, n) for s, n in plan.pieces] == [("b", 60)] and b.next_piece(60) == (0, 30)
+    # b's first piece (30 tokens) goes with the new prompts; c's 40 no longer fit the 30 left
+    assert [s.req.request_id for s in plan.group] == ["a", "b"] and b.next_piece(b.prefill_end) == (0, 30)
+    assert [(s.req.request_id, n) for s, n in plan.pieces] == [("c", 30)]
     b.prefilled = 30  # the runner ran that piece
     assert b.piece_end == b.prefill_end == 40 and b.next_piece(60) == (30, 40)
 
