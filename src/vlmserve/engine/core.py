@@ -417,7 +417,9 @@ class EngineCore:
                 self.runner.prefill_group(plan.group, self.sched.prefill_bucket)
             except Exception as exc:  # the batched forward failed: those requests end, others go on
                 for seq in plan.group:
-                    if seq in self.sched.prefilling:  # not one its join set aside, nor one that ended
+                    # not one its join set aside, nor one that ended, nor one that stopped at its
+                    # checkpoint (it goes on from a cache of its own)
+                    if seq in self.sched.prefilling and not 0 < seq.prefilled < seq.prefill_end:
                         self.runner.fail_prefill(seq, exc)
         if self._trace is not None:
             self._trace.mark("prefill")

@@ -498,10 +498,10 @@ class ModelRunner:
         return going
 
     def prefill_group(self, group: list[Sequence], bucket: int) -> None:
-        """Whole prompts (but their last token, unless the model samples in prefill) of several new
-        rows in one left-padded forward per embedding dtype: one forward would run every row in the
-        promoted dtype, and some prompts embed wider than the model (float32 image embeddings in a
-        bfloat16 model)."""
+        """Whole prompts (but their last token, unless the model samples in prefill; up to its
+        checkpoint, for a row with one) of several new rows in one left-padded forward per
+        embedding dtype: one forward would run every row in the promoted dtype, and some prompts
+        embed wider than the model (float32 image embeddings in a bfloat16 model)."""
         for rows in _by_embedding_dtype(group, lambda seq: seq):
             self._prefill_together(rows, bucket)
 
@@ -513,13 +513,16 @@ class ModelRunner:
         mx.async_eval([c.state for c in cache])
         if self.hooks:
             self.hooks.on_prefill(time.perf_counter() - t0)
+        # Rows that stopped at their checkpoint go on in pieces, from caches of their own: their
+        # rows of the batch's (all taken before any row counts as prefilled, should one fail).
+        stopped = {i for i, (s, end) in enumerate(zip(group, ends)) if end < s.prefill_end}
+        own = {i: [layer.extract(i) for layer in cache] for i in stopped}
+        for i, caches in own.items():
+            group[i].prompt.cache = caches
+            mx.async_eval([c.state for c in caches])
         for seq, end in zip(group, ends):
             seq.prefilled = end
-        stopped = {i for i, s in enumerate(group) if s.prefilled < s.prefill_end}
-        if stopped:  # those go on in pieces, from caches of their own: their rows of the batch's
-            for i in stopped:
-                group[i].prompt.cache = [layer.extract(i) for layer in cache]
-                mx.async_eval([c.state for c in group[i].prompt.cache])
+        if stopped:
             keep = [i for i in range(len(group)) if i not in stopped]
             if keep:
                 index = mx.array(keep, dtype=mx.int32)
@@ -565,7 +568,7 @@ class ModelRunner:
             return
         if store.whole_keys and seq.cache_len != seq.num_prompt - 1:  # its state is past the key's end
             return
-        if seq.checkpoint:  # its checkpoint's entry is the one a next turn takes (and a retry too)
+        if seq.checkpoint_kept:  # its checkpoint's entry is the one a next turn takes (and a retry too)
             return
         self._keep(seq, store, key[: seq.num_prompt - 1])
 
@@ -581,7 +584,7 @@ class ModelRunner:
         store, key = self._prefix_cache(seq)
         if store is None or seq.cache_len <= seq.num_prompt or not seq.kv_reusable:
             return
-        if seq.checkpoint:  # a next turn's prompt parts from this one before its answer
+        if seq.checkpoint_kept:  # a next turn's prompt parts from this one before its answer
             return
         ids = np.concatenate([key, np.asarray(seq.output_ids, dtype=key.dtype)])[: seq.cache_len]
         # Steps feed only tokens already out, so the ids cover cache_len; kept as the state's guard.
@@ -604,6 +607,7 @@ class ModelRunner:
             try:
                 if store.store(key[:start], pool, seq.prefill_blocks, states):
                     mx.async_eval(states)
+                seq.checkpoint_kept = store.has(key[:start])
             except Exception:  # noqa: BLE001 - a cache entry is never worth a request
                 log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
 

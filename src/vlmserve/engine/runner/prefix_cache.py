@@ -164,6 +164,10 @@ class PrefixCache:
     def size_tokens(self) -> int:
         return self._tokens
 
+    def has(self, tokens: np.ndarray) -> bool:
+        """Whether an entry's key is exactly `tokens`."""
+        return tuple(np.asarray(tokens).tolist()) in self._entries
+
     def blocks_held(self) -> int:
         """Distinct pool blocks the entries hold (some also held by rows)."""
         return len(self._held)

@@ -55,6 +55,7 @@ class Sequence:
     # A prompt position its prefill stops at once, where a next turn's prompt parts from this one
     # and a cache of whole keys keeps the row's state (the runner's; 0: none).
     checkpoint: int = 0
+    checkpoint_kept: bool = False  # a cache holds its KV and state there (its later entries would serve nothing)
 
     @property
     def num_prompt(self) -> int:
