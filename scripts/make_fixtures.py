@@ -827,7 +827,11 @@ def write_checkpoint(name: str, out_models: Path, zero_eos=True, seed=0, text_co
 
     spec = get_spec(name)
     if text_config:
+        hidden = spec["config"]["text_config"].get("hidden_size")
         spec["config"]["text_config"].update(text_config)
+        vision = spec["config"].get("vision_config", {})
+        if "hidden_size" in text_config and vision.get("out_hidden_size") == hidden:
+            vision["out_hidden_size"] = text_config["hidden_size"]  # the tower's output is the text model's input
     if dtype:
         spec["config"]["torch_dtype"] = spec["config"]["text_config"]["torch_dtype"] = dtype
     d = out_models / name
