@@ -169,3 +169,22 @@ def test_fixture_image_token_counts(name):
         return counts
 
     assert on_own_thread(work) == IMAGE_TOKENS[name]
+
+
+def test_a_resized_text_model_gets_a_tower_whose_output_it_takes(tmp_path):
+    """make_fixtures --text-config: where the tower's output size was the text model's hidden size
+    (Qwen-VL families), it follows a new one, and the checkpoint loads."""
+    from support.families import make_fixtures
+
+    def work():
+        import json
+
+        from mlx_vlm import load
+
+        text = {"hidden_size": 96, "num_attention_heads": 3, "head_dim": 32, "intermediate_size": 192}
+        path = make_fixtures().write_checkpoint("qwen3_5", tmp_path, text_config=text)
+        load(str(path))
+        config = json.loads((path / "config.json").read_text())
+        return config["text_config"]["hidden_size"], config["vision_config"]["out_hidden_size"]
+
+    assert on_own_thread(work) == (96, 96)
