@@ -61,13 +61,19 @@ def _by_embedding_dtype(items: list, row_of: Callable[[Any], Sequence]) -> list[
     return list(groups.values())
 
 
+def _piece_length(seq: Sequence, budget: int) -> int:
+    """Positions a row's next piece runs in a pieces forward (a row with nothing left counts one)."""
+    start, end = seq.next_piece(budget)
+    return max(1, end - start)
+
+
 def _short_pieces_apart(rows: list[tuple[Sequence, int]], together: bool) -> list:
     """A pieces forward runs every row at its longest piece: pieces of a few tokens (a prompt's
     rest after its checkpoint) beside long ones go into a forward of their own where their
     padding would cost more than one more long row."""
     if not together:
         return [(rows, together)]
-    lengths = [max(1, min(seq.piece_end, seq.prefilled + budget) - seq.prefilled) for seq, budget in rows]
+    lengths = [_piece_length(seq, budget) for seq, budget in rows]
     longest = max(lengths)
     short = [row for row, n in zip(rows, lengths) if n <= SHORT_PIECE]
     if not short or len(short) == len(rows) or len(short) * (longest - SHORT_PIECE) <= longest:
@@ -247,7 +253,7 @@ class ModelRunner:
             keeps = cache.whole_keys and seq.batchable and self.model.prefills_pieces and seq.kv_reusable
             # (the pieces forward writes the pool of the model's KV dtype: a prompt embedded in
             # another goes on in its own cache, where nothing is kept)
-            keeps = keeps and prompt.embeds.dtype == self.model.kv_layout()[2]
+            keeps = keeps and self._in_kv_dtype([seq])
             if keeps and max(seq.prefilled + 1, MIN_PREFIX_HIT) <= at < seq.prefill_end:
                 seq.checkpoint = at
         # A hit's copy reads the pool's arrays of this moment: queued now, it lets them go.
@@ -333,9 +339,8 @@ class ModelRunner:
         current: list[tuple[Sequence, int]] = []
         longest = width = 0
         for seq, budget in rows:
-            start, end = seq.next_piece(budget)
-            n = max(1, end - start)  # a row with nothing left still counts a position
-            end = start + n
+            n = _piece_length(seq, budget)
+            end = seq.prefilled + n
             if n * end > PIECES_MAX_PAIRS:
                 forwards.append(([(seq, budget)], False))
                 continue
@@ -436,12 +441,15 @@ class ModelRunner:
             if len(held) > 1:
                 raise RuntimeError("rows prefilled into different KV pools")
             return next(iter(held.values()))
-        if not self.batches.paged:
+        if not self.batches.paged or not self._in_kv_dtype(seqs):
             return None
         dtype = self.model.kv_layout()[2]
-        if any(s.prompt.embeds.dtype != dtype for s in seqs):
-            return None
         return self.batches.pool(dtype) if create else self.batches.pools.get(dtype)
+
+    def _in_kv_dtype(self, seqs: list[Sequence]) -> bool:
+        """Whether these prompts embed in the model's KV dtype (others decode in a pool of their own)."""
+        dtype = self.model.kv_layout()[2]
+        return all(s.prompt.embeds.dtype == dtype for s in seqs)
 
     def _pay_for_pieces(self, todo: list, dtype) -> tuple[list, list]:
         """Before prefilling rows' pieces take blocks of the pool: the budget counts each row's
@@ -604,19 +612,23 @@ class ModelRunner:
             states = RowStates.of_rows(kv_caches.state_layers(seq.prompt.cache), [0])
             if any(a is None for a in states):
                 continue
-            try:
-                if store.store(key[:start], pool, seq.prefill_blocks, states):
-                    mx.async_eval(states)
-                seq.checkpoint_kept = store.has(key[:start])
-            except Exception:  # noqa: BLE001 - a cache entry is never worth a request
-                log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
+            self._store(seq, store, key[:start], pool, seq.prefill_blocks, lambda states=states: states)
+            seq.checkpoint_kept = store.has(key[:start])
 
     def _keep(self, seq: Sequence, store: PrefixCache, ids: np.ndarray) -> None:
         """A running row's KV of `ids` (its first positions) into `store`, with the row's state
         where the store's entries carry it."""
+        states = (lambda: self.batch.state_of(seq)) if store.whole_keys else (lambda: None)
+        self._store(seq, store, ids, self.batch.pool_of(seq), seq.blocks, states)
+
+    @staticmethod
+    def _store(
+        seq: Sequence, store: PrefixCache, ids, pool: BlockPool, blocks: list[int], states_of: Callable[[], Any]
+    ) -> None:
+        """`store.store` of a row's KV and its state (`states_of()`: lazy copies, computed only if kept)."""
         try:
-            states = self.batch.state_of(seq) if store.whole_keys else None  # lazy: computed if kept
-            if store.store(ids, self.batch.pool_of(seq), seq.blocks, states) and states:
+            states = states_of()
+            if store.store(ids, pool, blocks, states) and states:
                 mx.async_eval(states)
         except Exception:  # noqa: BLE001 - a cache entry is never worth a request
             log.warning("keeping request %s's KV for reuse failed", seq.req.request_id, exc_info=True)
