@@ -42,6 +42,20 @@ def run_until_idle(core, steps: int = 500) -> None:
     raise AssertionError("the engine did not finish its work")
 
 
+def greedy_logits(lm, ids, cache, steps: int) -> list:
+    """A language model's last-position logits (float32 NumPy) for `ids` through `cache`, then
+    after each of `steps` greedy one-token steps. MLX work: call it on the thread that owns it."""
+    import mlx.core as mx
+    import numpy as np
+
+    out = []
+    for _ in range(steps + 1):
+        logits = lm(ids, cache=cache).logits[:, -1, :].astype(mx.float32)
+        out.append(np.array(logits))
+        ids = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from support.families import session_checkpoint
-from support.helpers import on_own_thread
+from support.helpers import greedy_logits, on_own_thread
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +25,7 @@ def _logits(lm, prompts: list[list[int]], steps: int = 3) -> list[np.ndarray]:
         if isinstance(c, vlm_cache.ArraysCache):
             c.left_padding = mx.array(pads)  # the state layers mask the padding
     ids = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
-    out = []
-    for _ in range(steps + 1):
-        logits = lm(ids, cache=caches).logits[:, -1, :].astype(mx.float32)
-        out.append(np.array(logits))
-        ids = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
-    return out
+    return greedy_logits(lm, ids, caches, steps)
 
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.helpers import MODELS, on_own_thread
+from support.helpers import MODELS, greedy_logits, on_own_thread
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3", "llava"]
 
@@ -17,13 +17,7 @@ def _logits(lm, steps: int = 3) -> list[np.ndarray]:
     from mlx_vlm.models import cache as vlm_cache
 
     cache = vlm_cache.make_prompt_cache(lm)
-    ids = mx.array([[5, 17, 42, 7, 99, 3, 11]], dtype=mx.int32)
-    out = []
-    for _ in range(steps + 1):
-        logits = lm(ids, cache=cache).logits[:, -1, :].astype(mx.float32)
-        out.append(np.array(logits))
-        ids = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
-    return out
+    return greedy_logits(lm, mx.array([[5, 17, 42, 7, 99, 3, 11]], dtype=mx.int32), cache, steps)
 
 
 def _plain_and_fused(name: str, quantize: bool):
