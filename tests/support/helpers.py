@@ -56,6 +56,22 @@ def greedy_logits(lm, ids, cache, steps: int) -> list:
     return out
 
 
+def padded_greedy_logits(lm, prompts: list[list[int]], steps: int = 3) -> list:
+    """`greedy_logits` of the prompts left-padded into one forward through the model's own
+    caches (the state layers told the padding). MLX work: call it on the thread that owns it."""
+    import mlx.core as mx
+    from mlx_vlm.models import cache as vlm_cache
+
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    caches = vlm_cache.make_prompt_cache(lm)
+    for c in caches:
+        if isinstance(c, vlm_cache.ArraysCache):
+            c.left_padding = mx.array(pads)  # the state layers mask the padding
+    ids = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
+    return greedy_logits(lm, ids, caches, steps)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

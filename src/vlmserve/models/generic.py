@@ -27,6 +27,7 @@ from vlmserve.engine.ops import (
     decode_attention,
     depthwise_conv,
     fused_projections,
+    gated_delta_scan,
     many_row_dequantized,
     rope_rotation,
     tower_attention,
@@ -262,6 +263,7 @@ class GenericModel:
         rope_rotation.install()
         decode_attention.install()
         depthwise_conv.install(self.language_model)
+        gated_delta_scan.install(self.language_model)
         if cuda_kernels.enabled():  # elsewhere MLX's quantized matmul stays (and mlx_vlm's outputs, bit for bit)
             many_row_dequantized.install(self.model)
             many_row_dequantized.prefetch(self.model)  # builds a first prompt takes, compiled meanwhile

@@ -7,25 +7,9 @@ import numpy as np
 import pytest
 
 from support.families import session_checkpoint
-from support.helpers import greedy_logits, on_own_thread
+from support.helpers import on_own_thread, padded_greedy_logits
 
 pytestmark = pytest.mark.slow
-
-
-def _logits(lm, prompts: list[list[int]], steps: int = 3) -> list[np.ndarray]:
-    """The prompts left-padded into one forward through the model's own caches, then `steps`
-    greedy one-token steps."""
-    import mlx.core as mx
-    from mlx_vlm.models import cache as vlm_cache
-
-    width = max(len(p) for p in prompts)
-    pads = [width - len(p) for p in prompts]
-    caches = vlm_cache.make_prompt_cache(lm)
-    for c in caches:
-        if isinstance(c, vlm_cache.ArraysCache):
-            c.left_padding = mx.array(pads)  # the state layers mask the padding
-    ids = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
-    return greedy_logits(lm, ids, caches, steps)
 
 
 @pytest.mark.parametrize("family", ["lfm2_vl", "qwen3_5"])
@@ -41,7 +25,7 @@ def test_plan_free_depthwise_convolutions_give_mlx_vlm_logits(family, tmp_path_f
         count = depthwise_conv.install(swapped, force=True)
         runs = []
         for prompts in ([[5, 17, 42, 7, 99, 3, 11]], [[5, 17, 42, 7, 99, 3, 11], [8, 23, 4]]):
-            runs.append((_logits(plain, prompts), _logits(swapped, prompts)))
+            runs.append((padded_greedy_logits(plain, prompts), padded_greedy_logits(swapped, prompts)))
         return count, runs
 
     count, runs = on_own_thread(work)
