@@ -83,13 +83,22 @@ _SOURCE = """
 _DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def serves(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array) -> bool:
+def serves(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
+) -> bool:
     """Whether the kernel runs this call here: CUDA, a prompt (two positions or more), head
-    dims of 32 to 256 in steps of 32, whole key-head groups, one gate a head or one a key."""
+    dims of 32 to 256 in steps of 32, whole key-head groups, one gate a head or one a key, a
+    state and mask of the call's own rows (mlx_vlm's ops would broadcast others)."""
     if not cuda_kernels.enabled() or q.ndim != 4 or v.ndim != 4:
         return False
     batch, length, k_heads, k_dim = q.shape
-    v_heads = v.shape[2]
+    v_heads, v_dim = v.shape[2:]
     return (
         length > 1
         and k.shape == q.shape
@@ -99,7 +108,11 @@ def serves(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array) -
         and v_heads % k_heads == 0
         and g.shape in ((batch, length, v_heads), (batch, length, v_heads, k_dim))
         and beta.shape == (batch, length, v_heads)
-        and all(t.dtype in _DTYPES for t in (q, k, v, g, beta))
+        and (state is None or state.shape == (batch, v_heads, v_dim, k_dim))
+        and (mask is None or mask.shape == (batch, length))
+        and q.dtype == k.dtype == v.dtype  # the output's dtype is theirs, as mlx_vlm's
+        and all(t.dtype in _DTYPES for t in (q, g, beta))
+        and (state is None or state.dtype in _DTYPES)
     )
 
 
@@ -164,7 +177,7 @@ def _routed(original):
     @functools.wraps(original)
     def route(q, k, v, g, beta, state=None, mask=None, *args, **kwargs):
         extra = any(a is not None for a in args) or any(a is not None for a in kwargs.values())
-        if extra or kwargs.keys() - {"state_steps", "C"} or not serves(q, k, v, g, beta):
+        if extra or kwargs.keys() - {"state_steps", "C"} or not serves(q, k, v, g, beta, state, mask):
             return original(q, k, v, g, beta, state, mask, *args, **kwargs)
         return scan(q, k, v, g, beta, state, mask)
 
