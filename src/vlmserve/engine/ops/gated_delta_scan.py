@@ -83,15 +83,7 @@ _SOURCE = """
 _DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def serves(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array | None = None,
-    mask: mx.array | None = None,
-) -> bool:
+def serves(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state=None, mask=None) -> bool:
     """Whether the kernel runs this call here: CUDA, a prompt (two positions or more), head
     dims of 32 to 256 in steps of 32, whole key-head groups, one gate a head or one a key, a
     state and mask of the call's own rows (mlx_vlm's ops would broadcast others)."""
@@ -134,15 +126,7 @@ def _template(q: mx.array, v: mx.array, g: mx.array) -> list:
     ]
 
 
-def scan(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array | None = None,
-    mask: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
+def scan(q, k, v, g, beta, state=None, mask=None) -> tuple[mx.array, mx.array]:
     """The rule over q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g (B, T, Hv) or (B, T, Hv, Dk),
     beta (B, T, Hv), from state (B, Hv, Dv, Dk) (zeros if None), with mask (B, T) False at
     padding. Returns y (B, T, Hv, Dv) in q's dtype and the final state in float32."""
