@@ -263,3 +263,53 @@ def test_plan_free_convolutions_give_the_tokens_of_mlx_s(family, tmp_path_factor
     alone, together, swapped = on_own_thread(work)
     assert swapped > 0
     assert together == alone and all(len(tokens) == 6 for tokens in alone.values())
+
+
+def test_routed_gated_delta_rule_gives_the_tokens_of_mlx_s(tmp_path_factory, monkeypatch):
+    """With the gated delta rule's prompt calls routed as on CUDA (engine/ops/gated_delta_scan;
+    the kernel's launch stood in for by mlx_vlm's per-token ops, as the fixture's head dims are
+    below the kernel's), prompts prefilled together, in pieces and alone from their cached
+    prefixes give the tokens each gives alone through mlx_vlm's own prompt path."""
+    from mlx_vlm.models import gated_delta
+
+    from vlmserve.engine.ops import gated_delta_scan
+
+    launched = []
+
+    def per_token_launch(q, k, v, g, beta, state):
+        launched.append(q.shape[:2])
+        ops = getattr(gated_delta.gated_delta_ops, "vlmserve_routed", gated_delta.gated_delta_ops)
+        return ops(q, k, v, g, beta, state)
+
+    load = _family("qwen3_5", tmp_path_factory)
+    lengths = {**SHORT, **LONG}
+
+    def work():
+        model, codec = load()
+        prompts = _prompts(model, lengths)
+        options = {"max_num_seqs": 8, "prefill_chunk": 32, "prefill_budget": 128}
+        alone = _alone(_engines(model, codec, **options), prompts, lengths)
+        for module in gated_delta_scan._rule_modules(model.language_model):  # put mlx_vlm's back after
+            for name in gated_delta_scan._ROUTED:
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, getattr(module, name))
+        monkeypatch.setattr(gated_delta_scan, "serves", lambda q, *_: q.shape[1] > 1)
+        monkeypatch.setattr(gated_delta_scan, "_launch", per_token_launch)
+        routed = gated_delta_scan.install(model.language_model, force=True)
+        core = _engines(model, codec, compile_decode=True, **options)(16)
+        together = _run(core, prompts, list(lengths))
+        events = {}
+        for rid in ("G", "B"):  # again: from their cached prefixes
+            request, events[rid] = token_request(
+                rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+            )
+            core.add(request)
+        run_until_idle(core)
+        again = {rid: (event_tokens(e), max(x.cached_tokens for x in e)) for rid, e in events.items()}
+        return alone, together, again, routed
+
+    alone, together, again, routed = on_own_thread(work)
+    assert routed == 2 and launched
+    assert together == alone and all(len(tokens) == 6 for tokens in alone.values())
+    for rid, (tokens, cached) in again.items():
+        assert tokens == alone[rid] and 0 < cached < lengths[rid]
