@@ -39,6 +39,9 @@ from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, Sampli
 log = logging.getLogger(__name__)
 
 WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
+# Where attention gathers each row's KV (no kernel reads the pool: Metal, CPU), the decode step's
+# shape depends on the longest row: idle time traces the widths rows of up to this many positions take.
+IDLE_WIDTH_TOKENS = 8192
 SIDE_BUILD_WAIT_S = 20.0  # warm-up waits at most this long for the kernels side processes build
 
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
@@ -599,9 +602,11 @@ class EngineCore:
         vlmserve's kernels among them compile side by side in build processes (queued at load
         for the checks, by a trace that is not run for the steps), and are then read from the
         kernel cache; MLX's own fused kernels compile here. Bounded whatever --max-num-seqs is:
-        the row buckets past `rows` up to `later_rows` are left for idle time, and a shape idle
-        time has not traced yet (a big batch right after start) or never traces (a grown pool, a
-        longer row where attention gathers) is traced when it comes, on its second step."""
+        the row buckets past `rows` up to `later_rows`, and where attention gathers each row's KV
+        (the step's shape then depends on the longest row) the widths of rows up to
+        IDLE_WIDTH_TOKENS, are left for idle time; a shape idle time has not traced yet (a big
+        batch right after start) or never traces (a grown pool, a longer row where attention
+        gathers) is traced when it comes, on its second step."""
         t0 = time.perf_counter()
         while self._built_kernels_ready():  # traced with them, not again
             self._take_built_kernels()
@@ -619,11 +624,16 @@ class EngineCore:
         while self._shapes_to_warm:
             traced += self._warm_next_shape()
         log.info("decode step: kernels checked and %d shapes compiled in %.1f s", traced, time.perf_counter() - t0)
-        later = [s for s in self.runner.batches.shapes_to_warm(later_rows, self._warm_capacity()) if s not in shapes]
+        later = [s for s in self.runner.batches.shapes_to_warm(later_rows, self._idle_capacity()) if s not in shapes]
         if later:
             self._warm_shapes += later
             self._shapes_to_warm = later
-            log.info("%d decode shapes of more than %d rows to compile while idle", len(later), rows)
+            log.info(
+                "%d decode shapes (up to %d rows, rows of up to %d positions) to compile while idle",
+                len(later),
+                later_rows,
+                self._idle_capacity(),
+            )
         self._warm_wider_rows(later_rows)
 
     def _warm_wider_rows(self, rows: int) -> None:
@@ -655,6 +665,11 @@ class EngineCore:
     def _warm_capacity(self) -> int:
         """The longest row the warm decode shapes hold: two prefill chunks."""
         return min(self.info.context_length, 2 * self.sched.prefill_chunk)
+
+    def _idle_capacity(self) -> int:
+        """The longest row the decode shapes left for idle time hold (where the step's shape
+        depends on it: DecodeSteps.table_width); longer rows trace theirs on their second step."""
+        return min(self.info.context_length, max(IDLE_WIDTH_TOKENS, self._warm_capacity()))
 
     def _queue_decode_builds(self, rows: int) -> list[tuple[int, int]]:
         """Trace the compiled decode step, without running it, at each shape warm-up compiles for

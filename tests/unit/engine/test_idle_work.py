@@ -84,6 +84,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
     core._warm_wider_rows = lambda rows: EngineCore._warm_wider_rows(core, rows)
     core._await_side_builds = lambda: EngineCore._await_side_builds(core)
     core._warm_capacity = lambda: EngineCore._warm_capacity(core)
+    core._idle_capacity = lambda: EngineCore._idle_capacity(core)
     core._grammars_due = lambda: EngineCore._grammars_due(core)
     core._idle_warmups_due = lambda: EngineCore._idle_warmups_due(core)
     core._warm_next_idle = lambda: EngineCore._warm_next_idle(core)
@@ -276,6 +277,36 @@ def test_decode_shapes_past_the_warm_rows_are_compiled_while_idle_and_again_afte
     assert log[2:] == [("compile", 4), ("compile", 8)]
     engine_core._kernels_replaced(core)
     assert core._shapes_to_warm == [(1, 32), (2, 32), (4, 32), (8, 32)]
+
+
+def test_where_attention_gathers_idle_time_also_compiles_the_widths_of_longer_rows(monkeypatch):
+    """Where the step's shape depends on its longest row (no kernel reads the pool: Metal), warm-up
+    compiles the widths of two prefill chunks and idle time those of rows up to
+    IDLE_WIDTH_TOKENS positions (or the context, if shorter), at every row bucket."""
+    from vlmserve.engine.core import IDLE_WIDTH_TOKENS
+    from vlmserve.engine.ops import kernel_disk_cache
+
+    log = []
+    core, engine_core = _core(lambda rows, width: log.append((rows, width)) or True, [], log)
+    core._shapes_to_warm = []
+
+    def shapes_to_warm(rows, capacity):  # a table width per 256 positions, as a gathering step's
+        return [(n, w) for n in (1, 2, 4, 8) if n <= rows for w in (256, 512, 1024, 2048, 4096, 8192) if w <= capacity]
+
+    core.runner.batches.shapes_to_warm = shapes_to_warm
+    core.runner.batches.note_builds = lambda rows, width: None
+    core.sched = SimpleNamespace(prefill_chunk=512, prefilling=[], running=[], preempted=[])
+    monkeypatch.setattr(kernel_disk_cache, "filer", lambda: None)
+    for context, widest in ((32768, IDLE_WIDTH_TOKENS), (4096, 4096)):
+        log.clear()
+        core.info = SimpleNamespace(context_length=context)
+        engine_core._warm_decode(core, 2, later_rows=4)
+        assert log == [(n, w) for n in (1, 2) for w in (256, 512, 1024)]  # warm-up: two chunks
+        while engine_core.has_idle_work(core):
+            engine_core.idle_work(core)
+        idle = log[6:]
+        assert sorted(idle) == sorted({s for s in shapes_to_warm(4, widest)} - set(log[:6]))
+        assert max(w for _, w in idle) == widest and max(n for n, _ in idle) == 4
 
 
 def test_warm_up_queues_the_decode_steps_builds_before_its_first_generation_then_drops_those_traces(monkeypatch):
