@@ -624,7 +624,15 @@ class EngineCore:
         while self._shapes_to_warm:
             traced += self._warm_next_shape()
         log.info("decode step: kernels checked and %d shapes compiled in %.1f s", traced, time.perf_counter() - t0)
-        later = [s for s in self.runner.batches.shapes_to_warm(later_rows, self._idle_capacity()) if s not in shapes]
+        warm_widths = {width for _, width in shapes}
+        later = [
+            (n, width)
+            for n, width in self.runner.batches.shapes_to_warm(later_rows, self._idle_capacity())
+            if (n, width) not in shapes
+            # a wider gather holds rows x width positions of every layer for a moment: only
+            # where the KV budget could hold them (a step the traffic can bring)
+            and (width in warm_widths or n * width <= self.sched.kv_budget.total)
+        ]
         if later:
             self._warm_shapes += later
             self._shapes_to_warm = later
