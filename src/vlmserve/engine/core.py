@@ -42,6 +42,9 @@ WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
 # Where attention gathers each row's KV (no kernel reads the pool: Metal, CPU), the decode step's
 # shape depends on the longest row: idle time traces the widths rows of up to this many positions take.
 IDLE_WIDTH_TOKENS = 8192
+# Decode shapes compiled one after another log a line at most this often (and the last, and any
+# slow one): a start's tens of them would pass the log's repeat limit and seem to stop halfway.
+SHAPE_LOG_S = 2.0
 SIDE_BUILD_WAIT_S = 20.0  # warm-up waits at most this long for the kernels side processes build
 
 _WARMUP_SAMPLING = SamplingParams(max_tokens=2, temperature=0)
@@ -124,6 +127,7 @@ class EngineCore:
         # (rows, width, dtype) on another KV dtype's (prompts that embed wider than the model).
         self._shapes_to_warm: list[tuple] = []
         self._warm_shapes: list[tuple] = []  # all of them, traced again when kernels change
+        self._shape_logged = 0.0  # when a compiled decode shape was last logged (SHAPE_LOG_S)
         self._kernels_filed = False  # the builds queued at load were waited for (_build_kernel)
         self._decode_builds_noted = False  # note_decode_builds ran
         self._lengths_to_warm: list[int] = []  # lone prompts' piece lengths past a chunk, run while idle
@@ -763,12 +767,17 @@ class EngineCore:
             return False
         self._shapes_to_warm.pop(0)
         if traced:
-            log.info(
+            took, now = time.perf_counter() - t0, time.monotonic()
+            shown = not self._shapes_to_warm or took >= 0.5 or now - self._shape_logged >= SHAPE_LOG_S
+            if shown:
+                self._shape_logged = now
+            log.log(
+                logging.INFO if shown else logging.DEBUG,
                 "compiled the decode step for %d rows x %d blocks%s in %.2f s (%d to go)",
                 rows,
                 width,
                 f" of {dtype[0]} KV" if dtype else "",
-                time.perf_counter() - t0,
+                took,
                 len(self._shapes_to_warm),
             )
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")

@@ -65,6 +65,7 @@ def _core(warm_shape, kernels=(), log=None, fail=(), lengths=(), warm_length=Non
         rehearsal=None,
         warm_up_due=False,
         _warm_shapes=[],
+        _shape_logged=0.0,
         _kernels_filed=False,
         _warmed=True,
     )
@@ -495,3 +496,20 @@ def test_idle_work_hands_what_it_made_back_after_the_next_idle_spell():
     core._idle_since, core.has_work = None, lambda: True
     engine_core.idle_work(core)
     assert core._idle_since is None  # work came: the step that runs it sets the clock
+
+
+def test_decode_shapes_compiled_in_a_row_log_their_progress_every_few_seconds_and_the_last(monkeypatch, caplog):
+    """Tens of quick shapes log a line every SHAPE_LOG_S (and the last, and a slow one) instead of
+    one each, which the log's repeat limit would cut off halfway through."""
+    from vlmserve.engine import core as engine_module
+
+    clock = iter(range(100, 1000))  # one second a shape
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: float(next(clock)))
+    core, engine_core = _core(lambda rows, width: True)
+    core._shapes_to_warm = [(n, 32) for n in range(1, 8)]
+    with caplog.at_level(logging.DEBUG, logger="vlmserve.engine.core"):
+        while core._shapes_to_warm:
+            engine_core._warm_next_shape(core)
+    lines = [r for r in caplog.records if "compiled the decode step" in r.getMessage()]
+    shown = [r.getMessage().split(" (")[1] for r in lines if r.levelno == logging.INFO]
+    assert len(lines) == 7 and shown == ["6 to go)", "4 to go)", "2 to go)", "0 to go)"]
