@@ -289,22 +289,21 @@ def test_routed_gated_delta_rule_gives_the_tokens_of_mlx_s(tmp_path_factory, mon
         prompts = _prompts(model, lengths)
         options = {"max_num_seqs": 8, "prefill_chunk": 32, "prefill_budget": 128}
         alone = _alone(_engines(model, codec, **options), prompts, lengths)
-        for module in gated_delta_scan._rule_modules(model.language_model):  # put mlx_vlm's back after
-            for name in gated_delta_scan._ROUTED:
-                if hasattr(module, name):
-                    monkeypatch.setattr(module, name, getattr(module, name))
         monkeypatch.setattr(gated_delta_scan, "serves", lambda q, *_: q.shape[1] > 1)
         monkeypatch.setattr(gated_delta_scan, "_launch", per_token_launch)
         routed = gated_delta_scan.install(model.language_model, force=True)
-        core = _engines(model, codec, compile_decode=True, **options)(16)
-        together = _run(core, prompts, list(lengths))
-        events = {}
-        for rid in ("G", "B"):  # again: from their cached prefixes
-            request, events[rid] = token_request(
-                rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-            )
-            core.add(request)
-        run_until_idle(core)
+        try:
+            core = _engines(model, codec, compile_decode=True, **options)(16)
+            together = _run(core, prompts, list(lengths))
+            events = {}
+            for rid in ("G", "B"):  # again: from their cached prefixes
+                request, events[rid] = token_request(
+                    rid, prompts[rid], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+                )
+                core.add(request)
+            run_until_idle(core)
+        finally:
+            gated_delta_scan.uninstall()  # the routing is process-wide
         again = {rid: (event_tokens(e), max(x.cached_tokens for x in e)) for rid, e in events.items()}
         return alone, together, again, routed
 

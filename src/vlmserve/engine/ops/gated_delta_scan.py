@@ -29,11 +29,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from vlmserve.engine.ops import cuda_kernels
+from vlmserve.engine.ops.rebind import rebind_in_mlx_vlm
 
 # mlx_vlm's multi-token implementations of the rule, by the name each module gives it; each
 # takes (q, k, v, g, beta, state, mask, ...) and returns (y, state, ...).
 _ROUTED = ("gated_delta_chunked", "gated_delta_ops")
 _WARPS = 4  # value rows a block
+_ROUTES: dict = {}  # an mlx_vlm implementation -> its route (one each, so install is idempotent)
 
 _SOURCE = """
     constexpr int NPL = DK / 32;  // state entries a lane holds
@@ -183,15 +185,20 @@ def _rule_modules(model: nn.Module) -> set:
 
 def install(model: nn.Module, force: bool = False) -> int:
     """Route the multi-token gated delta calls of `model`'s layers through the kernel where it
-    runs (CUDA; elsewhere mlx_vlm's Metal kernel or its ops serve, unchanged); returns how many
-    implementations were routed. Idempotent; `route` still falls back call by call."""
+    runs (CUDA; elsewhere mlx_vlm's Metal kernel or its ops serve, unchanged); returns the module
+    bindings changed. Idempotent; a route still falls back call by call."""
     if not (force or cuda_kernels.enabled()):
         return 0
-    routed = 0
+    changed = 0
     for module in _rule_modules(model):
         for name in _ROUTED:
             fn = getattr(module, name, None)
             if callable(fn) and not hasattr(fn, "vlmserve_routed"):
-                setattr(module, name, _routed(fn))
-                routed += 1
-    return routed
+                changed += rebind_in_mlx_vlm(name, fn, _ROUTES.setdefault(fn, _routed(fn)))
+    return changed
+
+
+def uninstall() -> None:
+    """Give mlx_vlm its own implementations back."""
+    for original, route in _ROUTES.items():
+        rebind_in_mlx_vlm(original.__name__, route, original)

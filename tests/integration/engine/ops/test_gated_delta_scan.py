@@ -39,18 +39,21 @@ def test_routed_gated_delta_layers_give_mlx_vlm_logits(tmp_path_factory, monkeyp
 
         plain, routed = (load_model(path, lazy=False).language_model for _ in range(2))
         reference = [padded_greedy_logits(plain, p) for p in _PROMPTS]
-        modules = gated_delta_scan._rule_modules(routed)
-        for module in modules:  # the routing is process-wide: put mlx_vlm's functions back after
-            for name in gated_delta_scan._ROUTED:
-                if hasattr(module, name):
-                    monkeypatch.setattr(module, name, getattr(module, name))
         count = gated_delta_scan.install(routed, force=True)
-        again = gated_delta_scan.install(routed, force=True)
-        got = [padded_greedy_logits(routed, p) for p in _PROMPTS]
+        try:
+            again = gated_delta_scan.install(routed, force=True)
+            got = [padded_greedy_logits(routed, p) for p in _PROMPTS]
+        finally:
+            gated_delta_scan.uninstall()  # the routing is process-wide
         return count, again, reference, got
 
     count, again, reference, got = on_own_thread(work)
+    from mlx_vlm.models import gated_delta
+    from mlx_vlm.models.qwen3_5 import gated_delta as qwen3_5_rule
+
     assert count == 2 and again == 0  # its chunked scan and its per-token ops, routed once
+    restored = (qwen3_5_rule.gated_delta_chunked, qwen3_5_rule.gated_delta_ops, gated_delta.gated_delta_ops)
+    assert not any(hasattr(fn, "vlmserve_routed") for fn in restored)  # uninstall gave them back
     assert launched  # the prompts went through the routed path
     for ref_run, run in zip(reference, got):
         for ref, out in zip(ref_run, run):
