@@ -39,8 +39,9 @@ from vlmserve.protocol import CacheGauges, FinishReason, PreparedRequest, Sampli
 log = logging.getLogger(__name__)
 
 WARM_SLOTS = 32  # warm-up traces decode steps of up to this many rows
-# Where attention gathers each row's KV (no kernel reads the pool: Metal, CPU), the decode step's
-# shape depends on the longest row: idle time traces the widths rows of up to this many positions take.
+# Where attention gathers each row's KV (no kernel reads the pool: Metal, CPU, CUDA without
+# vlmserve's kernels), the decode step's shape depends on the longest row: idle time traces the
+# widths rows of up to this many positions take.
 IDLE_WIDTH_TOKENS = 8192
 # Decode shapes compiled one after another log a line at most this often (and the last, and any
 # slow one): a start's tens of them would pass the log's repeat limit and seem to stop halfway.
@@ -628,23 +629,16 @@ class EngineCore:
         while self._shapes_to_warm:
             traced += self._warm_next_shape()
         log.info("decode step: kernels checked and %d shapes compiled in %.1f s", traced, time.perf_counter() - t0)
-        warm_widths = {width for _, width in shapes}
-        later = [
-            (n, width)
-            for n, width in self.runner.batches.shapes_to_warm(later_rows, self._idle_capacity())
-            if (n, width) not in shapes
-            # a wider gather holds rows x width positions of every layer for a moment: only
-            # where the KV budget could hold them (a step the traffic can bring)
-            and (width in warm_widths or n * width <= self.sched.kv_budget.total)
-        ]
+        later = [s for s in self.runner.batches.shapes_to_warm(later_rows, self._idle_capacity()) if s not in shapes]
         if later:
             self._warm_shapes += later
             self._shapes_to_warm = later
+            wider = any(width not in {w for _, w in shapes} for _, width in later)  # where attention gathers
             log.info(
-                "%d decode shapes (up to %d rows, rows of up to %d positions) to compile while idle",
+                "%d decode shapes (up to %d rows%s) to compile while idle",
                 len(later),
                 later_rows,
-                self._idle_capacity(),
+                f", rows of up to {self._idle_capacity()} positions" if wider else "",
             )
         self._warm_wider_rows(later_rows)
 
@@ -766,6 +760,7 @@ class EngineCore:
             self._shapes_to_warm.clear()
             return False
         self._shapes_to_warm.pop(0)
+        of_kv = f" of {dtype[0]} KV" if dtype else ""
         if traced:
             took, now = time.perf_counter() - t0, time.monotonic()
             shown = not self._shapes_to_warm or took >= 0.5 or now - self._shape_logged >= SHAPE_LOG_S
@@ -776,10 +771,12 @@ class EngineCore:
                 "compiled the decode step for %d rows x %d blocks%s in %.2f s (%d to go)",
                 rows,
                 width,
-                f" of {dtype[0]} KV" if dtype else "",
+                of_kv,
                 took,
                 len(self._shapes_to_warm),
             )
+        elif not self._shapes_to_warm:  # the queue's end is logged whoever compiled its last shape
+            log.info("the decode step for %d rows x %d blocks%s was compiled already (0 to go)", rows, width, of_kv)
         self._note_peak(lambda: f"compiling the decode step for {rows} rows")
         return traced
 

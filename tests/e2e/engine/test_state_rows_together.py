@@ -291,8 +291,8 @@ def test_routed_gated_delta_rule_gives_the_tokens_of_mlx_s(tmp_path_factory, mon
         alone = _alone(_engines(model, codec, **options), prompts, lengths)
         monkeypatch.setattr(gated_delta_scan, "serves", lambda q, *_: q.shape[1] > 1)
         monkeypatch.setattr(gated_delta_scan, "_launch", per_token_launch)
-        routed = gated_delta_scan.install(model.language_model, force=True)
         try:
+            routed = gated_delta_scan.install(model.language_model, force=True)
             core = _engines(model, codec, compile_decode=True, **options)(16)
             together = _run(core, prompts, list(lengths))
             events = {}

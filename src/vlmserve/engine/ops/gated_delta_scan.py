@@ -35,7 +35,7 @@ from vlmserve.engine.ops.rebind import rebind_in_mlx_vlm
 # takes (q, k, v, g, beta, state, mask, ...) and returns (y, state, ...).
 _ROUTED = ("gated_delta_chunked", "gated_delta_ops")
 _WARPS = 4  # value rows a block
-_ROUTES: dict = {}  # an mlx_vlm implementation -> its route (one each, so install is idempotent)
+_ROUTES: dict = {}  # (name, an mlx_vlm implementation) -> its route (one each: install is idempotent)
 
 _SOURCE = """
     constexpr int NPL = DK / 32;  // state entries a lane holds
@@ -194,11 +194,11 @@ def install(model: nn.Module, force: bool = False) -> int:
         for name in _ROUTED:
             fn = getattr(module, name, None)
             if callable(fn) and not hasattr(fn, "vlmserve_routed"):
-                changed += rebind_in_mlx_vlm(name, fn, _ROUTES.setdefault(fn, _routed(fn)))
+                changed += rebind_in_mlx_vlm(name, fn, _ROUTES.setdefault((name, fn), _routed(fn)))
     return changed
 
 
 def uninstall() -> None:
     """Give mlx_vlm its own implementations back."""
-    for original, route in _ROUTES.items():
-        rebind_in_mlx_vlm(original.__name__, route, original)
+    for (name, original), route in _ROUTES.items():
+        rebind_in_mlx_vlm(name, route, original)

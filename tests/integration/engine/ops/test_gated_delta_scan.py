@@ -39,8 +39,8 @@ def test_routed_gated_delta_layers_give_mlx_vlm_logits(tmp_path_factory, monkeyp
 
         plain, routed = (load_model(path, lazy=False).language_model for _ in range(2))
         reference = [padded_greedy_logits(plain, p) for p in _PROMPTS]
-        count = gated_delta_scan.install(routed, force=True)
         try:
+            count = gated_delta_scan.install(routed, force=True)
             again = gated_delta_scan.install(routed, force=True)
             got = [padded_greedy_logits(routed, p) for p in _PROMPTS]
         finally:
