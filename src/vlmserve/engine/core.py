@@ -633,7 +633,8 @@ class EngineCore:
         if later:
             self._warm_shapes += later
             self._shapes_to_warm = later
-            wider = any(width not in {w for _, w in shapes} for _, width in later)  # where attention gathers
+            warm_widths = {width for _, width in shapes}
+            wider = any(width not in warm_widths for _, width in later)  # where attention gathers
             log.info(
                 "%d decode shapes (up to %d rows%s) to compile while idle",
                 len(later),

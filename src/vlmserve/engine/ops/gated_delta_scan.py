@@ -110,8 +110,7 @@ def serves(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, s
     )
 
 
-@functools.cache
-def _kernel():
+def _kernel():  # cuda_kernels.kernel keeps one build per source
     return cuda_kernels.kernel(
         "vlmserve_gated_delta_scan", ("q", "k", "v", "g", "beta", "state"), _SOURCE, ("y", "state_out")
     )
