@@ -84,3 +84,21 @@ def start_server(model: str, start_timeout: float = 120.0, **overrides) -> Runni
     path = model if "/" in str(model) else MODELS / model
     config = ServerConfig(model=str(path), port=free_port(), **overrides)
     return RunningServer(config).start(start_timeout)
+
+
+def chat_turns(server: RunningServer, questions, image: str | None = None, max_tokens: int = 8) -> list[dict]:
+    """A greedy chat about `image` (in its first turn; none: text only), each question sent after
+    the previous answer, which goes back as the assistant's turn; the replies."""
+    messages, replies = [], []
+    with server.client() as client:
+        for question in questions:
+            content = [{"type": "text", "text": question}]
+            if image and not messages:
+                content.insert(0, {"type": "image_url", "image_url": {"url": image}})
+            messages.append({"role": "user", "content": content})
+            body = {"model": server.model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            replies.append(r.json())
+            messages.append({"role": "assistant", "content": replies[-1]["choices"][0]["message"]["content"]})
+    return replies

@@ -13,7 +13,7 @@ import pytest
 
 from support.families import session_checkpoint
 from support.helpers import boxed_image_uri
-from support.server import start_server
+from support.server import chat_turns, start_server
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
 
 pytestmark = pytest.mark.slow
@@ -25,27 +25,8 @@ def _image() -> str:
     return boxed_image_uri((224, 224), (40, 160, 40), (40, 40, 120, 120), (200, 30, 30))
 
 
-def _post(server, body: dict) -> dict:
-    async def post():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
-            r = await client.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()
-
-    return asyncio.run(post())
-
-
 def _turns(server, image: str | None) -> list[dict]:
-    messages, replies = [], []
-    for question in QUESTIONS:
-        content = [{"type": "text", "text": question}]
-        if image and not messages:
-            content.insert(0, {"type": "image_url", "image_url": {"url": image}})
-        messages.append({"role": "user", "content": content})
-        body = {"model": server.model_id, "messages": messages, "max_tokens": 6, "temperature": 0}
-        replies.append(_post(server, body))
-        messages.append({"role": "assistant", "content": replies[-1]["choices"][0]["message"]["content"]})
-    return replies
+    return chat_turns(server, QUESTIONS, image, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +60,10 @@ def test_later_turns_resume_the_earlier_prompt_up_to_where_the_next_turn_parts(s
     for earlier, later in zip(with_reuse, cached[1:]):
         assert later >= earlier["usage"]["prompt_tokens"] - gap
     if not with_image:  # the first turn again: all but the generation prompt's tail is cached
-        again = _post(reuse, {**body, "max_tokens": 6, "temperature": 0})
+        with reuse.client() as client:
+            r = client.post("/v1/chat/completions", json={**body, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        again = r.json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == parts_at
         assert again["choices"][0]["message"]["content"] == text[0]
 

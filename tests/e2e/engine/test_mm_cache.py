@@ -12,7 +12,7 @@ import pytest
 
 from support.helpers import boxed_image_uri
 from support.reference import mlx_vlm_chat_text
-from support.server import start_server
+from support.server import chat_turns, start_server
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
 from vlmserve.protocol import ChatMessage
 
@@ -65,13 +65,9 @@ def servers(request):
 
 def _three_turns(server, image):
     """A 3-turn chat about one image, each turn sent after the previous answer."""
-    messages, replies = [], []
-    for question in ("What is in the picture?", "What colour is the stripe?", "And the background?"):
-        messages.append(_turn(question, image if not messages else None))
-        reply = _run(server, [_chat(server, messages)])[0]
-        replies.append(reply)
-        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-    return replies
+    return chat_turns(
+        server, ("What is in the picture?", "What colour is the stripe?", "And the background?"), image, MAX_TOKENS
+    )
 
 
 def _text(reply):

@@ -4,15 +4,12 @@ hybrid model's state with it, and answers as a server without reuse."""
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import numpy as np
 import pytest
 
 from support.families import session_checkpoint
 from support.helpers import boxed_image_uri
-from support.server import start_server
+from support.server import chat_turns, start_server
 from vlmserve.entrypoints.openai.chat_request import parse_chat_request
 
 pytestmark = pytest.mark.slow
@@ -23,23 +20,7 @@ def _image() -> str:
 
 
 def _three_turns(server, image: str) -> list[dict]:
-    messages, replies = [], []
-
-    async def post(body):
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
-            r = await client.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()
-
-    for question in ("What is in the picture?", "What colour is the box?", "And the background?"):
-        content = [{"type": "text", "text": question}]
-        if not messages:
-            content.insert(0, {"type": "image_url", "image_url": {"url": image}})
-        messages.append({"role": "user", "content": content})
-        body = {"model": server.model_id, "messages": messages, "max_tokens": 8, "temperature": 0}
-        replies.append(asyncio.run(post(body)))
-        messages.append({"role": "assistant", "content": replies[-1]["choices"][0]["message"]["content"]})
-    return replies
+    return chat_turns(server, ("What is in the picture?", "What colour is the box?", "And the background?"), image)
 
 
 def test_later_turns_about_a_tiled_image_reuse_its_prompt_and_answer_as_without(tmp_path_factory):
