@@ -1,5 +1,5 @@
-"""The gated delta rule over a prompt (the linear attention of Qwen3.5's and Qwen3-Next's
-hybrid layers) as one CUDA kernel.
+"""The gated delta rule (the linear attention of Qwen3.5's and Qwen3-Next's hybrid layers) over
+a prompt or a decode step as one CUDA kernel.
 
 Where MLX has no Metal kernel, mlx_vlm runs the rule's multi-token calls as a chunked scan
 (a 64-step triangular solve and a scan over 64-token chunks: hundreds of launches a layer, and
@@ -15,9 +15,13 @@ The state and every product are float32, as in mlx_vlm's per-token ops (`gated_d
 the output is rounded once to the queries' dtype. Padded positions (mask False) neither decay
 nor update the state, as in mlx_vlm's chunked scan; what the output holds there is never read.
 
-`install(model)` routes the multi-token calls of the modules that hold `model`'s gated delta
-rule here (one token, a decode step, keeps mlx_vlm's compiled ops; calls that ask for the
-intermediate states keep theirs too).
+A decode step (one position a row) takes it too. There mlx_vlm repeats q and k to the value
+heads, slices the position out and runs its compiled step ops: about ten primitives a layer,
+and the float32 state of every row read four times and written twice (reductions end the
+compiler's fusion), where the kernel is one primitive that reads and writes the state once.
+
+`install(model)` routes the calls of the modules that hold `model`'s gated delta rule here
+(calls that ask for the intermediate states keep mlx_vlm's implementation).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import mlx.nn as nn
 from vlmserve.engine.ops import cuda_kernels
 from vlmserve.engine.ops.rebind import rebind_in_mlx_vlm
 
-# mlx_vlm's multi-token implementations of the rule, by the name each module gives it; each
-# takes (q, k, v, g, beta, state, mask, ...) and returns (y, state, ...).
+# mlx_vlm's implementations of the rule over (B, T, ...) inputs, by the name each module gives
+# them; each takes (q, k, v, g, beta, state, mask, ...) and returns (y, state, ...).
 _ROUTED = ("gated_delta_chunked", "gated_delta_ops")
 _WARPS = 4  # value rows a block
 _ROUTES: dict = {}  # (name, an mlx_vlm implementation) -> its route (one each: install is idempotent)
@@ -86,15 +90,15 @@ _DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
 def serves(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state=None, mask=None) -> bool:
-    """Whether the kernel runs this call here: CUDA, a prompt (two positions or more), head
-    dims of 32 to 256 in steps of 32, whole key-head groups, one gate a head or one a key, a
-    state and mask of the call's own rows (mlx_vlm's ops would broadcast others)."""
+    """Whether the kernel runs this call here: CUDA, head dims of 32 to 256 in steps of 32,
+    whole key-head groups, one gate a head or one a key, a state and mask of the call's own
+    rows (mlx_vlm's ops would broadcast others)."""
     if not cuda_kernels.enabled() or q.ndim != 4 or v.ndim != 4:
         return False
     batch, length, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2:]
     return (
-        length > 1
+        length > 0
         and k.shape == q.shape
         and v.shape[:2] == (batch, length)
         and k_dim % 32 == 0
@@ -183,7 +187,7 @@ def _rule_modules(model: nn.Module) -> set:
 
 
 def install(model: nn.Module, force: bool = False) -> int:
-    """Route the multi-token gated delta calls of `model`'s layers through the kernel where it
+    """Route the gated delta calls of `model`'s layers through the kernel where it
     runs (CUDA; elsewhere mlx_vlm's Metal kernel or its ops serve, unchanged); returns the module
     bindings changed. Idempotent; a route still falls back call by call."""
     if not (force or cuda_kernels.enabled()):

@@ -42,6 +42,7 @@ def _per_token_ops():
 
 # (batch, length, key heads, value heads, key dim, value dim, vector gate, left padding per row)
 _CASES = {
+    "decode_step": (5, 1, 16, 32, 128, 128, False, None),  # one position a row, grouped heads
     "two_tokens": (1, 2, 2, 2, 128, 128, False, None),
     "qwen3_5_heads": (2, 150, 16, 16, 128, 128, False, None),
     "grouped_heads": (3, 70, 2, 4, 128, 64, False, [0, 13, 69]),
@@ -116,7 +117,7 @@ def test_serves_prompts_of_the_shapes_it_takes(monkeypatch):
             serves(12, 16, 16, 128),
             serves(12, 2, 4, 64, gate="key"),
             serves(12, 2, 4, 256, dtype="float32"),
-            serves(1, 16, 16, 128),  # a decode step: mlx_vlm's compiled ops
+            serves(1, 16, 16, 128),  # a decode step
             serves(12, 16, 16, 16),  # a key dim not a multiple of 32
             serves(12, 16, 16, 288),
             serves(12, 4, 6, 128),  # value heads not in whole key-head groups
@@ -126,7 +127,7 @@ def test_serves_prompts_of_the_shapes_it_takes(monkeypatch):
             serves(12, 16, 16, 128, mask="one_row"),
         ]
     )
-    assert got == [True, True, True, False, False, False, False, False, True, False, False]
+    assert got == [True, True, True, True, False, False, False, False, True, False, False]
     monkeypatch.setattr(gated_delta_scan.cuda_kernels, "enabled", lambda: False)
     assert not on_own_thread(lambda: serves(12, 16, 16, 128))
 
