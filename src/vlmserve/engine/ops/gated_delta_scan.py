@@ -16,9 +16,10 @@ the output is rounded once to the queries' dtype. Padded positions (mask False) 
 nor update the state, as in mlx_vlm's chunked scan; what the output holds there is never read.
 
 A decode step (one position a row) takes it too. There mlx_vlm repeats q and k to the value
-heads, slices the position out and runs its compiled step ops: about ten primitives a layer,
-and the float32 state of every row read four times and written twice (reductions end the
-compiler's fusion), where the kernel is one primitive that reads and writes the state once.
+heads, slices the position out and runs its step ops, which read the float32 state of every
+row four times and write it twice (reductions end the compiler's fusion); the kernel reads and
+writes it once, and the compiled decode step of the two-layer test model (one gated delta
+layer) went from 221 primitives to 179.
 
 `install(model)` routes the calls of the modules that hold `model`'s gated delta rule here
 (calls that ask for the intermediate states keep mlx_vlm's implementation).
