@@ -6,7 +6,7 @@ the engine, so beside an engine process it never loads the model, scheduler or M
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -29,10 +29,15 @@ class EngineClient(Protocol):
         bucket, the vision tower's batch sizes and the compiled decode shapes."""
 
     def generate(
-        self, request_id: str, prepared: PreparedRequest, sampling: SamplingParams
+        self,
+        request_id: str,
+        prepared: PreparedRequest,
+        sampling: SamplingParams,
+        registered: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream one request's events; leaving the iterator early cancels the request. Several
-        choices of one request pass the same `prepared`: its arrays cross to the engine once."""
+        choices of one request pass the same `prepared`: its arrays cross to the engine once.
+        `registered` is called once `num_waiting` counts the request (admission's hand-over)."""
 
     async def fail_all(self, message: str) -> None:
         """End every admitted request with an error event (shutdown, drain timeout)."""

@@ -153,7 +153,11 @@ class Engine:
         return self.core.num_waiting if self.core else 0
 
     async def generate(
-        self, request_id: str, prepared: PreparedRequest, sampling: SamplingParams
+        self,
+        request_id: str,
+        prepared: PreparedRequest,
+        sampling: SamplingParams,
+        registered: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream one request's events; leaving the iterator early cancels the request."""
         if self.core is None or not self.worker.healthy:
@@ -174,6 +178,8 @@ class Engine:
                 pass  # the exiting worker already took it and emits its error
             else:
                 raise _worker_unavailable()
+        if registered is not None:  # the scheduler's inbox counts it now
+            registered()
 
         def leave() -> None:  # the reader left before the end: cancel
             req.cancelled = True

@@ -20,7 +20,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from vlmserve.config import ServerConfig
@@ -149,7 +149,11 @@ class EngineProcessClient:
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prepared: PreparedRequest, sampling: SamplingParams
+        self,
+        request_id: str,
+        prepared: PreparedRequest,
+        sampling: SamplingParams,
+        registered: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream one request's events; leaving the iterator early cancels the request."""
         if not self.healthy or self.info is None:
@@ -159,6 +163,8 @@ class EngineProcessClient:
         events_in: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[key] = events_in
         self._outgoing.put(msg.AddRequest(key, request_id, sampling, *self._shipped_inputs(prepared)))
+        if registered is not None:  # num_waiting counts it from here (its stream is open)
+            registered()
         events = read_events(events_in, lambda: self._outgoing.put(msg.CancelRequest(key)))
         try:
             async for event in events:

@@ -1,9 +1,11 @@
 """Admission to preprocessing: how much work may wait for the CPU, and which pool takes a request.
 
-A request is counted from admission until its preprocessing job ends: in choices (`n`) against
---max-waiting, together with the engine's own waiting requests, and in requests against
---max-pending-preprocess. With --preprocess-processes it then goes to this process's thread pool
-or to the preprocessing processes (pool.py).
+A request counts in requests against --max-pending-preprocess from admission until its
+preprocessing job ends, and each of its choices (`n`) against --max-waiting, together with the
+engine's own waiting requests, until the engine counts it there: a `ChoiceHold` per choice goes
+with the prepared request and is released when the choice is handed over (or dropped unstarted).
+With --preprocess-processes a request goes to this process's thread pool or to the
+preprocessing processes (pool.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,25 @@ QUEUE_FULL_MESSAGE = "too many requests are waiting; retry later"
 def queue_full() -> EngineError:
     """429: the HTTP layer adds `retry-after`."""
     return EngineError(QUEUE_FULL_MESSAGE, code="queue_full", status=429)
+
+
+class ChoiceHold:
+    """One admitted choice counted against --max-waiting until the engine counts it. A response
+    starts reading its choices after its headers are out, so without the hold a burst of
+    streams passed the check while counted nowhere. Released once: by the engine client when
+    it registers the choice, or when the hold is dropped (a choice never started)."""
+
+    __slots__ = ("_release",)
+
+    def __init__(self, release: Callable[[], None]):
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    __del__ = release
 
 
 class Admission:
@@ -70,29 +91,44 @@ class Admission:
         self.metrics.preprocessed("threads" if in_process else "processes")
         return in_process
 
-    def release(self, n: int, in_process: bool) -> None:  # when the pool job ends (any thread)
+    def _release_choices(self, n: int) -> None:  # any thread
         with self._lock:
             self.pending_choices -= n
-            self.pending_requests -= 1
-            self._in_process_jobs -= in_process
 
-    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
-        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing.
+    async def prepare(self, chat: ChatRequest) -> tuple[PreparedRequest, list[ChoiceHold]]:
+        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing; the
+        prepared request and a hold for each of its choices (see the module's doc).
 
-        The reservation is released when the pool job ends, not when this await is cancelled,
-        so a client that leaves cannot make room while its work still occupies the pool.
+        A request that fails or is cancelled here keeps its places until its pool job ends, not
+        only until this await ends, so a client that leaves cannot make room while its work
+        still occupies the pool.
         """
         self.preprocessor.check_text_length(chat)  # before any slot, fetch or tokenizing
         in_process = self.reserve(chat.n)
         t0 = time.perf_counter()
+        job = {"running": True, "abandoned": False}  # who comes second releases the choices
 
-        def done() -> None:
+        def done() -> None:  # the pool job ended (any thread)
             self.metrics.preprocess.observe(time.perf_counter() - t0)
-            self.release(chat.n, in_process)
+            with self._lock:
+                self.pending_requests -= 1
+                self._in_process_jobs -= in_process
+                job["running"] = False
+                if job["abandoned"]:
+                    self.pending_choices -= chat.n
 
-        if in_process:
-            return await self._prepare_in_process(chat, done)
-        return await self.processes.prepare(chat, on_done=done)
+        try:
+            if in_process:
+                prepared = await self._prepare_in_process(chat, done)
+            else:
+                prepared = await self.processes.prepare(chat, on_done=done)
+        except BaseException:
+            with self._lock:
+                job["abandoned"] = True
+                if not job["running"]:
+                    self.pending_choices -= chat.n
+            raise
+        return prepared, [ChoiceHold(lambda: self._release_choices(1)) for _ in range(chat.n)]
 
     async def _prepare_in_process(self, chat: ChatRequest, done: Callable[[], None]) -> PreparedRequest:
         try:
@@ -101,16 +137,11 @@ class Admission:
             done()
             raise
 
-        def job() -> PreparedRequest:
-            try:
-                return self.preprocessor.encode_chat(chat, images)
-            finally:
-                done()
-
-        loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.preprocessor.pool, job)
+            future = self.preprocessor.pool.submit(self.preprocessor.encode_chat, chat, images)
         except BaseException:
             done()
             raise
-        return await future
+        # When the job ends, or is cancelled before it starts (this await cancelled meanwhile).
+        future.add_done_callback(lambda _: done())
+        return await asyncio.wrap_future(future)

@@ -1079,7 +1079,9 @@ class ModelRunner:
         event.text = seq.text.add(token)
         if seq.text.stopped:
             self.finish(seq, FinishReason.STOP, event=event)
-        elif seq.generated >= params.max_tokens or seq.cache_len + 1 >= self.context_length:
+        # The prompt and its tokens fill the context: counted, not read from cache_len, which
+        # already holds the position of a decode step launched ahead of this token's.
+        elif seq.generated >= params.max_tokens or seq.num_prompt + seq.generated >= self.context_length:
             self.finish(seq, FinishReason.LENGTH, event=event)
         else:
             seq.req.emit(event)

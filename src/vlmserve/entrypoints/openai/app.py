@@ -30,7 +30,7 @@ from vlmserve.entrypoints.openai.middleware import (
     is_loopback,
 )
 from vlmserve.entrypoints.openai.routes import method_not_allowed, not_found, routes
-from vlmserve.inputs.admission import Admission
+from vlmserve.inputs.admission import Admission, ChoiceHold
 from vlmserve.inputs.pool import PreprocessProcesses
 from vlmserve.inputs.preprocess import Preprocessor, warmup_chats
 from vlmserve.metrics import Metrics, SchedulerHooks
@@ -415,26 +415,31 @@ class ServerState:
                 headers=later,
             )
 
-    async def prepare(self, chat: ChatRequest) -> PreparedRequest:
-        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing."""
+    async def prepare(self, chat: ChatRequest) -> tuple[PreparedRequest, list[ChoiceHold]]:
+        """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing; a
+        hold on each choice's place in --max-waiting, for `generate` to hand over."""
         return await self.admission.prepare(chat)
 
-    async def generate(self, request_id, prepared, sampling, arrival: float | None = None):
+    async def generate(self, request_id, prepared, sampling, arrival: float | None = None, hold=None):
         """Engine events for one choice, with latency metrics and one log line per request.
 
         Latencies count from `arrival` (perf_counter when the request came in, as in vLLM's
-        metrics), so TTFT and E2E include reading the body and CPU preprocessing."""
+        metrics), so TTFT and E2E include reading the body and CPU preprocessing. `hold` (its
+        ChoiceHold) is released once the engine counts the choice."""
         m = self.metrics
         start = arrival if arrival is not None else time.perf_counter()
         last = start
         ttft = None
         final = None
+        streamed = 0  # tokens delivered: what a request cancelled before its final event made
         try:
             if self.closed:
                 raise EngineError(SHUTDOWN_MESSAGE, code="shutting_down", status=503)
-            async for event in self.engine.generate(request_id, prepared, sampling):
+            handed = hold.release if hold is not None else None
+            async for event in self.engine.generate(request_id, prepared, sampling, registered=handed):
                 now = time.perf_counter()
                 if event.token_ids:
+                    streamed += len(event.token_ids)
                     if ttft is None:
                         ttft = now - start
                         m.ttft.observe(ttft)
@@ -445,13 +450,18 @@ class ServerState:
                     final = event
                 yield event
         finally:
-            self._account(request_id, prepared, final, ttft, time.perf_counter() - start)
+            if hold is not None:  # the engine never took it (shutting down, unavailable)
+                hold.release()
+            self._account(request_id, prepared, final, ttft, time.perf_counter() - start, streamed)
 
-    def _account(self, request_id, prepared, final, ttft, elapsed) -> None:
+    def _account(self, request_id, prepared, final, ttft, elapsed, streamed: int = 0) -> None:
         m = self.metrics
         if final is not None:
             m.prompt_tokens.inc(final.prompt_tokens)
             m.generation_tokens.inc(final.completion_tokens)
+        elif streamed:  # cancelled after its prompt ran: the work done counts all the same
+            m.prompt_tokens.inc(prepared.num_prompt_tokens)
+            m.generation_tokens.inc(streamed)
         if final is not None and final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             status = final.finish_reason.value
             m.succeed(status)
@@ -459,7 +469,7 @@ class ServerState:
         else:
             status = final.finish_reason.value if final is not None else "cancelled"
             m.fail(status)
-        done = final.completion_tokens if final is not None else 0
+        done = final.completion_tokens if final is not None else streamed
         image_tokens = 0
         image_token = self.engine.info.image_token_id if self.engine.info is not None else None
         if prepared.num_images and image_token is not None:

@@ -55,9 +55,22 @@ class Started:
     engine_finish: list = field(default_factory=list)  # each choice's finish reason before tool calls
 
 
-async def start(request: Request, parse, prefix: str = "chatcmpl") -> Started | Response:
+def _renamed(exc: APIError, params: dict[str, str]) -> APIError:
+    """`exc` naming the fields of the API the client spoke (`params`: Chat Completions' name -> its)."""
+    if exc.param not in params:
+        return exc
+    message = exc.message
+    for ours, theirs in params.items():
+        message = message.replace(f"'{ours}'", f"'{theirs}'")
+    return APIError(exc.status, message, code=exc.code, param=params[exc.param], headers=exc.headers)
+
+
+async def start(
+    request: Request, parse, prefix: str = "chatcmpl", params: dict[str, str] | None = None
+) -> Started | Response:
     """Read, parse (`parse(body, server)` -> ChatRequest), admit and preprocess a request, and
-    start its choices; an error answers in OpenAI's shape instead."""
+    start its choices; an error answers in OpenAI's shape instead, naming the request's fields
+    as `params` maps Chat Completions' names to the API `parse` reads."""
     arrival = time.perf_counter()
     server = request.app.state.server
     try:
@@ -65,12 +78,9 @@ async def start(request: Request, parse, prefix: str = "chatcmpl") -> Started | 
         body = await read_json(request, server.config.max_body_bytes)
         chat = parse(body, server)
         # 429 past --max-waiting; times the CPU pool; 400 past the context (inputs/limits.py)
-        prepared = await server.prepare(chat)
-    except APIError as exc:
-        server.count_failure(exc)
-        return error_response(exc)
-    except EngineError as exc:
-        err = _engine_error(exc)
+        prepared, holds = await server.prepare(chat)
+    except (APIError, EngineError) as exc:
+        err = _renamed(exc if isinstance(exc, APIError) else _engine_error(exc), params or {})
         server.count_failure(err)
         return error_response(err)
     request_id = new_request_id(prefix)
@@ -79,7 +89,7 @@ async def start(request: Request, parse, prefix: str = "chatcmpl") -> Started | 
         sampling = chat.sampling
         if chat.n > 1 and sampling.seed is not None:
             sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
-        streams.append(server.generate(f"{request_id}-{i}", prepared, sampling, arrival))
+        streams.append(server.generate(f"{request_id}-{i}", prepared, sampling, arrival, holds[i]))
     return Started(chat, streams, request_id, chat_response.now())
 
 

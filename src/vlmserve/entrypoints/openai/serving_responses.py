@@ -133,6 +133,10 @@ def _format(body: dict) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": spec}}
 
 
+# Chat Completions' fields that a Responses request names otherwise (its errors use the latter).
+RESPONSES_PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
 def parse_response_request(body, server) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
@@ -236,7 +240,7 @@ async def responses(request: Request) -> Response:
         seen["body"] = body
         return parse_response_request(body, server)
 
-    started = await start(request, parse, prefix="resp")
+    started = await start(request, parse, prefix="resp", params=RESPONSES_PARAMS)
     if isinstance(started, Response):
         return started
     server = request.app.state.server

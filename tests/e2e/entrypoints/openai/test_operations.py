@@ -108,6 +108,29 @@ def _p99(values):
 
 
 @pytest.mark.slow
+def test_a_cancelled_stream_counts_the_tokens_it_made(qwen_server):
+    """A client that leaves mid-stream never gets a final event; its prompt and the tokens it
+    was sent still count in the token metrics."""
+    s = qwen_server
+    before = _scrape(s)
+    body = chat_body(s.model_id, "Write a poem.", max_tokens=4000, ignore_eos=True, stream=True)
+    received = 0
+    with s.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                received += 1
+            if received == 10:
+                break
+    deadline = time.monotonic() + 30
+    while s.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = _scrape(s)
+    assert _delta(after, before, "vlmserve:request_failure_total{reason=cancelled}") == 1
+    # the chunks read: the role's, then at most one a token
+    assert _delta(after, before, "vlmserve:generation_tokens_total") >= received - 1
+    assert _delta(after, before, "vlmserve:prompt_tokens_total") > 0
+
+
 def test_health_and_ready_fast_while_16_streams_decode(qwen_server):
     body = chat_body(qwen_server.model_id, "Tell a long story.", max_tokens=500, ignore_eos=True, stream=True)
     done = threading.Event()
@@ -306,6 +329,48 @@ def test_flood_beyond_max_waiting(keyed_server):
     assert _delta(after, before, "vlmserve:request_success_total{finished_reason=length}") == len(accepted)
     assert _delta(after, before, "vlmserve:request_failure_total{reason=queue_full}") == len(rejected)
     assert s.engine.num_waiting == s.engine.num_running == s.state.pending_choices == 0
+
+
+def test_streams_count_until_the_engine_takes_them(keyed_server):
+    """A choice counts against --max-waiting from admission until the engine counts it, though a
+    stream's response starts reading it only after its headers are out: with that hand-over held
+    back, a burst gets the 4 waiting places and 429s, not a place for every request."""
+    s = keyed_server
+    gate = threading.Event()
+    engine = s.engine
+    original = engine.generate
+
+    async def late(*args, **kwargs):  # the engine takes a choice only once the gate opens
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        async for event in original(*args, **kwargs):
+            yield event
+
+    engine.generate = late
+    body = chat_body(s.model_id, "Hi", max_tokens=4, stream=True)
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=60, headers=AUTH) as c:
+
+            async def one():
+                async with c.stream("POST", "/v1/chat/completions", json=body) as response:
+                    await response.aread()
+                    return response.status_code
+
+            tasks = [asyncio.create_task(one()) for _ in range(12)]
+            await asyncio.sleep(1.0)  # every request admitted or refused, the admitted ones held back
+            counted = s.state.pending_choices
+            gate.set()
+            return counted, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    try:
+        counted, statuses = asyncio.run(flood())
+    finally:
+        gate.set()
+        del engine.generate
+    assert counted == 4
+    assert sorted(statuses) == [200] * 4 + [429] * 8
+    assert s.state.pending_choices == 0 and engine.num_waiting == engine.num_running == 0
 
 
 def test_requests_waiting_for_the_cpu_pool_count(keyed_server):

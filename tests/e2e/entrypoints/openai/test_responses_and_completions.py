@@ -113,6 +113,18 @@ def test_responses_refuses_what_it_cannot_do(qwen_server):
         client.responses.create(model=qwen_server.model_id, input="Hi", tools=[{"type": "web_search"}])
 
 
+def test_responses_errors_name_its_own_fields(qwen_server):
+    """Bad values are reported under the Responses API's names, not Chat Completions' it maps to."""
+    client = _client(qwen_server)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=qwen_server.model_id, input="Hi", max_output_tokens=0)
+    assert err.value.param == "max_output_tokens" and "'max_output_tokens'" in err.value.message
+    assert "max_completion_tokens" not in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # past the context
+        client.responses.create(model=qwen_server.model_id, input="word " * 40000, max_output_tokens=8)
+    assert err.value.param == "input"
+
+
 def test_responses_json_schema_format(qwen_server):
     schema = {
         "type": "object",
