@@ -61,7 +61,9 @@ class Admission:
         self.preprocessor: Preprocessor | None = None  # set once the model's processor is loaded
         self.processes: PreprocessProcesses | None = None  # --preprocess-processes
         # Admitted requests not yet handed to the engine (queued for or inside the CPU pool).
-        self._lock = threading.Lock()
+        # Re-entrant: a dropped ChoiceHold releases from its finalizer, which the garbage
+        # collector may run on a thread that holds the lock already.
+        self._lock = threading.RLock()
         self.pending_choices = 0
         self.pending_requests = 0
         self._in_process_jobs = 0  # of those, preprocessing on this process's thread pool
