@@ -93,9 +93,14 @@ class Admission:
         self.metrics.preprocessed("threads" if in_process else "processes")
         return in_process
 
-    def _release_choices(self, n: int) -> None:  # any thread
+    def release_choices(self, n: int) -> None:  # any thread
         with self._lock:
             self.pending_choices -= n
+
+    def end_job(self, in_process: bool) -> None:  # a request's pool job ended (any thread)
+        with self._lock:
+            self.pending_requests -= 1
+            self._in_process_jobs -= in_process
 
     async def prepare(self, chat: ChatRequest) -> tuple[PreparedRequest, list[ChoiceHold]]:
         """Admission (429 past --max-waiting / --max-pending-preprocess) + CPU preprocessing; the
@@ -113,8 +118,7 @@ class Admission:
         def done() -> None:  # the pool job ended (any thread)
             self.metrics.preprocess.observe(time.perf_counter() - t0)
             with self._lock:
-                self.pending_requests -= 1
-                self._in_process_jobs -= in_process
+                self.end_job(in_process)
                 job["running"] = False
                 if job["abandoned"]:
                     self.pending_choices -= chat.n
@@ -130,7 +134,7 @@ class Admission:
                 if not job["running"]:
                     self.pending_choices -= chat.n
             raise
-        return prepared, [ChoiceHold(lambda: self._release_choices(1)) for _ in range(chat.n)]
+        return prepared, [ChoiceHold(lambda: self.release_choices(1)) for _ in range(chat.n)]
 
     async def _prepare_in_process(self, chat: ChatRequest, done: Callable[[], None]) -> PreparedRequest:
         try:

@@ -228,7 +228,7 @@ def test_requests_sharing_a_tower_run_count_as_feature_cache_hits(servers):
     purple = _image((120, 40, 160))
     bodies = [_chat(reuse, [_turn(f"Question {i} about it.", purple)]) for i in range(3)]
     prepared = [
-        asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length))) for b in bodies
+        asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length)))[0] for b in bodies
     ]
     queries, hits = model.feature_cache.queries, model.feature_cache.hits
     reuse.on_worker(lambda: model.embed_prompts(prepared))

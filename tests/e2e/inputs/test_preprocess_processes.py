@@ -69,11 +69,14 @@ def test_a_lone_request_stays_on_the_threads_and_a_burst_overflows_to_the_proces
             assert _ask(process_server, body).status_code == 200
         assert (_jobs(process_server, "threads"), _jobs(process_server, "processes")) == (before[0] + 2, before[1])
         # While one request holds the thread pool's share, the next ones go to the processes.
-        assert [state.admission.reserve(1) for _ in range(3)] == [True, False, False]
-        state.admission.release(1, True)
-        assert state.admission.reserve(1) is True  # the share is free again
+        admission = state.admission
+        assert [admission.reserve(1) for _ in range(3)] == [True, False, False]
+        admission.end_job(True)
+        admission.release_choices(1)
+        assert admission.reserve(1) is True  # the share is free again
         for in_process in (True, False, False):
-            state.admission.release(1, in_process)
+            admission.end_job(in_process)
+            admission.release_choices(1)
         assert state.pending_requests == state.pending_choices == state.admission._in_process_jobs == 0
     finally:
         state.admission.in_process_preprocess_limit = 0

@@ -66,7 +66,7 @@ def test_images_of_several_requests_share_one_vision_call(family_server, monkeyp
     st = family_server.state
     bodies = [chat_body(family_server.model_id, t, [data_uri(p) for p in ps], max_tokens=4) for t, ps in _cases()]
     prepared = [
-        asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length))) for b in bodies
+        asyncio.run(st.prepare(parse_chat_request(b, st.config, st.model_names, st.context_length)))[0] for b in bodies
     ]
     vlm = st.engine.core.model
 

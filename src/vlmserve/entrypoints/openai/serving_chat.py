@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -56,13 +57,16 @@ class Started:
 
 
 def _renamed(exc: APIError, params: dict[str, str]) -> APIError:
-    """`exc` naming the fields of the API the client spoke (`params`: Chat Completions' name -> its)."""
-    if exc.param not in params:
+    """`exc` naming the fields of the API the client spoke (`params`: Chat Completions' name ->
+    its). A field inside one (`messages[2].content`) is named by the outer field alone: the
+    translated request's indices need not be the client's."""
+    outer = re.split(r"[.\[]", exc.param or "", maxsplit=1)[0]
+    if outer not in params:
         return exc
     message = exc.message
     for ours, theirs in params.items():
         message = message.replace(f"'{ours}'", f"'{theirs}'")
-    return APIError(exc.status, message, code=exc.code, param=params[exc.param], headers=exc.headers)
+    return APIError(exc.status, message, code=exc.code, param=params[outer], headers=exc.headers)
 
 
 async def start(

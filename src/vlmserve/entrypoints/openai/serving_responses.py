@@ -134,7 +134,12 @@ def _format(body: dict) -> dict:
 
 
 # Chat Completions' fields that a Responses request names otherwise (its errors use the latter).
-RESPONSES_PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+RESPONSES_PARAMS = {
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
 
 
 def parse_response_request(body, server) -> ChatRequest:

@@ -123,6 +123,11 @@ def test_responses_errors_name_its_own_fields(qwen_server):
     with pytest.raises(openai.BadRequestError) as err:  # past the context
         client.responses.create(model=qwen_server.model_id, input="word " * 40000, max_output_tokens=8)
     assert err.value.param == "input"
+    context = qwen_server.state.context_length
+    with pytest.raises(openai.BadRequestError) as err:  # the prompt fits, not with the answer's room
+        words = (context - 2000) // 3  # the fixture's tokenizer makes ~3 tokens of "word "
+        client.responses.create(model=qwen_server.model_id, input="word " * words, max_output_tokens=4000)
+    assert err.value.param == "max_output_tokens", err.value.message
 
 
 def test_responses_json_schema_format(qwen_server):
