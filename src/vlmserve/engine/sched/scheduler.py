@@ -88,7 +88,9 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.inbox)
+        # Read from other threads while take_inbox moves requests from the inbox to the queue:
+        # the inbox first, so a request moving meanwhile counts twice, never not at all.
+        return len(self.inbox) + len(self.waiting)
 
     def has_requests(self) -> bool:
         return bool(self.inbox or self.waiting or self.prefilling or self.running or self.preempted)
