@@ -193,3 +193,27 @@ def pool_holding_positions(positions: int, blocks: int):
     kv = mx.arange(positions * 4, dtype=mx.float32).reshape(positions, 1, 4)
     pool.write(held, [(kv, -kv)], positions)
     return pool, held, kv
+
+
+def per_token_gated_delta_ops():
+    """mlx_vlm's per-token implementation of the gated delta rule, whether or not a test routed it."""
+    from mlx_vlm.models import gated_delta
+
+    return getattr(gated_delta.gated_delta_ops, "vlmserve_routed", gated_delta.gated_delta_ops)
+
+
+def stand_in_gated_delta_kernel(monkeypatch) -> list:
+    """engine/ops/gated_delta_scan as on CUDA, on any backend: it serves every call, and its
+    kernel's launch is stood in for by mlx_vlm's per-token ops (the same rule). Returns the list
+    each launch appends its (rows, positions) to."""
+    from vlmserve.engine.ops import gated_delta_scan
+
+    launched = []
+
+    def launch(q, k, v, g, beta, state):
+        launched.append(q.shape[:2])
+        return per_token_gated_delta_ops()(q, k, v, g, beta, state)
+
+    monkeypatch.setattr(gated_delta_scan, "serves", lambda q, *_: q.shape[1] > 0)
+    monkeypatch.setattr(gated_delta_scan, "_launch", launch)
+    return launched

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 
 from support.families import adapter_loader
-from support.helpers import event_tokens, on_own_thread, refuse_join_once, run_until_idle, token_request
+from support.helpers import (
+    event_tokens,
+    on_own_thread,
+    refuse_join_once,
+    run_until_idle,
+    stand_in_gated_delta_kernel,
+    token_request,
+)
 from vlmserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -271,17 +278,9 @@ def test_routed_gated_delta_rule_gives_the_tokens_of_mlx_s(tmp_path_factory, mon
     below the kernel's), prompts prefilled together, in pieces and alone from their cached
     prefixes, and the compiled decode steps after them, give the tokens each gives alone
     through mlx_vlm's own paths."""
-    from mlx_vlm.models import gated_delta
-
     from vlmserve.engine.ops import gated_delta_scan
 
-    launched = []
-
-    def per_token_launch(q, k, v, g, beta, state):
-        launched.append(q.shape[:2])
-        ops = getattr(gated_delta.gated_delta_ops, "vlmserve_routed", gated_delta.gated_delta_ops)
-        return ops(q, k, v, g, beta, state)
-
+    launched = stand_in_gated_delta_kernel(monkeypatch)  # only routed calls launch: after install
     load = _family("qwen3_5", tmp_path_factory)
     lengths = {**SHORT, **LONG}
 
@@ -290,8 +289,6 @@ def test_routed_gated_delta_rule_gives_the_tokens_of_mlx_s(tmp_path_factory, mon
         prompts = _prompts(model, lengths)
         options = {"max_num_seqs": 8, "prefill_chunk": 32, "prefill_budget": 128}
         alone = _alone(_engines(model, codec, **options), prompts, lengths)
-        monkeypatch.setattr(gated_delta_scan, "serves", lambda q, *_: q.shape[1] > 0)
-        monkeypatch.setattr(gated_delta_scan, "_launch", per_token_launch)
         try:
             routed = gated_delta_scan.install(model.language_model, force=True)
             core = _engines(model, codec, compile_decode=True, **options)(16)

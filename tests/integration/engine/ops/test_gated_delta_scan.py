@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from support.families import session_checkpoint
-from support.helpers import on_own_thread, padded_greedy_logits
+from support.helpers import on_own_thread, padded_greedy_logits, stand_in_gated_delta_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +22,7 @@ def test_routed_gated_delta_layers_give_mlx_vlm_logits(tmp_path_factory, monkeyp
     path = session_checkpoint("qwen3_5", "float32", tmp_path_factory)
     from vlmserve.engine.ops import gated_delta_scan
 
-    launched = []
-
-    def per_token_launch(q, k, v, g, beta, state):
-        from mlx_vlm.models import gated_delta
-
-        ops = getattr(gated_delta.gated_delta_ops, "vlmserve_routed", gated_delta.gated_delta_ops)
-        launched.append(q.shape[:2])
-        return ops(q, k, v, g, beta, state)
-
-    monkeypatch.setattr(gated_delta_scan, "serves", lambda q, *_: q.shape[1] > 0)
-    monkeypatch.setattr(gated_delta_scan, "_launch", per_token_launch)
+    launched = stand_in_gated_delta_kernel(monkeypatch)
 
     def work():
         from mlx_vlm.utils import load_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.helpers import on_own_thread
+from support.helpers import on_own_thread, per_token_gated_delta_ops
 from vlmserve.engine.ops import gated_delta_scan
 
 
@@ -31,13 +31,6 @@ def _inputs(batch, length, k_heads, v_heads, k_dim, v_dim, dtype, vector_gate=Fa
     beta = mx.random.uniform(0.0, 1.0, (batch, length, v_heads), key=next(key)).astype(t)
     state = mx.random.normal((batch, v_heads, v_dim, k_dim), key=next(key)) * 0.1
     return q, k, v, g, beta, state
-
-
-def _per_token_ops():
-    """mlx_vlm's per-token implementation, whether or not a test routed it."""
-    from mlx_vlm.models import gated_delta
-
-    return getattr(gated_delta.gated_delta_ops, "vlmserve_routed", gated_delta.gated_delta_ops)
 
 
 # (batch, length, key heads, value heads, key dim, value dim, vector gate, left padding per row)
@@ -66,7 +59,7 @@ def test_kernel_matches_mlx_vlm_per_token_ops(case, dtype, atol):
         mask = None
         if pads is not None:
             mask = mx.arange(length)[None, :] >= mx.array(pads)[:, None]
-        ref_y, ref_state = _per_token_ops()(q, k, v, g, beta, state, mask)
+        ref_y, ref_state = per_token_gated_delta_ops()(q, k, v, g, beta, state, mask)
         runs = [gated_delta_scan.scan(q, k, v, g, beta, state, mask) for _ in range(2)]
         keep = np.ones((batch, length), bool) if mask is None else np.array(mask)
         as_np = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
