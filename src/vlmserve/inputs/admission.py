@@ -121,7 +121,7 @@ class Admission:
                 self.end_job(in_process)
                 job["running"] = False
                 if job["abandoned"]:
-                    self.pending_choices -= chat.n
+                    self.release_choices(chat.n)
 
         try:
             if in_process:
@@ -132,7 +132,7 @@ class Admission:
             with self._lock:
                 job["abandoned"] = True
                 if not job["running"]:
-                    self.pending_choices -= chat.n
+                    self.release_choices(chat.n)
             raise
         return prepared, [ChoiceHold(lambda: self.release_choices(1)) for _ in range(chat.n)]
 
