@@ -30,7 +30,12 @@ def on_cuda() -> bool:
 
 def cudnn_enabled() -> bool:
     """Whether MLX may route attention to cuDNN in this process (MLX reads it once, at first use)."""
-    return on_cuda() and os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0"
+    return on_cuda() and _cudnn_switched_on()
+
+
+@functools.cache  # read once, as MLX reads it; asked in every vision block's attention
+def _cudnn_switched_on() -> bool:
+    return os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0"
 
 
 @functools.cache

@@ -32,6 +32,8 @@ the probabilities are rounded to the input dtype before they weight the values.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from vlmserve.engine.ops import cuda_kernels
@@ -298,6 +300,7 @@ def shared_bytes(dim: int, itemsize: int = 2, layout: tuple[int, int, int] | Non
     return max(staging, key_streams * query_warps * 16 * (dim + 2) * 4)
 
 
+@functools.cache  # asked on every launch: the source's substitution and hash once per build
 def _kernel(dtype: mx.Dtype, dim: int, layout: tuple[int, int, int]):
     return cuda_kernels.kernel(
         f"vlmserve_prefill_attention_{MMA_TYPES[dtype]}",
@@ -308,6 +311,7 @@ def _kernel(dtype: mx.Dtype, dim: int, layout: tuple[int, int, int]):
     )
 
 
+@functools.cache  # one list per build, made once (MLX only reads it)
 def _template(
     dtype: mx.Dtype,
     dim: int,

@@ -30,6 +30,7 @@ the server loaded changes, never another copy of mlx_vlm's classes in the proces
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import mlx.core as mx
@@ -252,6 +253,7 @@ def _rotate_kernel():
     return cuda_kernels.kernel("vlmserve_rotate_qk", ("qkv", "cos_t", "sin_t"), _ROTATE_QK_SOURCE)
 
 
+@functools.cache  # one list per build, made once (MLX only reads it)
 def _rotate_template(dtype: mx.Dtype, heads: int, dim: int) -> list:
     return [("T", dtype), ("D", dim), ("HD", heads * dim)]
 
