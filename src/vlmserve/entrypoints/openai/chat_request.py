@@ -175,14 +175,16 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, Any, bool]:
 MIN_IMAGE_PIXELS = 28 * 28  # smaller bounds are no image at all to a vision tower
 
 
-def parse_pixel_bounds(value: Any, operator_cap: int | None) -> tuple[int | None, int | None]:
+def parse_pixel_bounds(value: Any, operator_cap: int | None, image_limit: int) -> tuple[int | None, int | None]:
     """vLLM's per-request `mm_processor_kwargs`: `min_pixels` / `max_pixels` per image, both
-    within the operator's --max-pixels (a larger request is held to it)."""
+    within the operator's --max-pixels, or without one within the largest image a request may
+    send (--max-image-pixels): a larger request is held to it, so a small image cannot be
+    scaled up past what the server would decode."""
     if value is None:
         return None, None
     if not isinstance(value, dict) or set(value) - {"min_pixels", "max_pixels"}:
         raise _bad("'mm_processor_kwargs' takes 'min_pixels' and 'max_pixels' only", "mm_processor_kwargs")
-    hi = operator_cap or 1 << 30
+    hi = min(operator_cap or image_limit, image_limit)
     bounds = []
     for key in ("min_pixels", "max_pixels"):
         n = _number(value, key, MIN_IMAGE_PIXELS, 1 << 30, None, integer=True)
@@ -321,7 +323,9 @@ def parse_chat_request(
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")
     n = int(_number(body, "n", 1, MAX_N, 1, integer=True))
-    min_pixels, max_pixels = parse_pixel_bounds(body.get("mm_processor_kwargs"), config.max_pixels)
+    min_pixels, max_pixels = parse_pixel_bounds(
+        body.get("mm_processor_kwargs"), config.max_pixels, config.max_image_pixels
+    )
     chat = ChatRequest(
         messages=messages,
         sampling=sampling,

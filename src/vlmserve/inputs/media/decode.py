@@ -16,6 +16,7 @@ import io
 import re
 import warnings
 
+import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
 try:  # SIMD base64 (a dependency): the stdlib's decoder takes ~16 ms for a 2.4 MB image, holding the GIL
@@ -124,10 +125,30 @@ def _orient(img: Image.Image) -> Image.Image:
         return img
 
 
+# Pillow's 16- and 32-bit integer grayscale (16-bit PNGs): its RGB conversion clips every
+# value past 255 (a 16-bit image turns white), so they are brought to 8 bits first.
+_WIDE_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in _WIDE_GRAY:
+        img = _gray_to_8_bits(img)
     has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
     if not has_alpha:
         return img.convert("RGB")
     rgba = img.convert("RGBA")  # also applies palette / colour-key transparency
     background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def _gray_to_8_bits(img: Image.Image) -> Image.Image:
+    """16-bit grayscale (mode I;16*, or I as older Pillows open 16-bit PNGs) as 8-bit L, each
+    value's high byte (as Pillow takes 16-bit RGB PNGs to 8 bits); a colour-key transparency
+    becomes an alpha channel."""
+    values = np.asarray(img).astype(np.int64)
+    gray = Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
+    key = img.info.get("transparency")
+    if not isinstance(key, int):
+        return gray
+    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), "L")
+    return Image.merge("LA", (gray, alpha))

@@ -147,6 +147,23 @@ def test_la_and_palette_transparency_flattened_on_white():
     assert out.getpixel((0, 0)) == (255, 255, 255) and out.getpixel((1, 0)) == (255, 0, 0)
 
 
+def test_16_bit_grayscale_keeps_its_values():
+    """A 16-bit PNG (Pillow's I;16) becomes each value's high byte, not white (Pillow's own RGB
+    conversion clips it at 255); a colour-key transparency is flattened on white."""
+    import numpy as np
+
+    values = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (4, 1))
+    wide = Image.fromarray(values)
+    assert wide.mode.startswith("I")
+    out = np.asarray(decode_image(encode(wide, "PNG"), POLICY))
+    assert out.shape == (4, 256, 3)
+    np.testing.assert_array_equal(out[..., 0], values >> 8)
+    assert (out[..., 0] == out[..., 2]).all()
+
+    out = np.asarray(decode_image(encode(wide, "PNG", transparency=int(values[0, 1])), POLICY))
+    assert tuple(out[0, 1]) == (255, 255, 255) and out[0, 2, 0] == values[0, 2] >> 8
+
+
 def test_exif_orientation_applied():
     img = Image.new("RGB", (40, 20), (0, 0, 255))
     img.paste((255, 0, 0), (0, 0, 20, 20))  # left half red
