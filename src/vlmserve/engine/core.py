@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from vlmserve.config import ServerConfig
-from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, working_memory_bytes
+from vlmserve.engine.memory import StepMemoryBound, kv_budget_bytes, wire_memory, working_memory_bytes
 from vlmserve.engine.ops import kernel_disk_cache, many_row_dequantized
 from vlmserve.engine.ops.cuda_kernels import on_cuda
 from vlmserve.engine.runner.block_pool import kv_block_bytes
@@ -157,6 +157,7 @@ class EngineCore:
         log.info(
             "loaded weights in %.1f s: %.2f GB on the device", time.perf_counter() - t0, mx.get_active_memory() / 1e9
         )
+        wire_memory(mx.get_active_memory())
         if config.max_model_len:
             model.info.context_length = min(model.info.context_length, config.max_model_len)
         max_num_seqs = config.max_num_seqs

@@ -27,6 +27,33 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def wire_memory(weights_bytes: int) -> int | None:
+    """On Apple silicon, keep up to the GPU's recommended working set wired (resident), as
+    mlx-lm and mlx-vlm do while they generate: macOS may otherwise page weights and KV out
+    under memory pressure, and each step then waits for them. Returns the limit set, None on
+    other backends (nothing to do there)."""
+    metal = getattr(mx, "metal", None)
+    if metal is None or not metal.is_available():
+        return None
+    limit = int(mx.device_info().get("max_recommended_working_set_size", 0))
+    if not limit:
+        return None
+    if weights_bytes > 0.9 * limit:
+        log.warning(
+            "the weights take %.1f GB of the GPU's %.1f GB recommended working set: expect paging and "
+            "slow steps (a smaller quantization or a machine with more memory avoids it)",
+            weights_bytes / 1e9,
+            limit / 1e9,
+        )
+    try:
+        mx.set_wired_limit(limit)
+    except Exception as exc:  # noqa: BLE001 - above the system's own wired limit (sysctl iogpu.wired_limit_mb)
+        log.warning("the wired memory limit was not set (%s); weights may page out under memory pressure", exc)
+        return None
+    log.info("wired memory limit: %.1f GB (the GPU's recommended working set)", limit / 1e9)
+    return limit
+
+
 def kv_budget_bytes(kv_cache_memory_gb: float | None, utilization: float) -> int:
     """Bytes the KV blocks may hold. Call after the weights are loaded (they count against it)."""
     if kv_cache_memory_gb is not None:
