@@ -50,6 +50,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's extensions: a multiplicative penalty on every token of the prompt and the output
+    # (1: off), a floor on a token's probability relative to the likeliest one's (0: off), and
+    # the tokens to generate before EOS or a stop token id may come.
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
     json_mode: bool = False

@@ -154,7 +154,7 @@ class ModelRunner:
 
     # ---- admission -------------------------------------------------------------------
     def new_row(self, req: EngineRequest) -> Sequence:
-        sampler = RowSampler.create(req.sampling)
+        sampler = RowSampler.create(req.sampling, req.prepared.prompt_ids, self.eos)
         if req.sampling.json_mode or req.sampling.grammar:
             sampler.logits_mask = self._grammars().new(req.sampling.grammar)
         return Sequence(req=req, sampler=sampler, text=TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop))

@@ -8,6 +8,7 @@ and mlx-vlm take it: in bfloat16 the subtraction merges near-ties, and the first
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -22,45 +23,85 @@ class RowSampler:
     key: mx.array | None = None
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> count, for penalties
     logits_mask: object | None = None  # JSON mode: callable() -> additive (V,) mask, .consume(token)
+    seen: set[int] = field(default_factory=set)  # prompt and output tokens, for repetition_penalty
+    held_back: tuple[int, ...] = ()  # EOS and stop token ids, masked until min_tokens are out
+    generated: int = 0
 
     @classmethod
-    def create(cls, params: SamplingParams) -> RowSampler:
+    def create(cls, params: SamplingParams, prompt_ids=(), eos_ids=()) -> RowSampler:
         key = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             key = mx.random.key(seed)
-        return cls(params=params, key=key)
+        sampler = cls(params=params, key=key)
+        if params.repetition_penalty != 1.0:
+            sampler.seen = {int(t) for t in prompt_ids}
+        if params.min_tokens > 0:
+            sampler.held_back = tuple(sorted({*(int(t) for t in eos_ids), *params.stop_token_ids}))
+        return sampler
 
     @property
     def needs_penalties(self) -> bool:
-        return bool(self.counts) and (self.params.presence_penalty or self.params.frequency_penalty)
+        return bool(self.counts) and bool(self.params.presence_penalty or self.params.frequency_penalty)
+
+    @property
+    def holds_back(self) -> bool:
+        """EOS and stop token ids are still masked (fewer than min_tokens generated)."""
+        return bool(self.held_back) and self.generated < self.params.min_tokens
 
     @property
     def needs_adjust(self) -> bool:
-        return self.needs_penalties or bool(self.params.logit_bias)
+        return (
+            self.needs_penalties
+            or bool(self.params.logit_bias)
+            or (bool(self.seen) and self.params.repetition_penalty != 1.0)
+            or self.holds_back
+        )
 
     @property
     def needs_history(self) -> bool:
-        """Whether the next draw depends on the previous token's value (not just its array)."""
-        return bool(self.params.presence_penalty or self.params.frequency_penalty or self.logits_mask is not None)
+        """Whether the next draw depends on the previous token (its value, or that it was drawn)."""
+        p = self.params
+        return bool(
+            p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1.0
+            or self.logits_mask is not None
+            or self.holds_back
+        )
 
     def observe(self, token: int) -> None:
+        self.generated += 1
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.counts[token] = self.counts.get(token, 0) + 1
+        if self.params.repetition_penalty != 1.0:
+            self.seen.add(token)
 
     def adjust(self, logits: mx.array) -> mx.array:
-        """logit_bias, then penalties, on a (V,) logits row (OpenAI semantics: the bias is added;
-        penalties are subtracted per generated token). Bias on ids past the vocabulary is ignored."""
-        bias = [(t, b) for t, b in self.params.logit_bias if t < logits.shape[-1]]
+        """logit_bias, then the repetition penalty (vLLM's: a seen token's positive logit divided
+        by it, a negative one multiplied), then OpenAI's penalties (subtracted per generated
+        token), then EOS and stop token ids held back until min_tokens, on a (V,) logits row.
+        Bias on ids past the vocabulary is ignored."""
+        vocab = logits.shape[-1]
+        bias = [(t, b) for t, b in self.params.logit_bias if t < vocab]
         if bias:
             ids = mx.array([t for t, _ in bias], dtype=mx.int32)
             logits = logits.at[ids].add(mx.array([b for _, b in bias], dtype=logits.dtype))
-        if not self.needs_penalties:
-            return logits
-        ids = mx.array(list(self.counts.keys()), dtype=mx.int32)
-        counts = mx.array(list(self.counts.values()), dtype=logits.dtype)
-        penalty = self.params.presence_penalty + self.params.frequency_penalty * counts
-        return logits.at[ids].subtract(penalty)
+        penalty = self.params.repetition_penalty
+        seen = [t for t in self.seen if t < vocab] if penalty != 1.0 else []
+        if seen:
+            hit = mx.zeros((vocab,), dtype=mx.float32).at[mx.array(seen, dtype=mx.int32)].add(1.0) > 0
+            factor = mx.array(penalty, dtype=logits.dtype)
+            logits = mx.where(hit, mx.where(logits > 0, logits / factor, logits * factor), logits)
+        if self.needs_penalties:
+            ids = mx.array(list(self.counts.keys()), dtype=mx.int32)
+            counts = mx.array(list(self.counts.values()), dtype=logits.dtype)
+            penalty = self.params.presence_penalty + self.params.frequency_penalty * counts
+            logits = logits.at[ids].subtract(penalty)
+        held = [t for t in self.held_back if t < vocab] if self.holds_back else []
+        if held:
+            logits = logits.at[mx.array(held, dtype=mx.int32)].add(mx.array(-mx.inf, dtype=logits.dtype))
+        return logits
 
     def sample(self, logits: mx.array) -> mx.array:
         """Sample one token from a (V,) logits row; returns a scalar int32 array."""
@@ -78,6 +119,9 @@ class RowSampler:
             cum = mx.cumsum(probs) - probs  # mass before each token
             sorted_logits = mx.where(cum >= p.top_p, -mx.inf, sorted_logits)
             logits = mx.zeros_like(logits).at[order].add(sorted_logits)
+        if p.min_p > 0.0:
+            # p(token) < min_p * p(likeliest)  <=>  logit < max logit + log(min_p)
+            logits = mx.where(logits < logits.max() + math.log(p.min_p), -mx.inf, logits)
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logits, key=sub)
 

@@ -313,6 +313,9 @@ def parse_chat_request(
         stop=parse_stop(body.get("stop")),
         presence_penalty=float(_number(body, "presence_penalty", -2, 2, 0.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", -2, 2, 0.0)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 0, 2, 1.0)),
+        min_p=float(_number(body, "min_p", 0, 1, 0.0)),
+        min_tokens=int(_number(body, "min_tokens", 0, 1 << 30, 0, integer=True)),
         logprobs=bool(logprobs),
         top_logprobs=int(top_logprobs),
         json_mode=json_mode,
@@ -322,6 +325,10 @@ def parse_chat_request(
     )
     if sampling.top_p == 0:
         raise _bad("'top_p' must be greater than 0", "top_p")
+    if sampling.repetition_penalty == 0:
+        raise _bad("'repetition_penalty' must be greater than 0", "repetition_penalty")
+    if sampling.min_tokens > sampling.max_tokens:
+        raise _bad("'min_tokens' must not exceed the token limit ('max_completion_tokens')", "min_tokens")
     n = int(_number(body, "n", 1, MAX_N, 1, integer=True))
     min_pixels, max_pixels = parse_pixel_bounds(
         body.get("mm_processor_kwargs"), config.max_pixels, config.max_image_pixels

@@ -17,7 +17,8 @@ from vlmserve.protocol import ChatRequest
 
 _SAMPLING_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos", "repetition_penalty", "min_p",
+    "min_tokens",
 )  # fmt: skip
 MAX_LOGPROBS = 5  # the legacy API's limit
 

@@ -29,7 +29,10 @@ from vlmserve.entrypoints.openai.streams import merge
 from vlmserve.protocol import ChatRequest, EngineError
 
 log = logging.getLogger("vlmserve.request")
-_PASSED_ON = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k", "logit_bias")
+_PASSED_ON = (
+    "model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k", "logit_bias",
+    "repetition_penalty", "min_p", "min_tokens",
+)  # fmt: skip
 
 
 def _bad(message: str, param: str | None = None) -> APIError:

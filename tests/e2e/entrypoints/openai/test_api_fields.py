@@ -83,3 +83,26 @@ def test_logit_bias_steers_greedy_choices(qwen_server):
 def test_bad_logit_bias_is_a_400(qwen_server, bias):
     r = _ask(qwen_server, logit_bias=bias)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_min_tokens_holds_eos_back(qwen_server):
+    """With EOS pushed to the top, a request stops at once; with min_tokens it writes that many
+    tokens first (vLLM's extension), and repetition_penalty / min_p are taken alongside."""
+    eos = qwen_server.state.preprocessor.tokenizer.eos_token_id
+    fields = {"temperature": 0, "max_tokens": 8, "logprobs": True, "logit_bias": {str(eos): 100}}
+    at_once = _ask(qwen_server, **fields).json()["choices"][0]
+    assert at_once["finish_reason"] == "stop" and not at_once["logprobs"]["content"]
+    for extra in ({}, {"repetition_penalty": 1.3, "min_p": 0.05}):
+        held = _ask(qwen_server, min_tokens=3, **fields, **extra)
+        assert held.status_code == 200, held.text
+        choice = held.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and len(choice["logprobs"]["content"]) == 3
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"repetition_penalty": 0}, {"repetition_penalty": 2.5}, {"min_p": 1.5}, {"min_tokens": -1}, {"min_tokens": 3}],
+)
+def test_bad_sampling_extensions_are_a_400(qwen_server, fields):
+    r = _ask(qwen_server, **fields)  # max_tokens 2: min_tokens 3 is past it
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(fields)), r.text
