@@ -182,7 +182,8 @@ async def _collect(streams, chat, parser, engine_finish: list | None = None):
             content, calls = tool_use.split(texts[i], parser, chat)
             if calls:
                 message = {**message, "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
-                finish[i] = "tool_calls"
+                if finish[i] == "stop":  # a cut-off answer stays "length": its calls may be missing one
+                    finish[i] = "tool_calls"
         choices.append(
             {
                 "index": i,
@@ -219,7 +220,8 @@ async def _sse(request_id, model, created, chat, streams, parser):
                     yield lines.content(i, text)
                     text = ""
                 yield lines.choice(i, {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]})
-                finish = "tool_calls"
+                if finish == "stop":  # as in _collect
+                    finish = "tool_calls"
         yield lines.choice(
             i,
             {"content": text} if text else {},

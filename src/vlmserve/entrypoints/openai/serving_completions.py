@@ -119,8 +119,8 @@ async def _stream(rid, model, created, chat, streams):
             f = failure(event)
             yield sse.line(error_body(f.status, f.message, f.code))
             return
-        if not event.text and event.finish_reason is None:
-            continue
+        if not event.text and event.finish_reason is None and not event.logprobs:
+            continue  # (a token whose text is held back as a possible stop still has its logprob)
         lp = chat_response.logprobs_dict(event.logprobs) if event.logprobs else None
         choice = {
             "index": i,

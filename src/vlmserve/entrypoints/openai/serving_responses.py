@@ -176,7 +176,7 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [part] if status == "completed" else [],
+        "content": [] if status == "in_progress" else [part],
     }
 
 
@@ -232,7 +232,7 @@ def _echo(body: dict, chat: ChatRequest) -> dict:
         "temperature": chat.sampling.temperature,
         "top_p": chat.sampling.top_p,
         "parallel_tool_calls": chat.parallel_tool_calls,
-        "tool_choice": body.get("tool_choice", "auto"),
+        "tool_choice": body.get("tool_choice") or "auto",  # an explicit null is "not set"
         "tools": body.get("tools") or [],
         "text": {"format": fmt or {"type": "text"}},
         "metadata": body.get("metadata") or {},
@@ -261,9 +261,9 @@ async def responses(request: Request) -> Response:
         return result
     choices, usage = result
     message = choices[0]["message"]
-    output = [_message_item(_id("msg"), message["content"])] if message.get("content") else []
-    output += [_call_item(c) for c in message.get("tool_calls") or []]
     status = "incomplete" if started.engine_finish[0] == "length" else "completed"
+    output = [_message_item(_id("msg"), message["content"], status)] if message.get("content") else []
+    output += [_call_item(c) for c in message.get("tool_calls") or []]
     return JSONResponse(shape.build(status, output, _usage(usage)), headers={"x-request-id": rid})
 
 
@@ -309,8 +309,9 @@ async def _events(shape: ResponseShape, started, parser):
                 rest, calls = tools.finish()
                 for line in deltas(rest):
                     yield line
+            status = "incomplete" if event.finish_reason.value == "length" else "completed"
             if text:
-                item = _message_item(item_id, text)
+                item = _message_item(item_id, text, status)
                 part = item["content"][0]
                 where = {"item_id": item_id, "output_index": 0, "content_index": 0}
                 yield _event("response.output_text.done", seq, **where, text=text, logprobs=[])
@@ -337,7 +338,6 @@ async def _events(shape: ResponseShape, started, parser):
                 yield _event("response.output_item.done", seq, output_index=index, item=item)
                 output.append(item)
             usage = _usage(chat_response.usage_dict(event.prompt_tokens, event.completion_tokens, event.cached_tokens))
-            status = "incomplete" if event.finish_reason.value == "length" else "completed"
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             yield _event(kind, seq, response=shape.build(status, output, usage))
     except EngineError as exc:

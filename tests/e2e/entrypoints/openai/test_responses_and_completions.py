@@ -30,7 +30,7 @@ def test_responses_create_with_an_image(qwen_server):
     )
     assert reply.object == "response" and reply.status == "incomplete"
     assert reply.incomplete_details.reason == "max_output_tokens"
-    assert reply.output[0].type == "message" and reply.output_text
+    assert reply.output[0].type == "message" and reply.output[0].status == "incomplete" and reply.output_text
     assert reply.usage.output_tokens == 8 and reply.usage.input_tokens > 8
     # The same text as chat completions gives for the same conversation.
     chat = _client(qwen_server).chat.completions.create(
@@ -162,6 +162,37 @@ def test_completions_raw_prompt_whole_and_streamed(qwen_server):
     # No chat template: the prompt is tokenized as it is.
     prompt_tokens = len(qwen_server.state.preprocessor.tokenizer("Once upon a time")["input_ids"])
     assert whole.usage.prompt_tokens == prompt_tokens
+
+
+def test_an_explicit_null_tool_choice_is_echoed_as_auto(qwen_server):
+    """An explicit null means "not set": the Response echoes OpenAI's default, which its schema requires."""
+    from openai.types.responses import Response
+
+    body = {"model": qwen_server.model_id, "input": "Hi", "max_output_tokens": 2, "tool_choice": None}
+    with qwen_server.client() as c:
+        r = c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert Response.model_validate(r.json()).tool_choice == "auto"
+
+
+def test_streamed_completions_keep_every_logprob_past_a_stop_string(qwen_server):
+    """Tokens whose text is held back as the possible start of a stop string still carry their
+    logprobs in a stream: as many entries as the whole answer has."""
+    client = _client(qwen_server)
+    kwargs = dict(model=qwen_server.model_id, prompt="Once upon a time", max_tokens=24, temperature=0, logprobs=0)
+    text = client.completions.create(**kwargs).choices[0].text
+    checked = 0
+    for start in range(2, len(text) - 4, 3):
+        stop = text[start : start + 4]
+        if not stop.strip() or text.find(stop) != start:
+            continue
+        whole = client.completions.create(stop=stop, **kwargs).choices[0]
+        chunks = [c for c in client.completions.create(stop=stop, stream=True, **kwargs) if c.choices]
+        streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert streamed == whole.logprobs.tokens, stop
+        assert "".join(c.choices[0].text for c in chunks) == whole.text == text[:start]
+        checked += 1
+    assert checked >= 3
 
 
 def test_request_id_header(qwen_server):

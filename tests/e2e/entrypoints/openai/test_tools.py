@@ -141,6 +141,32 @@ def test_streamed_tool_calls_match_the_whole_answer(tool_server):
     ]
 
 
+def test_an_answer_cut_by_the_token_limit_says_length_not_tool_calls(tool_server):
+    """A forced call that the token limit cuts short (before its closing tag or EOS) may still
+    parse, but the answer did not end on its own: `length`, whole and streamed, as OpenAI says."""
+    kwargs = dict(
+        model=tool_server.model_id,
+        messages=_ask(),
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    client = _client(tool_server)
+    whole = client.chat.completions.create(max_completion_tokens=200, **kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    tokens = whole.usage.completion_tokens
+    for limit in (tokens - 1, tokens - 2, tokens - 3):
+        cut = client.chat.completions.create(max_completion_tokens=limit, **kwargs).choices[0]
+        assert cut.finish_reason == "length", (limit, cut.message)
+        finish = [
+            c.choices[0].finish_reason
+            for c in client.chat.completions.create(max_completion_tokens=limit, stream=True, **kwargs)
+            if c.choices and c.choices[0].finish_reason
+        ]
+        assert finish == ["length"], limit
+
+
 def test_tool_results_render_through_the_template(tool_server):
     messages = _ask() + [
         {
