@@ -445,6 +445,8 @@ class EngineCore:
             self._idle_since = None
             self.runner.release_memory()
             mx.clear_cache()
+            self._memory_read = 0.0  # the gauges show what went back: no step may read them for a while
+            self._read_memory()
 
     def fail_all(self, message: str) -> None:
         """Wake every waiter with an error the client may retry elsewhere (worker death or shutdown)."""

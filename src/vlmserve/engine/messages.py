@@ -56,6 +56,7 @@ class Stop:
 class Ready:
     info: ModelInfo
     model_path: str
+    gauges: CacheGauges | None = None  # as the load left them (the KV budget's blocks): /metrics before any step
 
 
 @dataclass

@@ -289,6 +289,8 @@ class EngineProcessClient:
                     answer.set_result(message.value)
         elif isinstance(message, msg.Ready):
             if not self._ready.done():
+                if message.gauges is not None:
+                    self._gauges = message.gauges
                 self._ready.set_result((message.info, message.model_path))
         elif isinstance(message, msg.LoadFailed) and not self._ready.done():
             self._ready.set_exception(RuntimeError(message.reason))

@@ -233,7 +233,7 @@ def main(conn, config: ServerConfig) -> None:
         code = 1
     else:
         server = EngineServer(engine, conn, config.thread_guard)
-        conn.send(msg.Ready(engine.info, str(engine.model_path)))
+        conn.send(msg.Ready(engine.info, str(engine.model_path), engine.core.cache_gauges()))
         server.serve()
     engine.stop_kernel_builds()  # none outlives the engine: os._exit below skips every teardown
     logs.stop()

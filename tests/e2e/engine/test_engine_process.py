@@ -156,6 +156,9 @@ def test_engine_process_death_fails_streams_and_health():
     server = start_server("qwen2_vl", engine_process=True, warmup=False, engine_restarts=0)
     try:
         engine = server.engine
+        # Ready without warm-up: the KV budget's blocks are reported from the start (not 0 free
+        # until the engine's first report, which an autoscaler would read as full).
+        assert engine.cache_gauges().kv_blocks_total > 0
         lines: list[str] = []
         body = chat_body(server.model_id, "Go on.", max_tokens=20000, ignore_eos=True, stream=True)
         with server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:

@@ -391,6 +391,8 @@ def test_idle_buffers_are_handed_back_after_a_pause_not_between_requests():
         while server.on_worker(mx.get_cache_memory) > 0:  # the worker wakes every 0.5 s when idle
             assert time.monotonic() < deadline, "the idle worker never handed its buffers back"
             time.sleep(0.1)
+        # ... and /metrics says so then, not after the next request's step
+        assert server.on_worker(lambda: server.engine.core.cache_gauges().memory["cache"]) == 0
     finally:
         server.stop()
 
