@@ -157,7 +157,8 @@ class ModelRunner:
         sampler = RowSampler.create(req.sampling, req.prepared.prompt_ids, self.eos)
         if req.sampling.json_mode or req.sampling.grammar:
             sampler.logits_mask = self._grammars().new(req.sampling.grammar)
-        return Sequence(req=req, sampler=sampler, text=TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop))
+        text = TextStream(self.tokenizer.new_detokenizer(), req.sampling.stop, req.sampling.min_tokens)
+        return Sequence(req=req, sampler=sampler, text=text)
 
     def _grammars(self):
         if self._grammar_factory is None:

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, detokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, detokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self._detok = detokenizer
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded but not yet emitted
+        self._unchecked = min_tokens  # tokens still to come before stop strings apply (vLLM's min_tokens)
         self.stopped = False
 
     def add(self, token_id: int) -> str:
         """Feed one token; return the text that is now safe to emit."""
         self._detok.add_token(token_id)
+        if self._unchecked > 0:
+            self._unchecked -= 1
+            return self._detok.last_segment
         return self._release(self._detok.last_segment, final=False)
 
     def finish(self) -> str:

@@ -185,13 +185,12 @@ def parse_pixel_bounds(value: Any, operator_cap: int | None, image_limit: int) -
     if not isinstance(value, dict) or set(value) - {"min_pixels", "max_pixels"}:
         raise _bad("'mm_processor_kwargs' takes 'min_pixels' and 'max_pixels' only", "mm_processor_kwargs")
     hi = min(operator_cap or image_limit, image_limit)
-    bounds = []
-    for key in ("min_pixels", "max_pixels"):
-        n = _number(value, key, MIN_IMAGE_PIXELS, 1 << 30, None, integer=True)
-        bounds.append(None if n is None else min(int(n), hi))
-    if bounds[0] and bounds[1] and bounds[0] > bounds[1]:
+    low, high = (
+        _number(value, key, MIN_IMAGE_PIXELS, 1 << 30, None, integer=True) for key in ("min_pixels", "max_pixels")
+    )
+    if low and high and low > high:
         raise _bad("'min_pixels' must not exceed 'max_pixels'", "mm_processor_kwargs")
-    return bounds[0], bounds[1]
+    return tuple(None if n is None else min(int(n), hi) for n in (low, high))
 
 
 def json_schema_grammar(response_format: dict) -> str:
@@ -258,8 +257,9 @@ def parse_chat_request(
     max_completion = _number(body, "max_completion_tokens", 1, context_length, None, integer=True)
     max_legacy = _number(body, "max_tokens", 1, context_length, None, integer=True)
     max_tokens = max_completion if max_completion is not None else max_legacy
-    if max_tokens is None:
-        max_tokens = min(config.default_max_tokens, context_length)
+    min_tokens = int(_number(body, "min_tokens", 0, context_length, 0, integer=True))
+    if max_tokens is None:  # a min_tokens past the default raises it (vLLM's chat API takes it alone)
+        max_tokens = min(max(config.default_max_tokens, min_tokens), context_length)
 
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -315,7 +315,7 @@ def parse_chat_request(
         frequency_penalty=float(_number(body, "frequency_penalty", -2, 2, 0.0)),
         repetition_penalty=float(_number(body, "repetition_penalty", 0, 2, 1.0)),
         min_p=float(_number(body, "min_p", 0, 1, 0.0)),
-        min_tokens=int(_number(body, "min_tokens", 0, 1 << 30, 0, integer=True)),
+        min_tokens=min_tokens,
         logprobs=bool(logprobs),
         top_logprobs=int(top_logprobs),
         json_mode=json_mode,
@@ -328,7 +328,13 @@ def parse_chat_request(
     if sampling.repetition_penalty == 0:
         raise _bad("'repetition_penalty' must be greater than 0", "repetition_penalty")
     if sampling.min_tokens > sampling.max_tokens:
-        raise _bad("'min_tokens' must not exceed the token limit ('max_completion_tokens')", "min_tokens")
+        raise _bad("'min_tokens' must not exceed the requested token limit", "min_tokens")
+    forced = tool_choice == "required" or isinstance(tool_choice, dict)
+    if sampling.min_tokens and (json_mode or grammar is not None or forced):
+        # the grammar's end is EOS: held back, nothing would be left to draw
+        raise _bad(
+            "'min_tokens' cannot be combined with a JSON 'response_format' or a forced 'tool_choice'", "min_tokens"
+        )
     n = int(_number(body, "n", 1, MAX_N, 1, integer=True))
     min_pixels, max_pixels = parse_pixel_bounds(
         body.get("mm_processor_kwargs"), config.max_pixels, config.max_image_pixels

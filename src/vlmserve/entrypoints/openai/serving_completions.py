@@ -109,7 +109,9 @@ async def completions(request: Request) -> Response:
 
 async def _stream(rid, model, created, chat, streams):
     prompt = cached = completion = 0
-    offsets = [len(chat.echo or "")] * chat.n  # each choice's text so far: logprobs' text_offset
+    # Each choice's tokens' text so far (logprobs' text_offset): a token held back before a stop
+    # string has its entry before its text is sent, so this runs ahead of the text sent.
+    offsets = [len(chat.echo or "")] * chat.n
     if chat.echo:
         for i in range(chat.n):
             choice = {"index": i, "text": chat.echo, "logprobs": None, "finish_reason": None}
@@ -128,7 +130,7 @@ async def _stream(rid, model, created, chat, streams):
             "logprobs": _legacy_logprobs(lp, offsets[i]),
             "finish_reason": chat_response.finish_reason_str(event.finish_reason),
         }
-        offsets[i] += len(event.text)
+        offsets[i] += sum(len(e["token"]) for e in lp["content"]) if lp else len(event.text)
         yield sse.line(_body(rid, model, created, [choice]))
         if event.finish_reason is not None:
             prompt, cached = event.prompt_tokens, event.cached_tokens

@@ -145,10 +145,11 @@ def _gray_to_8_bits(img: Image.Image) -> Image.Image:
     """16-bit grayscale (mode I;16*, or I as older Pillows open 16-bit PNGs) as 8-bit L, each
     value's high byte (as Pillow takes 16-bit RGB PNGs to 8 bits); a colour-key transparency
     becomes an alpha channel."""
-    values = np.asarray(img).astype(np.int64)
-    gray = Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
+    values = np.array(img)  # uint16 (I;16*) or int32 (I): one writable copy, shifted in place
     key = img.info.get("transparency")
-    if not isinstance(key, int):
-        return gray
-    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), "L")
-    return Image.merge("LA", (gray, alpha))
+    alpha = np.where(values == key, np.uint8(0), np.uint8(255)) if isinstance(key, int) else None
+    if values.dtype != np.uint16:
+        np.clip(values, 0, 65535, out=values)
+    values >>= 8
+    gray = Image.fromarray(values.astype(np.uint8), "L")
+    return gray if alpha is None else Image.merge("LA", (gray, Image.fromarray(alpha, "L")))

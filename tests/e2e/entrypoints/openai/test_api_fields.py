@@ -106,3 +106,60 @@ def test_min_tokens_holds_eos_back(qwen_server):
 def test_bad_sampling_extensions_are_a_400(qwen_server, fields):
     r = _ask(qwen_server, **fields)  # max_tokens 2: min_tokens 3 is past it
     assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(fields)), r.text
+
+
+def _prompt_ids(server, text="Hi") -> set[int]:
+    processor = server.state.preprocessor.processor
+    rendered = processor.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return set(server.state.preprocessor.tokenizer(rendered)["input_ids"])
+
+
+def test_repetition_penalty_turns_a_repeated_token_away(qwen_server):
+    """Token a is pushed 20 up, b 15: greedy repeats a; with a penalty of 2, a seen a falls to
+    ~10 and b wins once, then b falls to ~7.5 and a wins from there (neither is in the prompt)."""
+    a, b = [t for t in range(300, 512) if t not in _prompt_ids(qwen_server)][:2]
+    fields = {"temperature": 0, "max_tokens": 4, "logprobs": True, "logit_bias": {str(a): 20, str(b): 15}}
+    tokenizer = qwen_server.state.preprocessor.tokenizer
+
+    def tokens(**extra):
+        r = _ask(qwen_server, **fields, **extra)
+        assert r.status_code == 200, r.text
+        return [entry["token"] for entry in r.json()["choices"][0]["logprobs"]["content"]]
+
+    ta, tb = tokenizer.decode([a]), tokenizer.decode([b])
+    assert tokens() == [ta] * 4
+    assert tokens(repetition_penalty=2.0) == [ta, tb, ta, ta]
+
+
+def test_min_p_of_one_keeps_only_the_likeliest_token(qwen_server):
+    """At temperature 1.5, min_p 1 leaves only the top token: the greedy answer, every seed."""
+    greedy = _ask(qwen_server, temperature=0, max_tokens=6).json()["choices"][0]["message"]["content"]
+    for seed in (1, 2):
+        r = _ask(qwen_server, temperature=1.5, min_p=1.0, seed=seed, max_tokens=6)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy, r.text
+
+
+def test_min_tokens_reaches_completions_and_responses(qwen_server):
+    eos = qwen_server.state.preprocessor.tokenizer.eos_token_id
+    bias = {str(eos): 100}
+    with qwen_server.client() as c:
+        legacy = c.post(
+            "/v1/completions",
+            json={"model": qwen_server.model_id, "prompt": "Hi", "max_tokens": 8, "temperature": 0,
+                  "logit_bias": bias, "min_tokens": 3, "logprobs": 0},
+        )  # fmt: skip
+        response = c.post(
+            "/v1/responses",
+            json={"model": qwen_server.model_id, "input": "Hi", "max_output_tokens": 8, "temperature": 0,
+                  "logit_bias": bias, "min_tokens": 3},
+        )  # fmt: skip
+    assert legacy.status_code == 200 and len(legacy.json()["choices"][0]["logprobs"]["tokens"]) == 3, legacy.text
+    assert response.status_code == 200 and response.json()["usage"]["output_tokens"] >= 3, response.text
+
+
+def test_min_tokens_without_a_limit_raises_the_default_and_refuses_a_grammar(qwen_server):
+    ok = _ask(qwen_server, max_tokens=None, min_tokens=600, temperature=0, logit_bias={"3": 100}, ignore_eos=False)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 600, ok.text
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        bad = _ask(qwen_server, min_tokens=2, max_tokens=4, response_format=fmt)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens", bad.text

@@ -190,6 +190,8 @@ def test_streamed_completions_keep_every_logprob_past_a_stop_string(qwen_server)
         chunks = [c for c in client.completions.create(stop=stop, stream=True, **kwargs) if c.choices]
         streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
         assert streamed == whole.logprobs.tokens, stop
+        offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        assert offsets == whole.logprobs.text_offset, stop
         assert "".join(c.choices[0].text for c in chunks) == whole.text == text[:start]
         checked += 1
     assert checked >= 3

@@ -13,22 +13,22 @@ def test_repetition_penalty_divides_seen_positive_logits_and_multiplies_negative
     def work():
         import mlx.core as mx
 
-        from vlmserve.engine.runner.sampling import RowSampler
+        from vlmserve.engine.runner.sampling import RowSampler, sample_batch
 
-        logits = mx.array([2.0, -1.0, 3.0, 0.5, -2.0])
-        sampler = RowSampler.create(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_ids=[0, 1])
-        first = np.array(sampler.adjust(logits))
-        sampler.observe(2)  # an output token counts too
-        second = np.array(sampler.adjust(logits))
-        greedy = sampler.sample(sampler.adjust(logits)).item()
+        logits = mx.array([[2.0, -1.0, 3.0, 0.5, -2.0]] * 3)
+        sampler = RowSampler.create(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_ids=[1, 0, 1])
+        first = np.array(sampler.adjust(logits[0]))
+        # drawn through the batch's path: each drawn token counts from the next draw, on the device
+        drawn = [sample_batch(logits[i : i + 1], [sampler]).item() for i in range(3)]
+        after = np.array(sampler.adjust(logits[0]))
         off = RowSampler.create(SamplingParams(temperature=0), prompt_ids=[0, 1])
-        return first, second, greedy, sampler.needs_history, off.needs_adjust or off.needs_history
+        return first, drawn, after, sampler.needs_history, off.needs_adjust or off.needs_history
 
-    first, second, greedy, history, off = on_own_thread(work)
+    first, drawn, after, history, off = on_own_thread(work)
     np.testing.assert_allclose(first, [1.0, -2.0, 3.0, 0.5, -2.0])  # the prompt's tokens 0 and 1
-    np.testing.assert_allclose(second, [1.0, -2.0, 1.5, 0.5, -2.0])
-    assert greedy == 2  # 1.5 is still the largest
-    assert history  # the next draw depends on this one's token
+    assert drawn == [2, 2, 2]  # 3 / 2 = 1.5 stays the largest
+    np.testing.assert_allclose(after, [1.0, -2.0, 1.5, 0.5, -2.0])
+    assert not history  # nothing read back: decode steps stay pipelined
     assert not off
 
 

@@ -62,6 +62,16 @@ def test_partial_stop_is_held_back_while_streaming():
     assert stream.stopped
 
 
+def test_stop_strings_apply_once_min_tokens_are_out():
+    """vLLM's min_tokens: a stop string in the first tokens is text like any other."""
+    pieces = ["a", "END", "b", "END", "c"]
+    early = TextStream(PieceDetokenizer(pieces), ("END",), min_tokens=2)
+    out = [early.add(i) for i in range(4)]
+    assert out[:2] == ["a", "END"] and "".join(out) == "aENDb" and early.stopped
+    later = TextStream(PieceDetokenizer(pieces), ("END",), min_tokens=0)
+    assert later.add(0) == "a" and later.add(1) == "" and later.stopped
+
+
 # ---- byte-level BPE: text as soon as its characters are complete, same text as mlx_vlm ----------
 
 
