@@ -96,6 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="first retry delay in seconds, doubled per retry, jittered, Retry-After honoured (default 1)",
     )
     g.add_argument("--backoff-max", type=float, default=60.0, help="longest retry delay (default 60)")
+    g.add_argument(
+        "--give-up-after",
+        type=float,
+        default=300.0,
+        help="stop (exit 2; --resume continues) once every server has failed for this many seconds (default 300)",
+    )
     r = p.add_argument_group("request")
     pr = r.add_mutually_exclusive_group()
     pr.add_argument(
@@ -161,6 +167,7 @@ def _options(args, prompt: str, extra: dict, servers: list[str], model, concurre
         backoff_base=args.backoff,
         backoff_max=args.backoff_max,
         timeout=args.timeout,
+        give_up_after=args.give_up_after,
         api_key=api_key,
         detail=args.detail,
         system=args.system,
@@ -205,8 +212,27 @@ def _run_on_ray(args: argparse.Namespace, prompt: str, extra: dict) -> int:
     return EXIT_FAILED if stats.failed else EXIT_OK
 
 
+def _bad_numbers(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numeric options, if anything (every mode checks them first)."""
+    for name in ("concurrency", "max_tokens", "limit"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    if args.retries < 0:
+        return "--retries must be >= 0"
+    if not args.timeout > 0 or not args.give_up_after > 0:
+        return "--timeout and --give-up-after must be > 0"
+    if args.backoff < 0 or args.backoff_max < 0:
+        return "--backoff and --backoff-max must be >= 0"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Everything after parsing; returns the exit status."""
+    problem = _bad_numbers(args)
+    if problem:
+        _eprint(f"caption: {problem}")
+        return EXIT_USAGE
     if args.ray is not None:
         prompt = Path(args.prompt_file).read_text(encoding="utf-8").strip() if args.prompt_file else args.prompt
         extra = json.loads(args.extra_body) if args.extra_body else {}
@@ -216,14 +242,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.in_process and args.server:
         _eprint("caption: --in-process and --server are exclusive")
-        return EXIT_USAGE
-    for name in ("concurrency", "max_tokens", "limit"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            _eprint(f"caption: --{name.replace('_', '-')} must be >= 1")
-            return EXIT_USAGE
-    if args.retries < 0:
-        _eprint("caption: --retries must be >= 0")
         return EXIT_USAGE
     try:
         extra = json.loads(args.extra_body) if args.extra_body else {}
@@ -241,11 +259,17 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     prompt = prompt or DEFAULT_PROMPT
 
+    skipped: list[str] = []
     try:
-        items, duplicates = dedupe(discover(args.inputs, args.path_column, args.prompt_column))
+        items, duplicates = dedupe(discover(args.inputs, args.path_column, args.prompt_column, skipped))
     except (InputError, OSError, UnicodeDecodeError) as exc:
         _eprint(f"caption: {exc}")
         return EXIT_USAGE
+    if skipped:
+        more = ", ..." if len(skipped) > 3 else ""
+        _eprint(f"caption: {len(skipped)} manifest rows without a path left out ({', '.join(skipped[:3])}{more})")
+        if not items:
+            return EXIT_USAGE
     if args.limit:
         items = items[: args.limit]
 

@@ -50,8 +50,20 @@ def is_url(text: str) -> bool:
 
 
 def _walk(directory: Path) -> list[Item]:
+    """Image files under `directory`, symlinked folders followed once each (a link back up the
+    tree would otherwise repeat everything under it without end)."""
     found = []
-    for root, dirs, files in os.walk(directory, followlinks=True):
+    visited: set[tuple[int, int]] = set()
+
+    def unreadable(exc: OSError) -> None:
+        raise InputError(f"{exc.filename}: cannot list the folder: {exc.strerror or exc}")
+
+    for root, dirs, files in os.walk(directory, followlinks=True, onerror=unreadable):
+        here = os.stat(root)
+        if (here.st_dev, here.st_ino) in visited:
+            dirs[:] = []
+            continue
+        visited.add((here.st_dev, here.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTENSIONS:
@@ -77,6 +89,7 @@ def _resolve(cell: str, base: Path) -> Item:
 
 
 def _row_item(row: dict, where: str, base: Path, path_column: str | None, prompt_column: str) -> Item | None:
+    """The row's image, or None for a row without one (the caller counts it)."""
     if not isinstance(row, dict):
         raise InputError(f"{where}: expected an object with a path/url field")
     columns = (path_column,) if path_column else PATH_COLUMNS
@@ -92,7 +105,7 @@ def _row_item(row: dict, where: str, base: Path, path_column: str | None, prompt
     return item
 
 
-def _read_jsonl(path: Path, path_column: str | None, prompt_column: str) -> list[Item]:
+def _read_jsonl(path: Path, path_column: str | None, prompt_column: str, skipped: list[str]) -> list[Item]:
     items = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -107,18 +120,33 @@ def _read_jsonl(path: Path, path_column: str | None, prompt_column: str) -> list
             item = _row_item(row, f"{path}:{n}", path.parent, path_column, prompt_column)
             if item:
                 items.append(item)
+            else:
+                skipped.append(f"{path}:{n}")
     return items
 
 
-def _read_csv(path: Path, path_column: str | None, prompt_column: str) -> list[Item]:
+def _read_csv(path: Path, path_column: str | None, prompt_column: str, skipped: list[str]) -> list[Item]:
     items = []
+    csv.field_size_limit(_CSV_CELL_LIMIT)  # a data: URI cell outgrows the module's 128 KB default
     with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-        for row in reader:
-            item = _row_item(row, f"{path}:{reader.line_num}", path.parent, path_column, prompt_column)
-            if item:
-                items.append(item)
+        try:
+            if path_column and path_column not in (reader.fieldnames or []):
+                raise InputError(
+                    f"{path}: no column {path_column!r} (its columns: {', '.join(reader.fieldnames or [])})"
+                )
+            for row in reader:
+                item = _row_item(row, f"{path}:{reader.line_num}", path.parent, path_column, prompt_column)
+                if item:
+                    items.append(item)
+                else:
+                    skipped.append(f"{path}:{reader.line_num}")
+        except csv.Error as exc:
+            raise InputError(f"{path}:{reader.line_num}: {exc}") from None
     return items
+
+
+_CSV_CELL_LIMIT = 1 << 30  # the largest cell a manifest may hold
 
 
 def _read_list(path: Path) -> list[Item]:
@@ -131,11 +159,15 @@ def _read_list(path: Path) -> list[Item]:
     return items
 
 
-def discover(inputs: list[str], path_column: str | None = None, prompt_column: str = "prompt") -> list[Item]:
+def discover(
+    inputs: list[str], path_column: str | None = None, prompt_column: str = "prompt", skipped: list[str] | None = None
+) -> list[Item]:
     """Expand every INPUT in order: a directory (recursive, image extensions), a glob, a text file
     of paths/URLs, a JSONL/CSV/TSV manifest with a path/url column and optional prompt column,
-    a single image file, or an http(s)/data URL."""
+    a single image file, or an http(s)/data URL. Manifest rows without a path are left out and
+    named in `skipped` (file:line)."""
     items: list[Item] = []
+    skipped = [] if skipped is None else skipped
     for arg in inputs:
         p = Path(os.path.expanduser(arg))
         if is_url(arg):
@@ -147,9 +179,9 @@ def discover(inputs: list[str], path_column: str | None = None, prompt_column: s
             if suffix in IMAGE_EXTENSIONS:
                 items.append(Item(arg, str(p)))
             elif suffix in LIST_JSONL:
-                items.extend(_read_jsonl(p, path_column, prompt_column))
+                items.extend(_read_jsonl(p, path_column, prompt_column, skipped))
             elif suffix in LIST_CSV:
-                items.extend(_read_csv(p, path_column, prompt_column))
+                items.extend(_read_csv(p, path_column, prompt_column, skipped))
             else:
                 items.extend(_read_list(p))
         elif GLOB_CHARS & set(arg):

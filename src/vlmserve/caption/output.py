@@ -50,13 +50,17 @@ def encode_jsonl(row: dict) -> bytes:
     clean = {k: v for k, v in row.items() if v is not None or k in ("caption", "error")}
     if not clean.get("prompt"):
         clean.pop("prompt", None)  # only per-row prompts are recorded (they are part of the key)
-    return (json.dumps(clean, ensure_ascii=False) + "\n").encode("utf-8")
+    try:
+        return (json.dumps(clean, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a file name that is not UTF-8 (a lone surrogate): escaped, it reads back the same
+        return (json.dumps(clean) + "\n").encode("ascii")
 
 
 def encode_csv(row: dict) -> bytes:
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerow(["" if row.get(k) is None else row.get(k) for k in FIELDS])
-    return buf.getvalue().encode("utf-8")
+    # A file name that is not UTF-8 keeps its undecodable bytes as they were (os.fsencode's way).
+    return buf.getvalue().encode("utf-8", errors="surrogateescape")
 
 
 def _csv_header() -> bytes:
@@ -131,15 +135,15 @@ def read_jsonl(data: bytes) -> Existing:
 
 def read_csv(data: bytes) -> Existing:
     existing = Existing()
-    text = data.decode("utf-8", errors="replace")
+    text = data.decode("utf-8", errors="surrogateescape")  # as encode_csv wrote it
     if not text:
         return existing
     if not text.endswith("\n"):
         existing.partial_tail = True
-    lines = text.splitlines(keepends=True)
-    if existing.partial_tail:
-        lines = lines[:-1]  # a record is written whole, newline last: no newline, no record
-    reader = csv.reader(iter(lines), strict=True)
+        text = text[: text.rfind("\n") + 1]  # a record is written whole, newline last: no newline, no record
+    # Records end at "\n" only: str.splitlines would also split at U+2028, form feeds and the
+    # like, which the writer leaves unquoted inside a cell.
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     rows, header = [], None
     while True:
         try:

@@ -29,6 +29,7 @@ class Options:
     backoff_base: float = 1.0
     backoff_max: float = 60.0
     timeout: float = 600.0
+    give_up_after: float = 300.0  # every server failing this long: the run stops (resumable)
     api_key: str | None = None
     detail: str | None = None
     system: str | None = None
@@ -41,6 +42,7 @@ class _Server:
     model: str
     client: httpx.AsyncClient
     failures: int = 0  # consecutive retriable failures
+    failing_since: float | None = None  # when they began
     cool_until: float = 0.0
 
     async def wait_healthy(self) -> None:
@@ -64,6 +66,7 @@ class Runner:
         self.pending = len(items)
         self.finished = asyncio.Event()  # every item has its row, or we are stopping
         self._timers: list[asyncio.TimerHandle] = []
+        self.servers: list[_Server] = []
         self.warn = progress.write
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -80,7 +83,7 @@ class Runner:
                 pass
         servers = []
         try:
-            servers = await self._open_servers()
+            servers = self.servers = await self._open_servers()
             for item in self.items:
                 self.queue.put_nowait(_Entry(item))
             workers = [
@@ -154,7 +157,22 @@ class Runner:
             await server.wait_healthy()
             entry = await self.queue.get()
             await server.wait_healthy()  # it may have turned unwell while this worker waited for work
-            await self._attempt(server, entry)
+            try:
+                await self._attempt(server, entry)
+            except Exception as exc:  # noqa: BLE001 - an odd input or answer costs its row, never the run
+                self._fail(entry, server, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, entry: _Entry, server: _Server, error: str) -> None:
+        """The image's error row; where even that cannot be written (the output's disk), the run stops."""
+        try:
+            self._record(entry, server, Outcome(False, error=error))
+        except Exception as exc:  # noqa: BLE001
+            self._stop_fatal(f"cannot write {entry.item.path!r} to the output: {type(exc).__name__}: {exc}")
+
+    def _all_down_for(self, now: float) -> float:
+        """How long every server has been failing (0: one of them is not)."""
+        since = [s.failing_since for s in self.servers]
+        return 0.0 if any(t is None for t in since) else now - max(since)
 
     async def _attempt(self, server: _Server, entry: _Entry) -> None:
         opts, item = self.opts, entry.item
@@ -172,12 +190,19 @@ class Runner:
         outcome = await post_chat(server.client, server.url, body, self.headers)
         self.stats.per_server[server.url] += 1
         if outcome.ok:
-            server.failures = 0
+            server.failures, server.failing_since = 0, None
             self._record(entry, server, outcome)
         elif outcome.fatal:
             self._stop_fatal(f"{server.url}: {outcome.error}")
         elif outcome.retriable and entry.attempts <= opts.retries:
+            now = time.monotonic()
             server.failures += 1
+            if server.failing_since is None:
+                server.failing_since = now
+            down = self._all_down_for(now)
+            if down >= opts.give_up_after:
+                self._stop_fatal(f"no server answered for {down:.0f} s (last: {server.url}: {outcome.error})")
+                return
             delay = backoff_delay(entry.attempts, opts.backoff_base, opts.backoff_max, outcome.retry_after)
             # The server is unwell: its workers pause, so the others (if any) take the work meanwhile.
             pause = backoff_delay(server.failures, opts.backoff_base, opts.backoff_max, outcome.retry_after)

@@ -488,3 +488,80 @@ def test_helpers():
 def test_no_mlx_at_import():
     code = "import sys, vlmserve.caption, vlmserve.caption.cli; assert 'mlx' not in sys.modules, 'mlx imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- odd inputs: each image once, a row for every one, never a hang -------------------------------------
+def test_a_symlink_loop_is_followed_once(tmp_path, fake):
+    server = fake()
+    expected = make_pngs(tmp_path / "imgs", 4, nested=False)
+    (tmp_path / "imgs" / "sub").mkdir()
+    os.symlink(tmp_path / "imgs", tmp_path / "imgs" / "sub" / "loop")
+    out = tmp_path / "c.jsonl"
+    assert caption(tmp_path / "imgs", "-o", out, "--server", server.url, *FAST) == 0
+    assert {r["path"]: r["caption"] for r in read_jsonl(out)} == expected
+
+
+def test_odd_paths_get_their_rows_and_resume_skips_them(tmp_path, fake):
+    """A file name that is not UTF-8, a NUL in a manifest path (unopenable), and U+2028 in a
+    CSV output's path: each gets one row; a resume neither redoes nor invents any."""
+    from PIL import Image
+
+    server = fake()
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for name in (os.fsdecode(b"caf\xe9.png"), "sep\u2028x.png"):
+        Image.new("RGB", (5, 4), (len(name), 9, 9)).save(folder / name)
+    manifest = tmp_path / "list.jsonl"
+    manifest.write_text(json.dumps({"path": "a\u0000b.png"}) + "\n")
+    for out in (tmp_path / "c.jsonl", tmp_path / "c.csv"):
+        assert caption(folder, manifest, "-o", out, "--server", server.url, "--timeout", "5", *FAST) == 1
+        hits = server.hits()
+        assert caption(folder, manifest, "-o", out, "--server", server.url, "--resume", *FAST) == 1
+        assert server.hits() == hits + 0  # the two images are done; the unopenable path is retried and fails again
+        from vlmserve.caption.output import load_existing
+
+        existing = load_existing(out, "csv" if out.suffix == ".csv" else "jsonl")
+        assert len(existing.rows) == 2 and not existing.corrupt and not existing.duplicates
+
+
+def test_every_server_down_stops_the_run_after_give_up_after(tmp_path, fake):
+    down = fake(fail_first=10**6, fail_status=503)
+    make_pngs(tmp_path / "imgs", 6, nested=False)
+    out = tmp_path / "c.jsonl"
+    t0 = time.monotonic()
+    argv = ["--server", down.url, "--model", "m", "--retries", "1000", "--give-up-after", "0.5", *FAST]
+    assert caption(tmp_path / "imgs", "-o", out, *argv) == 2
+    assert time.monotonic() - t0 < 20 and read_jsonl(out) == []  # nothing recorded: --resume redoes all
+
+
+def test_manifest_rows_without_a_path_and_a_misnamed_column(tmp_path, fake, capsys):
+    server = fake()
+    expected = make_pngs(tmp_path / "imgs", 2, nested=False)
+    manifest = tmp_path / "list.csv"
+    rows = ["path,note", *(f"{p},x" for p in expected), ",no path here"]
+    manifest.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "c.jsonl"
+    assert caption(manifest, "-o", out, "--server", server.url, *FAST) == 0
+    assert {r["path"] for r in read_jsonl(out)} == set(expected)
+    assert "1 manifest rows without a path left out (" in capsys.readouterr().err
+    bad = caption(manifest, "-o", tmp_path / "d.jsonl", "--path-column", "imgae", "--server", server.url, *FAST)
+    assert bad == 2 and "no column 'imgae'" in capsys.readouterr().err
+
+
+def test_a_data_uri_larger_than_csvs_default_cell_is_read(tmp_path, fake):
+    import base64
+
+    server = fake()
+    data = os.urandom(120_000)
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    manifest = tmp_path / "list.csv"
+    manifest.write_text(f'path\n"{uri}"\n')  # quoted: the URI holds a comma
+    out = tmp_path / "c.jsonl"
+    assert caption(manifest, "-o", out, "--server", server.url, *FAST) == 0
+    assert read_jsonl(out)[0]["caption"] == expected_caption(data)
+
+
+@pytest.mark.parametrize("flag", ["--concurrency", "--timeout", "--give-up-after"])
+def test_bad_numbers_are_usage_errors_in_every_mode(tmp_path, flag):
+    for mode in ([], ["--ray", "local", "--in-process", "m"]):
+        assert caption(tmp_path, "-o", tmp_path / "c.jsonl", flag, "-3", *mode) == 2
