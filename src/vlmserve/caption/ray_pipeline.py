@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,7 +106,14 @@ def _table_items(path: str, opts: RayOptions, ray_data) -> list[Item]:
 def _discover(inputs: list[str], opts: RayOptions, ray_data) -> tuple[list[Item], int]:
     tables = [i for i in inputs if i.lower().endswith(".parquet")]
     others = [i for i in inputs if i not in tables]
-    items = discover(others, opts.path_column, opts.prompt_column) if others else []
+    skipped: list[str] = []
+    items = discover(others, opts.path_column, opts.prompt_column, skipped) if others else []
+    if skipped:  # as the single-machine run reports them
+        more = ", ..." if len(skipped) > 3 else ""
+        print(
+            f"caption: {len(skipped)} manifest rows without a path left out ({', '.join(skipped[:3])}{more})",
+            file=sys.stderr,
+        )
     for table in tables:
         items += _table_items(table, opts, ray_data)
     return dedupe(items)
