@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from vlmserve.caption.client import normalize_server
-from vlmserve.caption.inputs import InputError, dedupe, discover
+from vlmserve.caption.inputs import InputError, dedupe, discover, skipped_note
 from vlmserve.caption.output import RecordWriter, format_for, load_existing, rewrite
 from vlmserve.caption.progress import Progress, Stats, summary
 from vlmserve.caption.runner import Options, Runner
@@ -266,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
         _eprint(f"caption: {exc}")
         return EXIT_USAGE
     if skipped:
-        more = ", ..." if len(skipped) > 3 else ""
-        _eprint(f"caption: {len(skipped)} manifest rows without a path left out ({', '.join(skipped[:3])}{more})")
+        _eprint(skipped_note(skipped))
         if not items:
             return EXIT_USAGE
     if args.limit:

@@ -194,6 +194,12 @@ def discover(
     return items
 
 
+def skipped_note(skipped: list[str]) -> str:
+    """The report of manifest rows left out for having no path (file:line, the first few)."""
+    more = ", ..." if len(skipped) > 3 else ""
+    return f"caption: {len(skipped)} manifest rows without a path left out ({', '.join(skipped[:3])}{more})"
+
+
 def dedupe(items: list[Item]) -> tuple[list[Item], int]:
     """Keep the first of each (path, prompt); return the rest's count."""
     seen: set[tuple[str, str]] = set()

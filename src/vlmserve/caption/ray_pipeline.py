@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmserve.caption.inputs import Item, dedupe, discover
+from vlmserve.caption.inputs import Item, dedupe, discover, skipped_note
 from vlmserve.caption.output import FIELDS, RecordWriter, format_for, is_success, load_existing, rewrite
 from vlmserve.caption.payload import data_uri
 from vlmserve.caption.progress import Progress, Stats
@@ -109,11 +109,7 @@ def _discover(inputs: list[str], opts: RayOptions, ray_data) -> tuple[list[Item]
     skipped: list[str] = []
     items = discover(others, opts.path_column, opts.prompt_column, skipped) if others else []
     if skipped:  # as the single-machine run reports them
-        more = ", ..." if len(skipped) > 3 else ""
-        print(
-            f"caption: {len(skipped)} manifest rows without a path left out ({', '.join(skipped[:3])}{more})",
-            file=sys.stderr,
-        )
+        print(skipped_note(skipped), file=sys.stderr)
     for table in tables:
         items += _table_items(table, opts, ray_data)
     return dedupe(items)
