@@ -81,14 +81,13 @@ class Runner:
                 installed.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / Windows
                 pass
-        servers = []
         try:
-            servers = self.servers = await self._open_servers()
+            self.servers = await self._open_servers()
             for item in self.items:
                 self.queue.put_nowait(_Entry(item))
             workers = [
                 asyncio.create_task(self._worker(s), name=f"caption-{s.url}-{i}")
-                for s in servers
+                for s in self.servers
                 for i in range(self.opts.concurrency)
             ]
             ticker = asyncio.create_task(self._tick())
@@ -101,7 +100,7 @@ class Runner:
                 for timer in self._timers:
                     timer.cancel()
         finally:
-            for s in servers:
+            for s in self.servers:
                 await s.client.aclose()
             for sig in installed:
                 loop.remove_signal_handler(sig)

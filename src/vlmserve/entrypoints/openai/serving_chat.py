@@ -158,6 +158,12 @@ def failure(event: TokenEvent) -> _ChoiceFailed:
     return _ChoiceFailed(event.error or "generation failed")
 
 
+def _with_calls(finish: str | None) -> str | None:
+    """The finish reason of an answer with tool calls: `tool_calls` where it ended on its own;
+    one the token limit cut stays `length` (its calls may be missing one)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
 async def _collect(streams, chat, parser, engine_finish: list | None = None):
     n, want_logprobs = chat.n, chat.sampling.logprobs
     texts = [""] * n
@@ -182,8 +188,7 @@ async def _collect(streams, chat, parser, engine_finish: list | None = None):
             content, calls = tool_use.split(texts[i], parser, chat)
             if calls:
                 message = {**message, "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
-                if finish[i] == "stop":  # a cut-off answer stays "length": its calls may be missing one
-                    finish[i] = "tool_calls"
+                finish[i] = _with_calls(finish[i])
         choices.append(
             {
                 "index": i,
@@ -220,8 +225,7 @@ async def _sse(request_id, model, created, chat, streams, parser):
                     yield lines.content(i, text)
                     text = ""
                 yield lines.choice(i, {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]})
-                if finish == "stop":  # as in _collect
-                    finish = "tool_calls"
+                finish = _with_calls(finish)
         yield lines.choice(
             i,
             {"content": text} if text else {},

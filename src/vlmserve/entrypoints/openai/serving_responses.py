@@ -169,6 +169,11 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
+def _status(finish: str | None) -> str:
+    """A Response's (and its message's) status from the engine's finish reason."""
+    return "incomplete" if finish == "length" else "completed"
+
+
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {
@@ -261,7 +266,7 @@ async def responses(request: Request) -> Response:
         return result
     choices, usage = result
     message = choices[0]["message"]
-    status = "incomplete" if started.engine_finish[0] == "length" else "completed"
+    status = _status(started.engine_finish[0])
     output = [_message_item(_id("msg"), message["content"], status)] if message.get("content") else []
     output += [_call_item(c) for c in message.get("tool_calls") or []]
     return JSONResponse(shape.build(status, output, _usage(usage)), headers={"x-request-id": rid})
@@ -309,7 +314,7 @@ async def _events(shape: ResponseShape, started, parser):
                 rest, calls = tools.finish()
                 for line in deltas(rest):
                     yield line
-            status = "incomplete" if event.finish_reason.value == "length" else "completed"
+            status = _status(event.finish_reason.value)
             if text:
                 item = _message_item(item_id, text, status)
                 part = item["content"][0]
